@@ -1,0 +1,169 @@
+"""The ``fedpeft`` command: run, partition, methods, report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from fedpeft.config import ConfigError, ExperimentConfig, load_config
+
+app = typer.Typer(add_completion=False, no_args_is_help=False, help=__doc__)
+console = Console()
+
+ConfigArg = Annotated[Optional[Path], typer.Argument(help="Experiment YAML (default: the built-in one).")]  # noqa: UP007
+SetOpt = Annotated[
+    Optional[list[str]],  # noqa: UP007
+    typer.Option("--set", "-s", help="Override a key, e.g. --set train.rounds=5 (YAML value)."),
+]
+
+
+def _config(path: Path | None, sets: list[str] | None) -> ExperimentConfig:
+    overrides = {}
+    for item in sets or []:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
+        overrides[key.strip()] = yaml.safe_load(value)
+    return load_config(path, overrides)
+
+
+def _fail(err: Exception) -> None:
+    console.print(f"[bold red]error:[/] {err}")
+    raise typer.Exit(2)
+
+
+@app.command()
+def run(
+    config: ConfigArg = None,
+    resume: Annotated[bool, typer.Option(help="Continue from the last completed round.")] = False,
+    set_: SetOpt = None,
+) -> None:
+    """Run a federated experiment and write its results directory."""
+    from fedpeft.experiment import run as run_experiment
+
+    try:
+        cfg = _config(config, set_)
+    except ConfigError as err:
+        _fail(err)
+    console.print(f"[bold]{cfg.name}[/]: method [cyan]{cfg.method.name}[/], {cfg.partition.num_clients} clients "
+                  f"({cfg.partition.scheme}), {cfg.train.rounds} rounds -> {cfg.output_dir}")
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("setting up", total=cfg.train.rounds)
+
+        def on_round(r: dict) -> None:
+            acc = r.get("global", {}).get("accuracy")
+            last = f"acc {acc:.3f}" if acc is not None else ""
+            progress.update(task, completed=r["round"],
+                            description=f"round {r['round']} | {len(r['clients'])} clients | "
+                                        f"loss {r['loss']:.3f} | {last}")
+        try:
+            summary = run_experiment(cfg, resume=resume, on_round=on_round)
+        except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as err:
+            _fail(err)
+    _print_summaries([summary])
+
+
+@app.command()
+def partition(config: ConfigArg = None, set_: SetOpt = None) -> None:
+    """Print per-client sizes, label histograms and the mean pairwise JS divergence; save a heatmap."""
+    import numpy as np
+
+    from fedpeft.data import partition as P
+    from fedpeft.data.sources import load_corpus
+    from fedpeft.experiment import make_split
+
+    try:
+        cfg = _config(config, set_)
+        corpus = load_corpus(cfg.data, cfg.seed)
+        split = make_split(cfg, corpus)
+    except (ConfigError, ValueError, FileNotFoundError) as err:
+        _fail(err)
+    hist = split.histograms(corpus.train_labels, corpus.num_classes)
+    table = Table(title=f"{cfg.partition.scheme} partition of {len(corpus.train_labels)} examples")
+    for col in ("client", "train", "test", "classes", "top labels (count)"):
+        table.add_column(col)
+    for i, row in enumerate(hist):
+        top = np.argsort(row)[::-1][:3]
+        labels = ", ".join(f"{corpus.class_names[j]} ({row[j]})" for j in top if row[j])
+        table.add_row(str(i), str(len(split.train[i])), str(len(split.test[i])), str(int((row > 0).sum())), labels)
+    console.print(table)
+    console.print(f"mean pairwise Jensen-Shannon divergence: [bold]{P.mean_pairwise_js(hist):.4f}[/]")
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    P.plot_label_heatmap(hist, out / "partition_heatmap.png", corpus.class_names, cfg.name)
+    console.print(f"heatmap: {out / 'partition_heatmap.png'}")
+
+
+@app.command()
+def methods(config: ConfigArg = None, set_: SetOpt = None) -> None:
+    """List the registered methods with their parameter counts on the configured backbone."""
+    import copy
+
+    from fedpeft.experiment import param_counts
+    from fedpeft.methods import REGISTRY, build_method
+    from fedpeft.models.backbone import build_model
+
+    try:
+        cfg = _config(config, set_)
+        base, _ = build_model(cfg.model, 45 if cfg.data.source == "wordnet" else 2, cfg.seed)
+    except (ConfigError, ValueError) as err:
+        _fail(err)
+    table = Table(title=f"methods on {cfg.model.backbone}")
+    for col in ("method", "trainable", "shared (sent)", "personal", "% of model"):
+        table.add_column(col)
+    for name, cls in REGISTRY.items():
+        model = copy.deepcopy(base)
+        method = build_method(cls.config_cls(), cfg.train)
+        method.prepare(model)
+        c = param_counts(model, method)
+        table.add_row(name, f"{c['trainable']:,}", f"{c['shared']:,}", f"{c['personal']:,}",
+                      f"{100 * c['trainable'] / c['total']:.2f}")
+    console.print(table)
+
+
+def _print_summaries(summaries: list[dict]) -> None:
+    table = Table(title="results")
+    for col in ("run", "method", "rounds", "global acc", "macro-F1", "MCC", "local acc (mean±std)",
+                "best acc (round)", "MB sent", "train s"):
+        table.add_column(col)
+    for s in summaries:
+        g, loc = s.get("final_global") or {}, s.get("final_local") or {}
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        local = f"{fmt(loc.get('accuracy_mean'))}±{fmt(loc.get('accuracy_std'))}" if loc else "-"
+        table.add_row(s["name"], s["method"], str(s["rounds"]), fmt(g.get("accuracy")), fmt(g.get("macro_f1")),
+                      fmt(g.get("mcc")), local, f"{fmt(s.get('best_global_accuracy'))} ({s.get('best_round')})",
+                      f"{s['total_bytes'] / 1e6:.2f}", f"{s['time_train']:.1f}")
+    console.print(table)
+
+
+@app.command()
+def report(
+    runs: Annotated[list[Path], typer.Argument(help="Run directories to compare.")],
+    out: Annotated[Path, typer.Option(help="Where to write the comparison plots.")] = Path("runs/report"),
+) -> None:
+    """Compare finished runs: one table and accuracy plots with every run on one figure."""
+    from fedpeft.report import results as R
+    from fedpeft.report.plots import plot_accuracy
+
+    try:
+        summaries = [R.read_summary(d) for d in runs]
+        records = {f"{s['name']} ({d.name})": R.read_records(d) for s, d in zip(summaries, runs, strict=True)}
+    except (FileNotFoundError, json.JSONDecodeError) as err:
+        _fail(err)
+    _print_summaries(summaries)
+    out.mkdir(parents=True, exist_ok=True)
+    for path in plot_accuracy(records, out):
+        console.print(f"plot: {path}")
+
+
+def main() -> None:  # pragma: no cover
+    app()

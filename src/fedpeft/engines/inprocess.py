@@ -1,0 +1,194 @@
+"""The in-process simulation engine: every client on one frozen backbone in this process.
+
+A client is only its state. Training client ``i`` = load the tensors it received and
+its personal tensors into the one shared model, train, read them back out. Memory
+therefore grows with the number of clients by their personal state only.
+
+Per round ``t``:  sample S of M clients (seeded by ``(seed, t)``) -> each fits with
+generators seeded by ``(seed, t, i)`` -> the method aggregates -> evaluate every
+``eval.every`` rounds. Seeding per round and client (rather than carrying one RNG)
+makes a resumed run identical to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedpeft.data.task import Encoded
+from fedpeft.engines.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fedpeft.methods.base import (
+    ClientData,
+    FitResult,
+    Method,
+    ServerState,
+    Tensors,
+    load_tensors,
+    read_tensors,
+    tensor_bytes,
+)
+from fedpeft.metrics.classification import mean_scores, predict, scores, spread
+
+
+@dataclass
+class Schedule:
+    """What the engine needs to know of the experiment: counts and seeds, nothing else."""
+
+    rounds: int
+    clients_per_round: int
+    seed: int
+    eval_every: int = 1
+    eval_local: bool = True
+    eval_batch_size: int = 128
+
+
+def derive_seed(*keys: int) -> int:
+    """A 63-bit seed from integer keys (independent streams per round and client)."""
+    return int(np.random.SeedSequence(list(keys)).generate_state(2, np.uint32).astype(np.uint64) @ [1 << 31, 1])
+
+
+def sample_clients(seed: int, rnd: int, num_clients: int, per_round: int) -> list[int]:
+    """S of M client ids without replacement, reproducible from ``(seed, rnd)``."""
+    rng = np.random.default_rng([seed, rnd])
+    return sorted(int(c) for c in rng.choice(num_clients, size=per_round, replace=False))
+
+
+class InProcessEngine:
+    """Runs a method over simulated clients that share one model in memory."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        method: Method,
+        clients: list[ClientData],
+        global_test: Encoded,
+        schedule: Schedule,
+        *,
+        eval_clients: list[ClientData] | None = None,
+        checkpoint_path: Path | None = None,
+        fingerprint: str = "",
+        on_round: Callable[[dict], None] | None = None,
+        on_start: Callable[[list[dict]], None] | None = None,
+    ):
+        self.model, self.method, self.clients = model, method, clients
+        self.eval_clients = eval_clients if eval_clients is not None else clients
+        self.global_test, self.schedule = global_test, schedule
+        self.checkpoint_path, self.fingerprint = checkpoint_path, fingerprint
+        self.on_round = on_round or (lambda record: None)
+        self.on_start = on_start or (lambda records: None)
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        covered = set(method.shared_names) | set(method.personal_names)
+        if covered != set(trainable):
+            missing = sorted(set(trainable) - covered)[:3]
+            raise RuntimeError(f"method {method.name}: trainable tensors neither shared nor personal: {missing}")
+        self.initial: Tensors = read_tensors(model, trainable)
+        self.personal: dict[int, Tensors] = {}
+        self._loaded: tuple[torch.Tensor, ...] = ()
+
+    # ------------------------------------------------------------ state helpers
+    def personal_of(self, client: ClientData) -> Tensors:
+        if client.cid not in self.personal:
+            self.personal[client.cid] = self.method.init_client(self.model, self.initial, client)
+        return self.personal[client.cid]
+
+    def load(self, tensors: Tensors) -> None:
+        """Load tensors into the model unless exactly these are loaded already."""
+        # Holding the tensors themselves (not their ids) keeps the identity test sound.
+        same = len(tensors) == len(self._loaded) and all(
+            a is b for a, b in zip(tensors.values(), self._loaded, strict=True)
+        )
+        if not same:
+            load_tensors(self.model, tensors)
+            self._loaded = tuple(tensors.values())
+
+    # ------------------------------------------------------------ one round
+    def fit_round(self, server: ServerState, rnd: int) -> tuple[list[FitResult], dict]:
+        s = self.schedule
+        sampled = sample_clients(s.seed, rnd, len(self.clients), s.clients_per_round)
+        results, down, up = [], 0, 0
+        for cid in sampled:
+            client = self.clients[cid]
+            received = self.method.downlink(server, cid)
+            seed = derive_seed(s.seed, rnd, cid)
+            torch.manual_seed(seed)  # dropout and any other global-RNG draw
+            self._loaded = ()
+            result = self.method.fit(
+                self.model, received, self.personal_of(client), client, torch.Generator().manual_seed(seed)
+            )
+            self.personal[cid] = result.personal
+            results.append(result)
+            down += tensor_bytes(received)
+            up += tensor_bytes(result.uplink)
+        loss = float(np.average([r.metrics.get("loss", np.nan) for r in results], weights=[r.num_examples for r in results]))
+        return results, {"clients": sampled, "loss": loss, "bytes_down": down, "bytes_up": up}
+
+    def evaluate(self, server: ServerState) -> dict:
+        """Global-test scores of the global model (or the clients' mean when there is none)
+        and each client's scores on its local test split."""
+        bs, out = self.schedule.eval_batch_size, {}
+        labels = self.global_test.labels.numpy()
+        global_tensors = self.method.global_state(server)
+        if global_tensors is not None:
+            self.load(global_tensors)
+            out["global"] = scores(predict(self.model, self.global_test, bs), labels)
+        per_client_global, per_client_local = [], []
+        for client in self.eval_clients:
+            received = self.method.downlink(server, client.cid)
+            tensors = self.method.eval_state(self.model, received, self.personal_of(client), client)
+            self.load(tensors)
+            if global_tensors is None:
+                per_client_global.append(scores(predict(self.model, self.global_test, bs), labels))
+            if self.schedule.eval_local and len(client.test):
+                per_client_local.append(scores(predict(self.model, client.test, bs), client.test.labels.numpy()))
+        if per_client_global:
+            out["global"] = mean_scores(per_client_global)
+        if per_client_local:
+            out["local"] = spread(per_client_local)
+        return out
+
+    # ------------------------------------------------------------ the run
+    def run(self, resume: bool = False) -> list[dict]:
+        s = self.schedule
+        server, records, start = self.method.init_server(self.model), [], 1
+        if resume:
+            ckpt = load_checkpoint(self.checkpoint_path, self.fingerprint)
+            server, records, start = ckpt.server, ckpt.records, ckpt.round + 1
+            self.personal = ckpt.personal
+        self.on_start(records)
+        cum_down = records[-1]["cum_bytes_down"] if records else 0
+        cum_up = records[-1]["cum_bytes_up"] if records else 0
+        for rnd in range(start, s.rounds + 1):
+            t0 = time.perf_counter()
+            results, record = self.fit_round(server, rnd)
+            t1 = time.perf_counter()
+            server = self.method.aggregate(server, results, rnd)
+            self._loaded = ()
+            t2 = time.perf_counter()
+            if rnd % s.eval_every == 0 or rnd == s.rounds:
+                record.update(self.evaluate(server))
+            t3 = time.perf_counter()
+            cum_down += record["bytes_down"]
+            cum_up += record["bytes_up"]
+            record = {
+                "round": rnd,
+                **record,
+                "cum_bytes_down": cum_down,
+                "cum_bytes_up": cum_up,
+                "cum_bytes": cum_down + cum_up,
+                "time_train": t1 - t0,
+                "time_aggregate": t2 - t1,
+                "time_eval": t3 - t2,
+            }
+            records.append(record)
+            if self.checkpoint_path is not None:
+                save_checkpoint(
+                    self.checkpoint_path, Checkpoint(rnd, self.fingerprint, server, self.personal, records)
+                )
+            self.on_round(record)
+        self.server = server
+        return records

@@ -1,0 +1,199 @@
+"""Assemble and run one experiment: config -> data -> partition -> model + method -> engine -> results.
+
+This is the recipe layer (the engines and methods are the building blocks); the CLI's
+``run`` and ``partition`` commands are thin wrappers over it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fedpeft.config import ExperimentConfig, dump_config
+from fedpeft.data import partition as P
+from fedpeft.data.sources import Corpus, load_corpus
+from fedpeft.data.task import Encoded, encode
+from fedpeft.engines.inprocess import InProcessEngine, Schedule
+from fedpeft.methods import build_method
+from fedpeft.methods.base import ClientData, Method
+from fedpeft.models.backbone import TaskModel, build_model
+from fedpeft.report import results as R
+from fedpeft.report.plots import plot_accuracy
+
+
+@dataclass
+class Split:
+    """The partition of the training pool: per client, train and local-test row indices."""
+
+    train: list[np.ndarray]
+    test: list[np.ndarray]
+
+    def histograms(self, labels: np.ndarray, num_classes: int) -> np.ndarray:
+        both = [np.concatenate([a, b]) for a, b in zip(self.train, self.test, strict=True)]
+        return P.label_histograms(labels, both, num_classes)
+
+
+def make_split(cfg: ExperimentConfig, corpus: Corpus) -> Split:
+    """Partition the training pool as configured, then carve each client's local test split."""
+    pc, rng = cfg.partition, np.random.default_rng([cfg.seed, 1])
+    labels = corpus.train_labels
+    if pc.scheme == "iid":
+        parts = P.partition_iid(len(labels), pc.num_clients, rng)
+    elif pc.scheme == "dirichlet":
+        parts = P.partition_dirichlet(labels, pc.num_clients, pc.alpha, rng, min_size=pc.min_size)
+    elif pc.scheme == "similarity":
+        parts = P.partition_similarity(labels, pc.num_clients, pc.similarity, rng)
+    else:
+        parts = P.partition_natural(corpus.train_groups, pc.num_clients)
+    train, test = P.split_local_test(parts, pc.local_test_fraction, rng)
+    return Split(train, test)
+
+
+def fingerprint(cfg: ExperimentConfig) -> str:
+    """A hash of everything that determines the results (output_dir excluded)."""
+    data = cfg.model_copy(update={"output_dir": Path(".")})
+    return hashlib.sha256(dump_config(data).encode()).hexdigest()[:16]
+
+
+def param_counts(model: TaskModel, method: Method) -> dict[str, int]:
+    params = dict(model.named_parameters())
+    count = lambda names: sum(params[n].numel() for n in names)  # noqa: E731
+    return {
+        "total": sum(p.numel() for p in params.values()),
+        "trainable": sum(p.numel() for p in params.values() if p.requires_grad),
+        "shared": count(method.shared_names),
+        "personal": count(method.personal_names),
+    }
+
+
+@dataclass
+class Setup:
+    """Everything built from a config, ready for an engine."""
+
+    cfg: ExperimentConfig
+    corpus: Corpus
+    split: Split
+    model: TaskModel
+    method: Method
+    clients: list[ClientData]
+    global_test: Encoded
+
+
+def build(cfg: ExperimentConfig, model: TaskModel | None = None, tokenizer=None) -> Setup:
+    """Data, partition, model and method for ``cfg`` (a given model/tokenizer is reused)."""
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    corpus = load_corpus(cfg.data, cfg.seed)
+    split = make_split(cfg, corpus)
+    if model is None:
+        model, tokenizer = build_model(cfg.model, corpus.num_classes, cfg.seed)
+    pool = encode(corpus.train_texts, corpus.train_labels, tokenizer, cfg.data.max_length)
+    global_test = encode(corpus.test_texts, corpus.test_labels, tokenizer, cfg.data.max_length)
+    clients = [
+        ClientData(i, pool.subset(tr), pool.subset(te))
+        for i, (tr, te) in enumerate(zip(split.train, split.test, strict=True))
+    ]
+    method = build_method(cfg.method, cfg.train)
+    torch.manual_seed(cfg.seed + 1)  # adapter / LoRA initialisation
+    method.prepare(model)
+    return Setup(cfg, corpus, split, model, method, clients, global_test)
+
+
+def pooled_schedule(setup: Setup) -> tuple[list[ClientData], int]:
+    """Centralized: one client holding all training data; steps matching a federated round."""
+    cfg, clients = setup.cfg, setup.clients
+    pooled = ClientData(0, Encoded.concat([c.train for c in clients]), Encoded.concat([c.test for c in clients]))
+    if cfg.train.local_steps:
+        steps = cfg.train.local_steps * cfg.train.clients_per_round
+    else:
+        per_client = [cfg.train.local_epochs * math.ceil(len(c.train) / cfg.train.batch_size) for c in clients]
+        steps = max(1, round(np.mean(per_client) * cfg.train.clients_per_round))
+    return [pooled], steps
+
+
+def run(
+    cfg: ExperimentConfig,
+    resume: bool = False,
+    on_round: Callable[[dict], None] | None = None,
+    setup: Setup | None = None,
+) -> dict:
+    """Run ``cfg`` end to end and write its output directory; returns the summary."""
+    t_setup = time.perf_counter()
+    setup = setup or build(cfg)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(dump_config(cfg))
+    hist = setup.split.histograms(setup.corpus.train_labels, setup.corpus.num_classes)
+    P.plot_label_heatmap(hist, out / "partition_heatmap.png", setup.corpus.class_names, cfg.name)
+
+    clients, per_round = setup.clients, cfg.train.clients_per_round
+    if setup.method.pooled:
+        clients, steps = pooled_schedule(setup)
+        setup.method.train = cfg.train.model_copy(update={"local_steps": steps})
+        per_round = 1
+    schedule = Schedule(
+        rounds=cfg.train.rounds,
+        clients_per_round=per_round,
+        seed=cfg.seed,
+        eval_every=cfg.eval.every,
+        eval_local=cfg.eval.local,
+        eval_batch_size=cfg.eval.batch_size,
+    )
+    metrics_path = out / "metrics.jsonl"
+
+    def record_round(record: dict) -> None:
+        R.append_record(metrics_path, record)
+        if on_round:
+            on_round(record)
+
+    engine = InProcessEngine(
+        setup.model,
+        setup.method,
+        clients,
+        setup.global_test,
+        schedule,
+        eval_clients=setup.clients,
+        checkpoint_path=out / "checkpoint.pt" if cfg.checkpoint else None,
+        fingerprint=fingerprint(cfg),
+        on_round=record_round,
+        # metrics.jsonl restarts from the checkpoint's records (or empty): nothing lost, nothing twice
+        on_start=lambda done: R.write_records(metrics_path, done),
+    )
+    t_run = time.perf_counter()
+    records = engine.run(resume=resume)
+    t_end = time.perf_counter()
+
+    exported = None
+    final = setup.method.global_state(engine.server)
+    if final is not None:
+        exported = str(setup.method.export(setup.model, final, out / "adapter"))
+    counts = param_counts(setup.model, setup.method)
+    summary = R.summarize(
+        records,
+        {
+            "name": cfg.name,
+            "method": cfg.method.name,
+            "seed": cfg.seed,
+            "num_clients": cfg.partition.num_clients,
+            "clients_per_round": cfg.train.clients_per_round,
+            "partition": cfg.partition.scheme,
+            "mean_pairwise_js": P.mean_pairwise_js(hist),
+            "params": counts,
+            "communicated_params_per_client": sum(
+                t.numel() for t in setup.method.downlink(engine.server, 0).values()
+            ),
+            "time_setup": t_run - t_setup,
+            "time_total": t_end - t_setup,
+            "exported": exported,
+        },
+    )
+    R.write_json(out / "summary.json", summary)
+    plot_accuracy({cfg.name: records}, out)
+    return summary

@@ -1,0 +1,32 @@
+"""The method registry: one line per method (its module holds config and algorithm)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Union
+
+from fedpeft.methods.base import Method, MethodConfig
+from fedpeft.methods.centralized import Centralized
+from fedpeft.methods.fedap import FedAP
+from fedpeft.methods.fedbf import FedBF
+from fedpeft.methods.fedft import FedFT
+from fedpeft.methods.fedlr import FedLR
+from fedpeft.methods.local import LocalOnly
+
+if TYPE_CHECKING:
+    from fedpeft.config import TrainConfig
+
+REGISTRY: dict[str, type[Method]] = {
+    cls.name: cls for cls in (FedFT, FedBF, FedAP, FedLR, LocalOnly, Centralized)
+}
+
+
+def method_config_union():
+    """``Union`` of every registered method's config, for the discriminated ``method`` key."""
+    return Union[tuple(cls.config_cls for cls in REGISTRY.values())]  # noqa: UP007
+
+
+def build_method(cfg: MethodConfig, train: TrainConfig) -> Method:
+    return REGISTRY[cfg.name](cfg, train)
+
+
+__all__ = ["REGISTRY", "Method", "MethodConfig", "build_method", "method_config_union"]

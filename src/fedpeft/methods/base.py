@@ -1,0 +1,237 @@
+"""The one interface every method implements, and the FedAvg common ground it defaults to.
+
+Methods never see an engine and engines never see a method's internals: what crosses
+between them is plain data, ``dict[str, torch.Tensor]`` plus a few numbers, so the same
+method runs in-process and over a network unchanged.
+
+Every method splits a client's trainable tensors into three parts (METHODS.md):
+
+- **shared** (``self.shared_names``): sent to the server each round and aggregated;
+- **personal** (``self.personal_names``): stays on the client for the whole run;
+- **ephemeral**: optimizer state. Here it lives for one round of local training and
+  is then dropped (a fresh optimizer each round), for every method unless its module
+  says otherwise.
+
+The defaults below implement FedAvg over the shared tensors (FeDeRA paper, sec. 3.1):
+the server sends its state, clients train ``E`` epochs or ``K`` steps, and the new
+state is the mean of the returned ones weighted by ``|D_i|``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from fedpeft.data.task import Encoded, take_steps
+
+if TYPE_CHECKING:
+    from fedpeft.config import TrainConfig
+    from fedpeft.models.backbone import TaskModel
+
+Tensors = dict[str, torch.Tensor]
+
+
+class MethodConfig(BaseModel):
+    """Options common to every method; each method subclasses this with its own."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    head: Literal["shared", "personal"] = Field(
+        "shared", description="Whether the classification head is aggregated or kept per client."
+    )
+
+
+@dataclass
+class ClientData:
+    """One client's examples: its training split and its local test split."""
+
+    cid: int
+    train: Encoded
+    test: Encoded
+
+
+@dataclass
+class FitResult:
+    """What one client's local round produces."""
+
+    uplink: Tensors  # sent to the server
+    personal: Tensors  # kept on the client
+    num_examples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ServerState:
+    """The server's state: the global shared tensors and any extra tensors (e.g. momentum)."""
+
+    tensors: Tensors
+    extras: Tensors = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- tensor helpers
+
+
+def read_tensors(model: torch.nn.Module, names: list[str]) -> Tensors:
+    """Detached copies of the named parameters."""
+    params = dict(model.named_parameters())
+    return {n: params[n].detach().clone() for n in names}
+
+
+@torch.no_grad()
+def load_tensors(model: torch.nn.Module, tensors: Tensors) -> None:
+    """Copy tensors into the model's parameters of the same names, in place."""
+    params = dict(model.named_parameters())
+    for name, value in tensors.items():
+        if name not in params:
+            raise KeyError(f"tensor {name!r} names no parameter of the model")
+        params[name].copy_(value)
+
+
+def tensor_bytes(tensors: Tensors) -> int:
+    """Exact payload size of a tensor dict: sum of ``numel * element_size``."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def weighted_mean(states: list[Tensors], weights: list[float]) -> Tensors:
+    """``sum_i w_i x_i / sum_i w_i`` per tensor, accumulated in float64."""
+    if not states:
+        raise ValueError("weighted_mean of no states")
+    total = float(sum(weights))
+    if total <= 0:
+        raise ValueError(f"weights must sum to a positive number, got {weights}")
+    out = {}
+    for name, first in states[0].items():
+        acc = torch.zeros(first.shape, dtype=torch.float64)
+        for state, w in zip(states, weights, strict=True):
+            acc += state[name].to(torch.float64) * (w / total)
+        out[name] = acc.to(first.dtype)
+    return out
+
+
+# ---------------------------------------------------------------- local training
+
+
+def local_steps(n: int, cfg: TrainConfig) -> int:
+    """Optimizer steps one client takes per round: ``K``, or ``E * ceil(n / B)``."""
+    return cfg.local_steps or cfg.local_epochs * math.ceil(n / cfg.batch_size)
+
+
+def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def train_local(
+    model: TaskModel, data: Encoded, cfg: TrainConfig, generator: torch.Generator
+) -> dict[str, float]:
+    """Plain supervised local training of every parameter that requires grad."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(params, cfg)
+    model.train()
+    total, steps = 0.0, local_steps(len(data), cfg)
+    for batch in take_steps(data, cfg.batch_size, steps, generator):
+        loss = torch.nn.functional.cross_entropy(model(**batch), batch["labels"])
+        loss.backward()
+        if cfg.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total += loss.item()
+    return {"loss": total / steps, "steps": float(steps)}
+
+
+# ---------------------------------------------------------------- the interface
+
+
+class Method:
+    """Base class: FedAvg over ``shared_names``; subclasses choose what is trainable."""
+
+    name: ClassVar[str]
+    paper: ClassVar[str] = ""
+    #: Train on all clients' data pooled as one client (the Centralized reference).
+    pooled: ClassVar[bool] = False
+
+    def __init__(self, cfg: MethodConfig, train: TrainConfig):
+        self.cfg = cfg
+        self.train = train
+        self.shared_names: list[str] = []
+        self.personal_names: list[str] = []
+
+    # ----- structure
+    def prepare(self, model: TaskModel) -> None:
+        """Add modules to ``model`` / unfreeze parameters, then split them (override)."""
+        self.split_trainable(model)
+
+    def split_trainable(self, model: TaskModel) -> None:
+        """Trainable parameters are shared, except the head when ``head: personal``."""
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        head = [n for n in names if n.startswith("head.")] if self.cfg.head == "personal" else []
+        self.personal_names = head
+        self.shared_names = [n for n in names if n not in head]
+
+    # ----- server side
+    def init_server(self, model: TaskModel) -> ServerState:
+        return ServerState(read_tensors(model, self.shared_names))
+
+    def downlink(self, server: ServerState, cid: int) -> Tensors:
+        return server.tensors
+
+    def aggregate(self, server: ServerState, results: list[FitResult], rnd: int) -> ServerState:
+        states = [r.uplink for r in results]
+        return ServerState(weighted_mean(states, [r.num_examples for r in results]), server.extras)
+
+    def global_state(self, server: ServerState) -> Tensors | None:
+        """The tensors of the one global model, or None when there is none."""
+        return server.tensors if not self.personal_names else None
+
+    # ----- client side
+    def init_client(self, model: TaskModel, initial: Tensors, client: ClientData) -> Tensors:
+        """A client's personal state before it first trains (default: the initial values)."""
+        return {n: initial[n].clone() for n in self.personal_names}
+
+    def fit(
+        self,
+        model: TaskModel,
+        received: Tensors,
+        personal: Tensors,
+        client: ClientData,
+        generator: torch.Generator,
+    ) -> FitResult:
+        load_tensors(model, {**received, **personal})
+        metrics = train_local(model, client.train, self.train, generator)
+        return FitResult(
+            uplink=read_tensors(model, self.shared_names),
+            personal=read_tensors(model, self.personal_names),
+            num_examples=len(client.train),
+            metrics=metrics,
+        )
+
+    def eval_state(
+        self, model: TaskModel, received: Tensors, personal: Tensors, client: ClientData
+    ) -> Tensors:
+        """The tensors client ``client`` evaluates with (default: received + personal)."""
+        return {**received, **personal}
+
+    def finalize_client(
+        self, model: TaskModel, received: Tensors, personal: Tensors, client: ClientData
+    ) -> Tensors:
+        """Personal state after the last round (FDLoRA's AdaFusion); default: unchanged."""
+        return personal
+
+    # ----- results
+    def export(self, model: TaskModel, tensors: Tensors, out_dir: Path) -> Path:
+        """Save the model's trainable tensors (loaded from ``tensors``) under ``out_dir``."""
+        from safetensors.torch import save_file
+
+        load_tensors(model, tensors)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / "trainable.safetensors"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+        return path

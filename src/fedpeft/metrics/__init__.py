@@ -1,0 +1,1 @@
+"""Task metrics, spread across clients, and communication accounting."""

@@ -1,0 +1,47 @@
+"""Classification scores (accuracy, macro-F1, Matthews correlation) and their spread."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from sklearn.metrics import f1_score, matthews_corrcoef
+
+from fedpeft.data.task import Encoded, make_batch
+
+
+@torch.no_grad()
+def predict(model: torch.nn.Module, data: Encoded, batch_size: int = 128) -> np.ndarray:
+    """Arg-max predictions of ``model`` over ``data``, in order."""
+    model.eval()
+    out = []
+    for start in range(0, len(data), batch_size):
+        batch = make_batch(data, torch.arange(start, min(start + batch_size, len(data))))
+        out.append(model(**batch).argmax(-1))
+    return torch.cat(out).numpy() if out else np.zeros(0, dtype=np.int64)
+
+
+def scores(preds: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    """accuracy, macro-F1 (over the labels present in either array) and MCC."""
+    if len(labels) == 0:
+        return {"accuracy": float("nan"), "macro_f1": float("nan"), "mcc": float("nan")}
+    return {
+        "accuracy": float(np.mean(preds == labels)),
+        "macro_f1": float(f1_score(labels, preds, average="macro", zero_division=0)),
+        "mcc": float(matthews_corrcoef(labels, preds)),
+    }
+
+
+def spread(per_client: list[dict[str, float]]) -> dict[str, float]:
+    """Mean, standard deviation and worst decile (10th percentile) of each score."""
+    out: dict[str, float] = {}
+    for key in per_client[0] if per_client else []:
+        values = np.array([c[key] for c in per_client], dtype=float)
+        out[f"{key}_mean"] = float(np.nanmean(values))
+        out[f"{key}_std"] = float(np.nanstd(values))
+        out[f"{key}_p10"] = float(np.nanpercentile(values, 10))
+    return out
+
+
+def mean_scores(per_client: list[dict[str, float]]) -> dict[str, float]:
+    """The mean of each score over clients."""
+    return {k: float(np.nanmean([c[k] for c in per_client])) for k in per_client[0]}

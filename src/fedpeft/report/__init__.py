@@ -1,0 +1,1 @@
+"""Results on disk (config, metrics.jsonl, summary.json), plots and run comparisons."""

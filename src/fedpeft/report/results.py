@@ -1,0 +1,81 @@
+"""The output directory of a run and how to read it back.
+
+    DIR/config.yaml      the fully resolved config the run used
+    DIR/metrics.jsonl    one JSON object per completed round
+    DIR/summary.json     final and best scores, bytes, parameter counts, times
+    DIR/*.png            accuracy vs round and vs cumulative bytes; partition heatmap
+    DIR/checkpoint.pt    last completed round (for --resume)
+    DIR/adapter/         the exported global adapter
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+
+def _clean(value):
+    """JSON-safe values: NaN/inf become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_clean(data), indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def write_records(path: Path, records: list[dict]) -> None:
+    """(Re)write metrics.jsonl from the records (used at start and on resume)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(_clean(r)) + "\n" for r in records))
+    os.replace(tmp, path)
+
+
+def append_record(path: Path, record: dict) -> None:
+    with path.open("a") as fh:
+        fh.write(json.dumps(_clean(record)) + "\n")
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not a fedpeft run directory (no metrics.jsonl)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_summary(run_dir: Path) -> dict:
+    path = Path(run_dir) / "summary.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: run not finished (no summary.json)")
+    return json.loads(path.read_text())
+
+
+def summarize(records: list[dict], extra: dict) -> dict:
+    """Final and best scores plus totals over the records of a finished run."""
+    evaluated = [r for r in records if "global" in r]
+    final = evaluated[-1] if evaluated else {}
+    best = max(evaluated, key=lambda r: r["global"]["accuracy"], default={})
+    last = records[-1]
+    return {
+        **extra,
+        "rounds": last["round"],
+        "final_global": final.get("global"),
+        "final_local": final.get("local"),
+        "best_global_accuracy": best.get("global", {}).get("accuracy"),
+        "best_round": best.get("round"),
+        "total_bytes_down": last["cum_bytes_down"],
+        "total_bytes_up": last["cum_bytes_up"],
+        "total_bytes": last["cum_bytes"],
+        "time_train": sum(r["time_train"] for r in records),
+        "time_aggregate": sum(r["time_aggregate"] for r in records),
+        "time_eval": sum(r["time_eval"] for r in records),
+    }
