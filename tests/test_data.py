@@ -1,0 +1,139 @@
+"""Data sources (WordNet, files, hub) and batching that pads only to the longest row."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from fedpeft.config import DataConfig
+from fedpeft.data.sources import DataError, load_corpus
+from fedpeft.data.task import encode, iter_batches, make_batch
+from fedpeft.data.wordnet import LEXNAMES, definition_of, read_glosses
+
+
+def test_wordnet_corpus_has_45_lexicographer_classes():
+    data = read_glosses()
+    assert len(LEXNAMES) == 45
+    assert len(data["text"]) > 100_000
+    assert set(data["label"]) == set(LEXNAMES)
+    assert set(data["pos"]) == {"noun", "verb", "adj", "adv"}
+    assert '"' not in "".join(data["text"][:1000])  # usage examples are stripped
+
+
+def test_definition_of_drops_examples():
+    assert definition_of('move fast; "He ran to the store"; "run home" ') == "move fast"
+    assert definition_of("a thing") == "a thing"
+
+
+def test_wordnet_missing_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="wordnet-base"):
+        read_glosses(tmp_path)
+
+
+@pytest.fixture
+def table():
+    return pd.DataFrame(
+        {
+            "sentence": [f"text number {i}" for i in range(50)],
+            "topic": ["a", "b", "c", "b", "a"] * 10,
+            "org": ["x", "y"] * 25,
+        }
+    )
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".parquet"])
+def test_file_sources(tmp_path: Path, table, suffix):
+    path = tmp_path / f"data{suffix}"
+    {".csv": lambda: table.to_csv(path, index=False),
+     ".jsonl": lambda: table.to_json(path, orient="records", lines=True),
+     ".parquet": lambda: table.to_parquet(path)}[suffix]()
+    cfg = DataConfig(source="file", path=path, text_column="sentence", label_column="topic",
+                     group_column="org", test_fraction=0.2)
+    corpus = load_corpus(cfg, seed=0)
+    assert corpus.class_names == ["a", "b", "c"]
+    assert len(corpus.train_texts) == 40 and len(corpus.test_texts) == 10
+    assert set(corpus.train_texts).isdisjoint(corpus.test_texts)
+    assert set(corpus.train_groups) == {"x", "y"}
+    # seeded: the same split again, a different one for another seed
+    assert load_corpus(cfg, seed=0).test_texts == corpus.test_texts
+    assert load_corpus(cfg, seed=1).test_texts != corpus.test_texts
+
+
+def test_missing_column_names_file_and_column(tmp_path, table):
+    path = tmp_path / "d.csv"
+    table.to_csv(path, index=False)
+    cfg = DataConfig(source="file", path=path, text_column="text", label_column="topic")
+    with pytest.raises(DataError, match=r"d\.csv: no column 'text'"):
+        load_corpus(cfg, 0)
+
+
+def test_bad_row_is_named(tmp_path):
+    path = tmp_path / "d.jsonl"
+    rows = [{"text": "fine", "label": 1}, {"text": "   ", "label": 0}, {"text": "ok", "label": 1}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"d\.jsonl: row 1: column 'text' is empty"):
+        load_corpus(DataConfig(source="file", path=path), 0)
+
+
+def test_unsupported_suffix(tmp_path):
+    path = tmp_path / "d.xlsx"
+    path.write_text("x")
+    with pytest.raises(DataError, match="unsupported file type"):
+        load_corpus(DataConfig(source="file", path=path), 0)
+
+
+def test_hub_source_calls_load_dataset_with_the_config(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake_load(hub_id, config, split):
+        calls.append((hub_id, config, split))
+        features = datasets.Features(
+            {"text": datasets.Value("string"), "label": datasets.ClassLabel(names=["neg", "pos"])}
+        )
+        return datasets.Dataset.from_dict({"text": ["good", "bad", "fine"], "label": [1, 0, 1]}, features)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    cfg = DataConfig(source="hub", hub_id="someone/reviews", hub_config="en", test_split="test")
+    corpus = load_corpus(cfg, 0)
+    assert calls == [("someone/reviews", "en", "train"), ("someone/reviews", "en", "test")]
+    assert corpus.class_names == ["neg", "pos"]
+    assert corpus.test_labels.tolist() == [1, 0, 1]
+
+
+def test_hub_source_offline_fails_naming_the_dataset(monkeypatch):
+    """The real ``datasets.load_dataset`` path, up to the download (offline mode here)."""
+    import datasets
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    cfg = DataConfig(source="hub", hub_id="stanfordnlp/imdb")
+    with pytest.raises(DataError, match="stanfordnlp/imdb"):
+        load_corpus(cfg, 0)
+
+
+class _Tok:
+    """A whitespace tokenizer stand-in with the HF call signature."""
+
+    pad_token_id = 0
+
+    def __call__(self, texts, truncation, max_length, padding):
+        return {"input_ids": [[7] * min(len(t.split()), max_length) for t in texts]}
+
+
+def test_batches_pad_only_to_their_longest_row():
+    texts = ["a", "a b", "a b c d e f g h i j", "a b c"]
+    data = encode(texts, np.array([0, 1, 0, 1]), _Tok(), max_length=6)
+    assert data.lengths.tolist() == [1, 2, 6, 3]  # truncated at max_length
+    short = make_batch(data, torch.tensor([0, 1]))
+    assert short["input_ids"].shape == (2, 2)
+    assert short["attention_mask"].tolist() == [[1, 0], [1, 1]]
+    long = make_batch(data, torch.tensor([2, 3]))
+    assert long["input_ids"].shape == (2, 6)
+    seen = torch.cat([b["labels"] for b in iter_batches(data, 3, torch.Generator().manual_seed(0))])
+    assert sorted(seen.tolist()) == [0, 0, 1, 1]

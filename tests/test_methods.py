@@ -1,0 +1,90 @@
+"""Conformance suite: every registered method, 2 rounds x a few clients on a tiny model.
+
+Shared invariants: the frozen backbone stays bit-identical; the method trains exactly
+the parameters it claims; bytes accounted equal the tensors exchanged; personal state
+never appears in an uplink; the checkpoint round-trips. A new method joins by being
+registered (and, if it trains something new, one line in CLAIMS).
+"""
+
+import pytest
+import torch
+
+from fedpeft.engines.checkpoint import load_checkpoint
+from fedpeft.experiment import build, fingerprint, run
+from fedpeft.methods import REGISTRY
+
+# What each method may train: a predicate over parameter names.
+CLAIMS = {
+    "fedft": lambda n: True,
+    "fedbf": lambda n: n.endswith("bias") or n.startswith("head."),
+    "fedap": lambda n: ".adapter." in n or n.startswith("head."),
+    "fedlr": lambda n: "lora_" in n or n.startswith("head."),
+    "local": lambda n: "lora_" in n or n.startswith("head."),
+    "centralized": lambda n: "lora_" in n or n.startswith("head."),
+}
+
+
+def test_every_registered_method_has_a_claim():
+    assert set(REGISTRY) <= set(CLAIMS)
+
+
+@pytest.fixture(params=sorted(REGISTRY))
+def method_name(request):
+    return request.param
+
+
+def test_conformance(method_name, tiny_config):
+    cfg = tiny_config(**{"method": {"name": method_name}, "train.rounds": 2, "partition.num_clients": 3})
+    setup = build(cfg)
+    model, method = setup.model, setup.method
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    summary = run(cfg, setup=setup)
+
+    # trains exactly what it claims, and something
+    assert trainable and all(CLAIMS[method_name](n) for n in trainable), trainable[:5]
+    if method_name == "fedft":
+        assert len(frozen) == 0
+    else:
+        assert len(frozen) > 0
+    # frozen backbone bit-identical
+    params = dict(model.named_parameters())
+    for n, t in frozen.items():
+        assert torch.equal(params[n], t), n
+    # training changed the trainable tensors of the clients that trained
+    ckpt = load_checkpoint(cfg.output_dir / "checkpoint.pt", fingerprint(cfg))
+    states = [ckpt.server.tensors] + list(ckpt.personal.values())
+    assert any(not torch.equal(s[n], before[n]) for s in states for n in s)
+    # bytes accounted == bytes of the tensors exchanged (float32 everywhere here)
+    shared_bytes = sum(params[n].numel() * 4 for n in method.shared_names)
+    per_round = 1 if method.pooled else cfg.train.clients_per_round
+    for r in ckpt.records:
+        assert r["bytes_down"] == r["bytes_up"] == per_round * shared_bytes
+    assert ckpt.records[-1]["cum_bytes"] == 2 * 2 * per_round * shared_bytes
+    # personal tensors never sent; shared and personal partition the trainable set
+    assert set(method.shared_names).isdisjoint(method.personal_names)
+    assert set(method.shared_names) | set(method.personal_names) == set(trainable)
+    # the checkpoint holds the final server state and every trained client's personal state
+    for cid, state in ckpt.personal.items():
+        assert set(state) == set(method.personal_names)
+    assert set(ckpt.server.tensors) == set(method.shared_names)
+    assert summary["params"]["trainable"] == sum(params[n].numel() for n in trainable)
+
+
+def test_local_only_sends_nothing(tiny_config):
+    cfg = tiny_config(**{"method": {"name": "local"}})
+    summary = run(cfg)
+    assert summary["total_bytes"] == 0
+    assert summary["params"]["shared"] == 0 and summary["params"]["personal"] > 0
+    assert summary["final_global"] is not None  # mean of clients' own models on the global test
+
+
+def test_head_can_be_personal(tiny_config):
+    cfg = tiny_config(**{"method": {"name": "fedlr", "head": "personal"}})
+    setup = build(cfg)
+    assert all(n.startswith("head.") for n in setup.method.personal_names)
+    summary = run(cfg, setup=setup)
+    head = sum(p.numel() for p in setup.model.head.parameters())
+    assert summary["params"]["personal"] == head
