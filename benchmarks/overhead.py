@@ -34,7 +34,9 @@ def plain_loop(setup, clients: list[int], steps: int, seed: int, rnd: int) -> No
     for cid in clients:
         s = derive_seed(seed, rnd, cid)
         torch.manual_seed(s)
-        for batch in take_steps(setup.clients[cid].train, cfg.batch_size, steps, torch.Generator().manual_seed(s)):
+        for batch in take_steps(
+            setup.clients[cid].train, cfg.batch_size, steps, torch.Generator().manual_seed(s)
+        ):
             loss = torch.nn.functional.cross_entropy(model(**batch), batch["labels"])
             loss.backward()
             if cfg.max_grad_norm:
@@ -52,13 +54,16 @@ def main() -> None:
     ap.add_argument("--method", default="fedlr")
     args = ap.parse_args()
 
-    cfg = load_config(None, {
-        "method": {"name": args.method},
-        "train.clients_per_round": args.clients,
-        "train.local_steps": args.steps,
-        "train.rounds": 1,
-        "checkpoint": False,
-    })
+    cfg = load_config(
+        None,
+        {
+            "method": {"name": args.method},
+            "train.clients_per_round": args.clients,
+            "train.local_steps": args.steps,
+            "train.rounds": 1,
+            "checkpoint": False,
+        },
+    )
     setup = build(cfg)
     schedule = Schedule(rounds=1, clients_per_round=args.clients, seed=cfg.seed)
     engine = InProcessEngine(setup.model, setup.method, setup.clients, setup.global_test, schedule)
@@ -80,12 +85,16 @@ def main() -> None:
         t_plain.append(t1 - t0)
         t_engine.append(t2 - t1)
     ratios = [e / p for e, p in zip(t_engine, t_plain, strict=True)]
-    print(f"method {args.method}: {args.clients} clients x {args.steps} steps, batch {cfg.train.batch_size}, "
-          f"torch threads {torch.get_num_threads()}")
+    print(
+        f"method {args.method}: {args.clients} clients x {args.steps} steps, batch {cfg.train.batch_size}, "
+        f"torch threads {torch.get_num_threads()}"
+    )
     print(f"plain loop   s/round: {' '.join(f'{t:.2f}' for t in t_plain)}")
     print(f"engine round s/round: {' '.join(f'{t:.2f}' for t in t_engine)}")
-    print(f"overhead ratio engine/plain: median {statistics.median(ratios):.3f} "
-          f"(runs: {' '.join(f'{r:.3f}' for r in ratios)}; target <= 1.05)")
+    print(
+        f"overhead ratio engine/plain: median {statistics.median(ratios):.3f} "
+        f"(runs: {' '.join(f'{r:.3f}' for r in ratios)}; target <= 1.05)"
+    )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,12 @@ def tiny_backbone(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny-bert")
     tok = AutoTokenizer.from_pretrained(bundled_minilm_dir())
     cfg = BertConfig(
-        vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=128,
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=128,
     )
     torch.manual_seed(0)
     BertModel(cfg).save_pretrained(out)

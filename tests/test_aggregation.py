@@ -32,6 +32,10 @@ def test_aggregate_weights_by_client_size():
 
 
 def test_tensor_bytes():
-    t = {"a": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.float16), "c": torch.zeros(2, dtype=torch.int64)}
+    t = {
+        "a": torch.zeros(3, 4),
+        "b": torch.zeros(5, dtype=torch.float16),
+        "c": torch.zeros(2, dtype=torch.int64),
+    }
     assert tensor_bytes(t) == 3 * 4 * 4 + 5 * 2 + 2 * 8
     assert tensor_bytes({}) == 0

@@ -47,11 +47,19 @@ def table():
 @pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".parquet"])
 def test_file_sources(tmp_path: Path, table, suffix):
     path = tmp_path / f"data{suffix}"
-    {".csv": lambda: table.to_csv(path, index=False),
-     ".jsonl": lambda: table.to_json(path, orient="records", lines=True),
-     ".parquet": lambda: table.to_parquet(path)}[suffix]()
-    cfg = DataConfig(source="file", path=path, text_column="sentence", label_column="topic",
-                     group_column="org", test_fraction=0.2)
+    {
+        ".csv": lambda: table.to_csv(path, index=False),
+        ".jsonl": lambda: table.to_json(path, orient="records", lines=True),
+        ".parquet": lambda: table.to_parquet(path),
+    }[suffix]()
+    cfg = DataConfig(
+        source="file",
+        path=path,
+        text_column="sentence",
+        label_column="topic",
+        group_column="org",
+        test_fraction=0.2,
+    )
     corpus = load_corpus(cfg, seed=0)
     assert corpus.class_names == ["a", "b", "c"]
     assert len(corpus.train_texts) == 40 and len(corpus.test_texts) == 10

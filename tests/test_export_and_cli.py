@@ -44,17 +44,35 @@ def test_cli_run_partition_report_methods(tiny_config, tmp_path):
 
     res = runner.invoke(app, ["run", str(path), "--set", f"output_dir={tmp_path / 'a'}"])
     assert res.exit_code == 0, res.output
-    for name in ("config.yaml", "metrics.jsonl", "summary.json", "accuracy_vs_round.png",
-                 "accuracy_vs_bytes.png", "partition_heatmap.png", "checkpoint.pt"):
+    for name in (
+        "config.yaml",
+        "metrics.jsonl",
+        "summary.json",
+        "accuracy_vs_round.png",
+        "accuracy_vs_bytes.png",
+        "partition_heatmap.png",
+        "checkpoint.pt",
+    ):
         assert (tmp_path / "a" / name).is_file(), name
     lines = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["round"] for x in lines] == [1, 2]
 
-    res = runner.invoke(app, ["run", str(path), "--set", f"output_dir={tmp_path / 'b'}",
-                              "--set", "method={name: fedbf}"])
+    res = runner.invoke(
+        app,
+        [
+            "run",
+            str(path),
+            "--set",
+            f"output_dir={tmp_path / 'b'}",
+            "--set",
+            "method={name: fedbf}",
+        ],
+    )
     assert res.exit_code == 0, res.output
 
-    res = runner.invoke(app, ["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "cmp")])
+    res = runner.invoke(
+        app, ["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "cmp")]
+    )
     assert res.exit_code == 0, res.output
     assert "fedlr" in res.output and "fedbf" in res.output
     assert (tmp_path / "cmp" / "accuracy_vs_bytes.png").stat().st_size > 1000

@@ -12,14 +12,16 @@ from fedpeft.methods.base import tensor_bytes
 
 def _run_clients(tiny_config, num_clients: int, out: str):
     """Run Local-only (all state personal) over ``num_clients``; return (setup, engine, rss growth)."""
-    cfg = tiny_config(**{
-        "method": {"name": "local", "trainable": "lora", "lora": {"r": 2}},
-        "data": {"source": "wordnet", "max_samples": 12 * num_clients, "max_test_samples": 8},
-        "partition": {"scheme": "iid", "num_clients": num_clients, "local_test_fraction": 0.2},
-        "train": {"rounds": 1, "clients_per_round": 10, "local_steps": 1, "batch_size": 4},
-        "checkpoint": False,
-        "output_dir": out,
-    })
+    cfg = tiny_config(
+        **{
+            "method": {"name": "local", "trainable": "lora", "lora": {"r": 2}},
+            "data": {"source": "wordnet", "max_samples": 12 * num_clients, "max_test_samples": 8},
+            "partition": {"scheme": "iid", "num_clients": num_clients, "local_test_fraction": 0.2},
+            "train": {"rounds": 1, "clients_per_round": 10, "local_steps": 1, "batch_size": 4},
+            "checkpoint": False,
+            "output_dir": out,
+        }
+    )
     setup = build(cfg)
     engines = []
     real_init = inprocess.InProcessEngine.__init__

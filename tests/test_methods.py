@@ -67,7 +67,7 @@ def test_conformance(method_name, tiny_config):
     assert set(method.shared_names).isdisjoint(method.personal_names)
     assert set(method.shared_names) | set(method.personal_names) == set(trainable)
     # the checkpoint holds the final server state and every trained client's personal state
-    for cid, state in ckpt.personal.items():
+    for state in ckpt.personal.values():
         assert set(state) == set(method.personal_names)
     assert set(ckpt.server.tensors) == set(method.shared_names)
     assert summary["params"]["trainable"] == sum(params[n].numel() for n in trainable)

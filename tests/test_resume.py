@@ -17,8 +17,10 @@ class Killed(Exception):
 
 
 def _scores(records):
-    return [(r["round"], r["clients"], r["loss"], r.get("global"), r.get("local"), r["cum_bytes"])
-            for r in records]
+    return [
+        (r["round"], r["clients"], r["loss"], r.get("global"), r.get("local"), r["cum_bytes"])
+        for r in records
+    ]
 
 
 @pytest.mark.parametrize("method", ["fedlr", "local"])
@@ -73,7 +75,9 @@ def test_resume_without_checkpoint_is_a_clear_error(tiny_config, tmp_path):
 
 def test_interrupted_write_keeps_last_good_checkpoint(tmp_path, monkeypatch):
     path = tmp_path / "checkpoint.pt"
-    good = C.Checkpoint(1, "fp", C.ServerState({"w": torch.ones(3)}), {0: {"p": torch.zeros(2)}}, [{"round": 1}])
+    good = C.Checkpoint(
+        1, "fp", C.ServerState({"w": torch.ones(3)}), {0: {"p": torch.zeros(2)}}, [{"round": 1}]
+    )
     C.save_checkpoint(path, good)
 
     def torn_save(obj, fh):

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 import yaml
@@ -15,11 +16,12 @@ from rich.table import Table
 from fedpeft.config import ConfigError, ExperimentConfig, load_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, help=__doc__)
+warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 console = Console()
 
-ConfigArg = Annotated[Optional[Path], typer.Argument(help="Experiment YAML (default: the built-in one).")]  # noqa: UP007
+ConfigArg = Annotated[Path | None, typer.Argument(help="Experiment YAML (default: the built-in one).")]  # noqa: UP007
 SetOpt = Annotated[
-    Optional[list[str]],  # noqa: UP007
+    list[str] | None,  # noqa: UP007
     typer.Option("--set", "-s", help="Override a key, e.g. --set train.rounds=5 (YAML value)."),
 ]
 
@@ -46,25 +48,41 @@ def run(
     set_: SetOpt = None,
 ) -> None:
     """Run a federated experiment and write its results directory."""
+    from transformers.utils import logging as hf_logging
+
     from fedpeft.experiment import run as run_experiment
+
+    hf_logging.disable_progress_bar()
 
     try:
         cfg = _config(config, set_)
     except ConfigError as err:
         _fail(err)
-    console.print(f"[bold]{cfg.name}[/]: method [cyan]{cfg.method.name}[/], {cfg.partition.num_clients} clients "
-                  f"({cfg.partition.scheme}), {cfg.train.rounds} rounds -> {cfg.output_dir}")
-    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+    console.print(
+        f"[bold]{cfg.name}[/]: method [cyan]{cfg.method.name}[/], {cfg.partition.num_clients} clients "
+        f"({cfg.partition.scheme}), {cfg.train.rounds} rounds -> {cfg.output_dir}"
+    )
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("setting up", total=cfg.train.rounds)
 
         def on_round(r: dict) -> None:
             acc = r.get("global", {}).get("accuracy")
             last = f"acc {acc:.3f}" if acc is not None else ""
-            progress.update(task, completed=r["round"],
-                            description=f"round {r['round']} | {len(r['clients'])} clients | "
-                                        f"loss {r['loss']:.3f} | {last}")
+            progress.update(
+                task,
+                completed=r["round"],
+                description=f"round {r['round']} | {len(r['clients'])} clients | "
+                f"loss {r['loss']:.3f} | {last}",
+            )
+
         try:
             summary = run_experiment(cfg, resume=resume, on_round=on_round)
         except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as err:
@@ -94,7 +112,13 @@ def partition(config: ConfigArg = None, set_: SetOpt = None) -> None:
     for i, row in enumerate(hist):
         top = np.argsort(row)[::-1][:3]
         labels = ", ".join(f"{corpus.class_names[j]} ({row[j]})" for j in top if row[j])
-        table.add_row(str(i), str(len(split.train[i])), str(len(split.test[i])), str(int((row > 0).sum())), labels)
+        table.add_row(
+            str(i),
+            str(len(split.train[i])),
+            str(len(split.test[i])),
+            str(int((row > 0).sum())),
+            labels,
+        )
     console.print(table)
     console.print(f"mean pairwise Jensen-Shannon divergence: [bold]{P.mean_pairwise_js(hist):.4f}[/]")
     out = Path(cfg.output_dir)
@@ -125,23 +149,47 @@ def methods(config: ConfigArg = None, set_: SetOpt = None) -> None:
         method = build_method(cls.config_cls(), cfg.train)
         method.prepare(model)
         c = param_counts(model, method)
-        table.add_row(name, f"{c['trainable']:,}", f"{c['shared']:,}", f"{c['personal']:,}",
-                      f"{100 * c['trainable'] / c['total']:.2f}")
+        table.add_row(
+            name,
+            f"{c['trainable']:,}",
+            f"{c['shared']:,}",
+            f"{c['personal']:,}",
+            f"{100 * c['trainable'] / c['total']:.2f}",
+        )
     console.print(table)
 
 
 def _print_summaries(summaries: list[dict]) -> None:
     table = Table(title="results")
-    for col in ("run", "method", "rounds", "global acc", "macro-F1", "MCC", "local acc (mean±std)",
-                "best acc (round)", "MB sent", "train s"):
+    for col in (
+        "run",
+        "method",
+        "rounds",
+        "acc",
+        "F1",
+        "MCC",
+        "local acc",
+        "best (rnd)",
+        "MB",
+        "train s",
+    ):
         table.add_column(col)
     for s in summaries:
         g, loc = s.get("final_global") or {}, s.get("final_local") or {}
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         local = f"{fmt(loc.get('accuracy_mean'))}±{fmt(loc.get('accuracy_std'))}" if loc else "-"
-        table.add_row(s["name"], s["method"], str(s["rounds"]), fmt(g.get("accuracy")), fmt(g.get("macro_f1")),
-                      fmt(g.get("mcc")), local, f"{fmt(s.get('best_global_accuracy'))} ({s.get('best_round')})",
-                      f"{s['total_bytes'] / 1e6:.2f}", f"{s['time_train']:.1f}")
+        table.add_row(
+            s["name"],
+            s["method"],
+            str(s["rounds"]),
+            fmt(g.get("accuracy")),
+            fmt(g.get("macro_f1")),
+            fmt(g.get("mcc")),
+            local,
+            f"{fmt(s.get('best_global_accuracy'))} ({s.get('best_round')})",
+            f"{s['total_bytes'] / 1e6:.2f}",
+            f"{s['time_train']:.1f}",
+        )
     console.print(table)
 
 

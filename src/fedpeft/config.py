@@ -146,15 +146,6 @@ class EvalConfig(BaseModel):
     batch_size: int = Field(128, ge=1)
 
 
-class LinkConfig(BaseModel):
-    """A simple link model for turning exact bytes into communication time."""
-
-    model_config = Strict
-
-    bandwidth_mbit: float = Field(25.0, gt=0, description="Link bandwidth in Mbit/s.")
-    latency_ms: float = Field(0.0, ge=0, description="Per-message latency in ms.")
-
-
 class ExperimentConfig(BaseModel):
     """One federated experiment, end to end."""
 
@@ -171,7 +162,6 @@ class ExperimentConfig(BaseModel):
     )
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
-    link: LinkConfig = LinkConfig()
     checkpoint: bool = Field(True, description="Save server and client state every round.")
 
     @model_validator(mode="after")

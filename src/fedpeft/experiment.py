@@ -109,11 +109,15 @@ def build(cfg: ExperimentConfig, model: TaskModel | None = None, tokenizer=None)
 def pooled_schedule(setup: Setup) -> tuple[list[ClientData], int]:
     """Centralized: one client holding all training data; steps matching a federated round."""
     cfg, clients = setup.cfg, setup.clients
-    pooled = ClientData(0, Encoded.concat([c.train for c in clients]), Encoded.concat([c.test for c in clients]))
+    pooled = ClientData(
+        0, Encoded.concat([c.train for c in clients]), Encoded.concat([c.test for c in clients])
+    )
     if cfg.train.local_steps:
         steps = cfg.train.local_steps * cfg.train.clients_per_round
     else:
-        per_client = [cfg.train.local_epochs * math.ceil(len(c.train) / cfg.train.batch_size) for c in clients]
+        per_client = [
+            cfg.train.local_epochs * math.ceil(len(c.train) / cfg.train.batch_size) for c in clients
+        ]
         steps = max(1, round(np.mean(per_client) * cfg.train.clients_per_round))
     return [pooled], steps
 

@@ -159,9 +159,7 @@ def _dirichlet_draw(
     return [np.concatenate(chunks) for chunks in buckets]
 
 
-def _majority_first(
-    indices: np.ndarray, labels: np.ndarray, rng: np.random.Generator
-) -> np.ndarray:
+def _majority_first(indices: np.ndarray, labels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """Shuffle ``indices``, then stably move those of the most frequent label to the front."""
     shuffled = rng.permutation(indices)
     values, counts = np.unique(labels[shuffled], return_counts=True)
@@ -264,10 +262,7 @@ def partition_similarity(
     skewed_chunks = np.array_split(sorted_share, num_clients)
     iid_chunks = np.array_split(shuffled[num_sorted:], num_clients)[::-1]
     return _finalise(
-        [
-            np.concatenate([skewed, iid])
-            for skewed, iid in zip(skewed_chunks, iid_chunks, strict=True)
-        ]
+        [np.concatenate([skewed, iid]) for skewed, iid in zip(skewed_chunks, iid_chunks, strict=True)]
     )
 
 
@@ -302,9 +297,7 @@ def _merge_balanced(members: list[np.ndarray], num_clients: int) -> list[np.ndar
     return [np.concatenate(chunks) for chunks in assigned]
 
 
-def partition_natural(
-    groups: np.ndarray | Sequence, num_clients: int | None = None
-) -> list[np.ndarray]:
+def partition_natural(groups: np.ndarray | Sequence, num_clients: int | None = None) -> list[np.ndarray]:
     """One client per distinct value of ``groups``, optionally merged into fewer clients.
 
     Clients are ordered by the **first appearance** of their group value in
@@ -380,8 +373,7 @@ def label_histograms(labels: np.ndarray, parts: list[np.ndarray], num_classes: i
         raise PartitionError(f"labels must be integers, got dtype {labels.dtype}")
     if labels.min() < 0 or labels.max() >= num_classes:
         raise PartitionError(
-            f"labels must lie in [0, num_classes={num_classes}), "
-            f"got range [{labels.min()}, {labels.max()}]"
+            f"labels must lie in [0, num_classes={num_classes}), got range [{labels.min()}, {labels.max()}]"
         )
     hist = np.zeros((len(parts), num_classes), dtype=np.int64)
     for client, part in enumerate(parts):
@@ -452,9 +444,7 @@ def plot_label_heatmap(
     dist = _row_distributions(hist, allow_empty=True)
     num_clients, num_classes = dist.shape
     if class_names is not None and len(class_names) != num_classes:
-        raise PartitionError(
-            f"class_names has {len(class_names)} entries but hist has {num_classes} classes"
-        )
+        raise PartitionError(f"class_names has {len(class_names)} entries but hist has {num_classes} classes")
 
     fig = Figure(figsize=(min(2 + 0.35 * num_classes, 20), min(1.5 + 0.3 * num_clients, 20)))
     FigureCanvasAgg(fig)

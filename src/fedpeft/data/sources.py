@@ -82,7 +82,7 @@ def _check_columns(table: Columns, origin: str, cfg: DataConfig) -> None:
     for col in wanted:
         if col not in table:
             raise DataError(f"{origin}: no column {col!r} (columns: {sorted(table)})")
-    for row, (text, label) in enumerate(zip(table[cfg.text_column], table[cfg.label_column])):
+    for row, (text, label) in enumerate(zip(table[cfg.text_column], table[cfg.label_column], strict=True)):
         if not isinstance(text, str) or not text.strip():
             raise DataError(f"{origin}: row {row}: column {cfg.text_column!r} is empty or not text")
         if label is None or (isinstance(label, float) and np.isnan(label)):
@@ -121,7 +121,9 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
     if cfg.source != "wordnet":
         _check_columns(table, origin, cfg)
     rng = np.random.default_rng(seed)
-    text_col, label_col = ("text", "label") if cfg.source == "wordnet" else (cfg.text_column, cfg.label_column)
+    text_col, label_col = (
+        ("text", "label") if cfg.source == "wordnet" else (cfg.text_column, cfg.label_column)
+    )
     n = len(table[text_col])
     if test is None:  # a seeded held-out share
         order = rng.permutation(n)
@@ -132,7 +134,10 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
     else:
         _check_columns(test, f"{cfg.hub_id}[{cfg.test_split}]", cfg)
     all_labels, names = _encode_labels(table[label_col] + test[label_col], names, origin)
-    train_labels, test_labels = all_labels[: len(table[label_col])], all_labels[len(table[label_col]) :]
+    train_labels, test_labels = (
+        all_labels[: len(table[label_col])],
+        all_labels[len(table[label_col]) :],
+    )
     keep = _subsample(len(train_labels), cfg.max_samples, rng)
     keep_test = _subsample(len(test_labels), cfg.max_test_samples, rng)
     group_col = "pos" if cfg.source == "wordnet" and cfg.group_column in (None, "pos") else cfg.group_column

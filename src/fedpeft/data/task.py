@@ -34,7 +34,9 @@ class Encoded:
         width = max(p.ids.shape[1] for p in parts)
         ids = [torch.nn.functional.pad(p.ids, (0, width - p.ids.shape[1])) for p in parts]
         return Encoded(
-            torch.cat(ids), torch.cat([p.lengths for p in parts]), torch.cat([p.labels for p in parts])
+            torch.cat(ids),
+            torch.cat([p.lengths for p in parts]),
+            torch.cat([p.labels for p in parts]),
         )
 
 

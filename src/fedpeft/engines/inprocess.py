@@ -49,7 +49,9 @@ class Schedule:
 
 def derive_seed(*keys: int) -> int:
     """A 63-bit seed from integer keys (independent streams per round and client)."""
-    return int(np.random.SeedSequence(list(keys)).generate_state(2, np.uint32).astype(np.uint64) @ [1 << 31, 1])
+    return int(
+        np.random.SeedSequence(list(keys)).generate_state(2, np.uint32).astype(np.uint64) @ [1 << 31, 1]
+    )
 
 
 def sample_clients(seed: int, rnd: int, num_clients: int, per_round: int) -> list[int]:
@@ -85,7 +87,9 @@ class InProcessEngine:
         covered = set(method.shared_names) | set(method.personal_names)
         if covered != set(trainable):
             missing = sorted(set(trainable) - covered)[:3]
-            raise RuntimeError(f"method {method.name}: trainable tensors neither shared nor personal: {missing}")
+            raise RuntimeError(
+                f"method {method.name}: trainable tensors neither shared nor personal: {missing}"
+            )
         self.initial: Tensors = read_tensors(model, trainable)
         self.personal: dict[int, Tensors] = {}
         self._loaded: tuple[torch.Tensor, ...] = ()
@@ -118,13 +122,22 @@ class InProcessEngine:
             torch.manual_seed(seed)  # dropout and any other global-RNG draw
             self._loaded = ()
             result = self.method.fit(
-                self.model, received, self.personal_of(client), client, torch.Generator().manual_seed(seed)
+                self.model,
+                received,
+                self.personal_of(client),
+                client,
+                torch.Generator().manual_seed(seed),
             )
             self.personal[cid] = result.personal
             results.append(result)
             down += tensor_bytes(received)
             up += tensor_bytes(result.uplink)
-        loss = float(np.average([r.metrics.get("loss", np.nan) for r in results], weights=[r.num_examples for r in results]))
+        loss = float(
+            np.average(
+                [r.metrics.get("loss", np.nan) for r in results],
+                weights=[r.num_examples for r in results],
+            )
+        )
         return results, {"clients": sampled, "loss": loss, "bytes_down": down, "bytes_up": up}
 
     def evaluate(self, server: ServerState) -> dict:
@@ -144,7 +157,9 @@ class InProcessEngine:
             if global_tensors is None:
                 per_client_global.append(scores(predict(self.model, self.global_test, bs), labels))
             if self.schedule.eval_local and len(client.test):
-                per_client_local.append(scores(predict(self.model, client.test, bs), client.test.labels.numpy()))
+                per_client_local.append(
+                    scores(predict(self.model, client.test, bs), client.test.labels.numpy())
+                )
         if per_client_global:
             out["global"] = mean_scores(per_client_global)
         if per_client_local:
@@ -187,7 +202,8 @@ class InProcessEngine:
             records.append(record)
             if self.checkpoint_path is not None:
                 save_checkpoint(
-                    self.checkpoint_path, Checkpoint(rnd, self.fingerprint, server, self.personal, records)
+                    self.checkpoint_path,
+                    Checkpoint(rnd, self.fingerprint, server, self.personal, records),
                 )
             self.on_round(record)
         self.server = server

@@ -38,6 +38,9 @@ class FedAvgPeft(Method):
         load_tensors(model, tensors)
         out_dir.mkdir(parents=True, exist_ok=True)
         model.backbone.save_pretrained(str(out_dir))
-        head = {k.removeprefix("head."): v.detach().contiguous() for k, v in model.head.state_dict(keep_vars=True).items()}
+        head = {
+            k.removeprefix("head."): v.detach().contiguous()
+            for k, v in model.head.state_dict(keep_vars=True).items()
+        }
         save_file(head, str(out_dir / "head.safetensors"))
         return out_dir

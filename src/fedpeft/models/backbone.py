@@ -44,7 +44,9 @@ def resolve_backbone(cfg: ModelConfig) -> tuple[str, str | None]:
         return str(bundled_minilm_dir()), cfg.gguf_file
     if cfg.backbone == "bundled-smollm2":
         return str(bundled_smollm2_dir()), cfg.gguf_file or SMOLLM2_GGUF
-    return str(Path(cfg.backbone).expanduser()) if Path(cfg.backbone).expanduser().exists() else cfg.backbone, cfg.gguf_file
+    return str(Path(cfg.backbone).expanduser()) if Path(
+        cfg.backbone
+    ).expanduser().exists() else cfg.backbone, cfg.gguf_file
 
 
 def load_backbone(cfg: ModelConfig) -> tuple[nn.Module, object]:

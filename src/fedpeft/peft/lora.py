@@ -36,9 +36,7 @@ def add_lora(backbone: nn.Module, spec: LoraSpec) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     targets = default_targets(getattr(backbone.config, "model_type", ""), spec.target_modules)
-    config = LoraConfig(
-        r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=targets
-    )
+    config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=targets)
     try:
         return get_peft_model(backbone, config)
     except ValueError as err:

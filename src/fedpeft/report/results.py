@@ -1,11 +1,11 @@
 """The output directory of a run and how to read it back.
 
-    DIR/config.yaml      the fully resolved config the run used
-    DIR/metrics.jsonl    one JSON object per completed round
-    DIR/summary.json     final and best scores, bytes, parameter counts, times
-    DIR/*.png            accuracy vs round and vs cumulative bytes; partition heatmap
-    DIR/checkpoint.pt    last completed round (for --resume)
-    DIR/adapter/         the exported global adapter
+DIR/config.yaml      the fully resolved config the run used
+DIR/metrics.jsonl    one JSON object per completed round
+DIR/summary.json     final and best scores, bytes, parameter counts, times
+DIR/*.png            accuracy vs round and vs cumulative bytes; partition heatmap
+DIR/checkpoint.pt    last completed round (for --resume)
+DIR/adapter/         the exported global adapter
 """
 
 from __future__ import annotations
