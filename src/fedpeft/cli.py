@@ -73,14 +73,17 @@ def run(
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("setting up", total=cfg.train.rounds)
 
+        last_acc = ""
+
         def on_round(r: dict) -> None:
-            acc = r.get("global", {}).get("accuracy")
-            last = f"acc {acc:.3f}" if acc is not None else ""
+            nonlocal last_acc
+            if r.get("global"):
+                last_acc = f"acc {r['global']['accuracy']:.3f} (round {r['round']})"
             progress.update(
                 task,
                 completed=r["round"],
-                description=f"round {r['round']} | {len(r['clients'])} clients | "
-                f"loss {r['loss']:.3f} | {last}",
+                description=f"round {r['round']} | {len(r['clients'])} clients "
+                f"| loss {r['loss']:.3f} | {last_acc}",
             )
 
         try:

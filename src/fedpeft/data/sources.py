@@ -107,9 +107,8 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
     test: Columns | None = None
     if cfg.source == "wordnet":
         table, origin = read_glosses(cfg.wordnet_dir), str(cfg.wordnet_dir)
-        names = None
-        table["label"] = [LEXNAMES.index(v) for v in table["label"]]
-        names = list(LEXNAMES)
+        lex_id = {name: i for i, name in enumerate(LEXNAMES)}
+        table["label"], names = [lex_id[v] for v in table["label"]], list(LEXNAMES)
     elif cfg.source == "file":
         assert cfg.path is not None
         table, origin = read_table(cfg.path), str(cfg.path)

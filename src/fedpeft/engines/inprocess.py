@@ -92,6 +92,7 @@ class InProcessEngine:
             )
         self.initial: Tensors = read_tensors(model, trainable)
         self.personal: dict[int, Tensors] = {}
+        self.server: ServerState | None = None  # the final state, once run() returns
         self._loaded: tuple[torch.Tensor, ...] = ()
 
     # ------------------------------------------------------------ state helpers
