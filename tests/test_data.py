@@ -82,7 +82,7 @@ def test_bad_row_is_named(tmp_path):
     path = tmp_path / "d.jsonl"
     rows = [{"text": "fine", "label": 1}, {"text": "   ", "label": 0}, {"text": "ok", "label": 1}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(DataError, match=r"d\.jsonl: row 1: column 'text' is empty"):
+    with pytest.raises(DataError, match=r"d\.jsonl: data row 1 \(0-based\): column 'text' is empty"):
         load_corpus(DataConfig(source="file", path=path), 0)
 
 
@@ -145,3 +145,16 @@ def test_batches_pad_only_to_their_longest_row():
     assert long["input_ids"].shape == (2, 6)
     seen = torch.cat([b["labels"] for b in iter_batches(data, 3, torch.Generator().manual_seed(0))])
     assert sorted(seen.tolist()) == [0, 0, 1, 1]
+
+
+def test_numeric_labels_keep_numeric_order(tmp_path):
+    path = tmp_path / "d.csv"
+    pd.DataFrame({"text": [f"t{i}" for i in range(10)], "label": [0, 1, 2, 10, 11] * 2}).to_csv(
+        path, index=False
+    )
+    corpus = load_corpus(DataConfig(source="file", path=path, test_fraction=0.5), 0)
+    assert corpus.class_names == ["0", "1", "2", "10", "11"]
+    texts = corpus.train_texts + corpus.test_texts
+    labels = np.concatenate([corpus.train_labels, corpus.test_labels])
+    for text, label in zip(texts, labels, strict=True):  # row i has label [0, 1, 2, 10, 11][i % 5]
+        assert corpus.class_names[label] == str([0, 1, 2, 10, 11][int(text[1:]) % 5])

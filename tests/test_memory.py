@@ -17,7 +17,7 @@ def _run_clients(tiny_config, num_clients: int, out: str):
             "method": {"name": "local", "trainable": "lora", "lora": {"r": 2}},
             "data": {"source": "wordnet", "max_samples": 12 * num_clients, "max_test_samples": 8},
             "partition": {"scheme": "iid", "num_clients": num_clients, "local_test_fraction": 0.2},
-            "train": {"rounds": 1, "clients_per_round": 10, "local_steps": 1, "batch_size": 4},
+            "train": {"rounds": 1, "clients_per_round": num_clients, "local_steps": 1, "batch_size": 4},
             "checkpoint": False,
             "output_dir": out,
         }
@@ -49,7 +49,7 @@ def test_200_clients_share_one_backbone(tiny_config, tmp_path):
     personal_bytes = sum(params[n].numel() * params[n].element_size() for n in setup.method.personal_names)
 
     store = engine.personal
-    assert len(store) == 200  # every client has (and was evaluated with) its own state
+    assert len(store) == 200  # every client trained, holds and was evaluated with its own state
     assert sum(tensor_bytes(s) for s in store.values()) == 200 * personal_bytes
     assert personal_bytes * 50 < model_bytes  # the test is meaningful: states are small
     # exactly one backbone object alive, however many clients

@@ -59,7 +59,7 @@ def test_conformance(method_name, tiny_config):
     assert any(not torch.equal(s[n], before[n]) for s in states for n in s)
     # bytes accounted == bytes of the tensors exchanged (float32 everywhere here)
     shared_bytes = sum(params[n].numel() * 4 for n in method.shared_names)
-    per_round = 1 if method.pooled else cfg.train.clients_per_round
+    per_round = 0 if not method.communicates else cfg.train.clients_per_round
     for r in ckpt.records:
         assert r["bytes_down"] == r["bytes_up"] == per_round * shared_bytes
     assert ckpt.records[-1]["cum_bytes"] == 2 * 2 * per_round * shared_bytes
@@ -88,3 +88,30 @@ def test_head_can_be_personal(tiny_config):
     summary = run(cfg, setup=setup)
     head = sum(p.numel() for p in setup.model.head.parameters())
     assert summary["params"]["personal"] == head
+
+
+def test_centralized_has_one_shared_head(tiny_config):
+    from fedpeft.config import ConfigError
+
+    with pytest.raises(ConfigError, match="method.head must be 'shared' for centralized"):
+        tiny_config(**{"method": {"name": "centralized", "head": "personal"}})
+
+
+def test_personal_clients_evaluated_only_once_trained(tiny_config):
+    # 4 clients, 1 per round, 2 rounds: at most 2 clients have a model of their own
+    cfg = tiny_config(**{"method": {"name": "local"}, "train.clients_per_round": 1})
+    summary = run(cfg)
+    from fedpeft.report.results import read_records
+
+    records = read_records(cfg.output_dir)
+    trained = {c for r in records for c in r["clients"]}
+    assert records[-1]["clients_evaluated"] == len(trained) < 4
+    assert summary["final_local"] is not None
+
+
+def test_a_setup_runs_twice_from_the_same_start(tiny_config, tmp_path):
+    cfg = tiny_config()
+    setup = build(cfg)
+    first = run(cfg, setup=setup)
+    second = run(cfg.model_copy(update={"output_dir": tmp_path / "again"}), setup=setup)
+    assert first["final_global"] == second["final_global"]

@@ -91,3 +91,9 @@ def test_interrupted_write_keeps_last_good_checkpoint(tmp_path, monkeypatch):
     monkeypatch.undo()
     loaded = C.load_checkpoint(path, "fp")
     assert loaded.round == 1 and torch.equal(loaded.server.tensors["w"], torch.ones(3))
+
+
+def test_resume_needs_checkpoints(tiny_config, tmp_path):
+    cfg = tiny_config(output_dir=str(tmp_path / "nock"), checkpoint=False)
+    with pytest.raises(C.ResumeError, match="checkpoint: false"):
+        run(cfg, resume=True)

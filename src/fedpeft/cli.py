@@ -135,21 +135,24 @@ def methods(config: ConfigArg = None, set_: SetOpt = None) -> None:
     """List the registered methods with their parameter counts on the configured backbone."""
     import copy
 
+    from fedpeft.data.sources import load_corpus
     from fedpeft.experiment import param_counts
     from fedpeft.methods import REGISTRY, build_method
     from fedpeft.models.backbone import build_model
 
     try:
         cfg = _config(config, set_)
-        base, _ = build_model(cfg.model, 45 if cfg.data.source == "wordnet" else 2, cfg.seed)
-    except (ConfigError, ValueError) as err:
+        num_classes = load_corpus(cfg.data, cfg.seed).num_classes
+        base, _ = build_model(cfg.model, num_classes, cfg.seed)
+    except (ConfigError, ValueError, FileNotFoundError) as err:
         _fail(err)
-    table = Table(title=f"methods on {cfg.model.backbone}")
+    table = Table(title=f"methods on {cfg.model.backbone}, {num_classes} classes")
     for col in ("method", "trainable", "shared (sent)", "personal", "% of model"):
         table.add_column(col)
     for name, cls in REGISTRY.items():
         model = copy.deepcopy(base)
-        method = build_method(cls.config_cls(), cfg.train)
+        options = cfg.method if cfg.method.name == name else cls.config_cls()  # the configured options
+        method = build_method(options, cfg.train)
         method.prepare(model)
         c = param_counts(model, method)
         table.add_row(

@@ -63,6 +63,8 @@ class DataConfig(BaseModel):
                 raise ValueError("data.path is required when data.source is 'file'")
             if not self.path.is_file():
                 raise ValueError(f"data.path: no such file: {self.path}")
+        if self.source == "wordnet" and self.group_column not in (None, "pos"):
+            raise ValueError("data.group_column: the WordNet corpus has one group column, 'pos'")
         if self.source == "hub" and not self.hub_id:
             raise ValueError("data.hub_id is required when data.source is 'hub'")
         return self
@@ -152,7 +154,7 @@ class ExperimentConfig(BaseModel):
     model_config = Strict
 
     name: str = "experiment"
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     output_dir: Path = Path("runs/experiment")
     data: DataConfig = DataConfig()
     partition: PartitionConfig = PartitionConfig()

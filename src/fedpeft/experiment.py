@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,9 +21,10 @@ from fedpeft.config import ExperimentConfig, dump_config
 from fedpeft.data import partition as P
 from fedpeft.data.sources import Corpus, load_corpus
 from fedpeft.data.task import Encoded, encode
+from fedpeft.engines.checkpoint import ResumeError
 from fedpeft.engines.inprocess import InProcessEngine, Schedule
 from fedpeft.methods import build_method
-from fedpeft.methods.base import ClientData, Method
+from fedpeft.methods.base import ClientData, Method, Tensors, load_tensors, read_tensors
 from fedpeft.models.backbone import TaskModel, build_model
 from fedpeft.report import results as R
 from fedpeft.report.plots import plot_accuracy
@@ -44,15 +46,22 @@ def make_split(cfg: ExperimentConfig, corpus: Corpus) -> Split:
     """Partition the training pool as configured, then carve each client's local test split."""
     pc, rng = cfg.partition, np.random.default_rng([cfg.seed, 1])
     labels = corpus.train_labels
-    if pc.scheme == "iid":
-        parts = P.partition_iid(len(labels), pc.num_clients, rng)
-    elif pc.scheme == "dirichlet":
-        parts = P.partition_dirichlet(labels, pc.num_clients, pc.alpha, rng, min_size=pc.min_size)
-    elif pc.scheme == "similarity":
-        parts = P.partition_similarity(labels, pc.num_clients, pc.similarity, rng)
-    else:
-        parts = P.partition_natural(corpus.train_groups, pc.num_clients)
-    train, test = P.split_local_test(parts, pc.local_test_fraction, rng)
+    try:
+        if pc.scheme == "iid":
+            parts = P.partition_iid(len(labels), pc.num_clients, rng)
+        elif pc.scheme == "dirichlet":
+            parts = P.partition_dirichlet(labels, pc.num_clients, pc.alpha, rng, min_size=pc.min_size)
+        elif pc.scheme == "similarity":
+            parts = P.partition_similarity(labels, pc.num_clients, pc.similarity, rng)
+        else:
+            parts = P.partition_natural(corpus.train_groups, pc.num_clients)
+        train, test = P.split_local_test(parts, pc.local_test_fraction, rng)
+    except P.PartitionError as err:
+        raise P.PartitionError(
+            f"partition ({pc.scheme}: partition.num_clients={pc.num_clients}, "
+            f"partition.min_size={pc.min_size}, {len(labels)} training examples after "
+            f"data.max_samples): {err}"
+        ) from None
     return Split(train, test)
 
 
@@ -84,6 +93,7 @@ class Setup:
     method: Method
     clients: list[ClientData]
     global_test: Encoded
+    initial: Tensors  # the trainable tensors right after prepare(), restored by every run
 
 
 def build(cfg: ExperimentConfig, model: TaskModel | None = None, tokenizer=None) -> Setup:
@@ -103,7 +113,8 @@ def build(cfg: ExperimentConfig, model: TaskModel | None = None, tokenizer=None)
     method = build_method(cfg.method, cfg.train)
     torch.manual_seed(cfg.seed + 1)  # adapter / LoRA initialisation
     method.prepare(model)
-    return Setup(cfg, corpus, split, model, method, clients, global_test)
+    initial = read_tensors(model, [n for n, p in model.named_parameters() if p.requires_grad])
+    return Setup(cfg, corpus, split, model, method, clients, global_test, initial)
 
 
 def pooled_schedule(setup: Setup) -> tuple[list[ClientData], int]:
@@ -122,21 +133,9 @@ def pooled_schedule(setup: Setup) -> tuple[list[ClientData], int]:
     return [pooled], steps
 
 
-def run(
-    cfg: ExperimentConfig,
-    resume: bool = False,
-    on_round: Callable[[dict], None] | None = None,
-    setup: Setup | None = None,
-) -> dict:
-    """Run ``cfg`` end to end and write its output directory; returns the summary."""
-    t_setup = time.perf_counter()
-    setup = setup or build(cfg)
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(dump_config(cfg))
-    hist = setup.split.histograms(setup.corpus.train_labels, setup.corpus.num_classes)
-    P.plot_label_heatmap(hist, out / "partition_heatmap.png", setup.corpus.class_names, cfg.name)
-
+def make_engine(setup: Setup, on_round: Callable[[dict], None] | None) -> InProcessEngine:
+    """The in-process engine for ``setup``, writing ``metrics.jsonl`` as rounds complete."""
+    cfg, out = setup.cfg, Path(setup.cfg.output_dir)
     clients, per_round = setup.clients, cfg.train.clients_per_round
     if setup.method.pooled:
         clients, steps = pooled_schedule(setup)
@@ -157,7 +156,7 @@ def run(
         if on_round:
             on_round(record)
 
-    engine = InProcessEngine(
+    return InProcessEngine(
         setup.model,
         setup.method,
         clients,
@@ -170,15 +169,42 @@ def run(
         # metrics.jsonl restarts from the checkpoint's records (or empty): nothing lost, nothing twice
         on_start=lambda done: R.write_records(metrics_path, done),
     )
+
+
+def export(setup: Setup, server_tensors: Tensors, out: Path) -> str | None:
+    """Save the global (shared) tensors, and the label names, under ``out/adapter``."""
+    target = out / "adapter"
+    shutil.rmtree(target, ignore_errors=True)  # never leave a previous run's adapter behind
+    if not setup.method.shared_names:
+        return None
+    path = setup.method.export(setup.model, server_tensors, target)
+    R.write_json(target / "labels.json", {"id2label": dict(enumerate(setup.corpus.class_names))})
+    return str(path)
+
+
+def run(
+    cfg: ExperimentConfig,
+    resume: bool = False,
+    on_round: Callable[[dict], None] | None = None,
+    setup: Setup | None = None,
+) -> dict:
+    """Run ``cfg`` end to end and write its output directory; returns the summary."""
+    if resume and not cfg.checkpoint:
+        raise ResumeError("--resume needs checkpoints, but the config sets checkpoint: false")
+    t_setup = time.perf_counter()
+    setup = setup or build(cfg)
+    load_tensors(setup.model, setup.initial)  # a setup may serve several runs
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(dump_config(cfg))
+    hist = setup.split.histograms(setup.corpus.train_labels, setup.corpus.num_classes)
+    P.plot_label_heatmap(hist, out / "partition_heatmap.png", setup.corpus.class_names, cfg.name)
+
+    engine = make_engine(setup, on_round)
     t_run = time.perf_counter()
     records = engine.run(resume=resume)
     t_end = time.perf_counter()
 
-    exported = None
-    final = setup.method.global_state(engine.server)
-    if final is not None:
-        exported = str(setup.method.export(setup.model, final, out / "adapter"))
-    counts = param_counts(setup.model, setup.method)
     summary = R.summarize(
         records,
         {
@@ -189,13 +215,14 @@ def run(
             "clients_per_round": cfg.train.clients_per_round,
             "partition": cfg.partition.scheme,
             "mean_pairwise_js": P.mean_pairwise_js(hist),
-            "params": counts,
+            "class_names": setup.corpus.class_names,
+            "params": param_counts(setup.model, setup.method),
             "communicated_params_per_client": sum(
                 t.numel() for t in setup.method.downlink(engine.server, 0).values()
             ),
             "time_setup": t_run - t_setup,
             "time_total": t_end - t_setup,
-            "exported": exported,
+            "exported": export(setup, engine.server.tensors, out),
         },
     )
     R.write_json(out / "summary.json", summary)

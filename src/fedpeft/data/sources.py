@@ -84,21 +84,43 @@ def _check_columns(table: Columns, origin: str, cfg: DataConfig) -> None:
             raise DataError(f"{origin}: no column {col!r} (columns: {sorted(table)})")
     for row, (text, label) in enumerate(zip(table[cfg.text_column], table[cfg.label_column], strict=True)):
         if not isinstance(text, str) or not text.strip():
-            raise DataError(f"{origin}: row {row}: column {cfg.text_column!r} is empty or not text")
+            raise DataError(
+                f"{origin}: data row {row} (0-based): column {cfg.text_column!r} is empty or not text"
+            )
         if label is None or (isinstance(label, float) and np.isnan(label)):
-            raise DataError(f"{origin}: row {row}: column {cfg.label_column!r} is missing")
+            raise DataError(f"{origin}: data row {row} (0-based): column {cfg.label_column!r} is missing")
 
 
-def _encode_labels(values: list[Any], names: list[str] | None, origin: str) -> tuple[np.ndarray, list[str]]:
-    if names is not None:  # already integer ids with known names
+def class_names_of(values: list[Any]) -> list[str]:
+    """Distinct label values as class names: numeric order when all are numbers (so 2 < 10),
+    else string order. ``1`` and ``1.0`` are the same class."""
+    distinct = set(values)
+    if all(_is_number(v) for v in distinct):
+        return list(dict.fromkeys(_label_key(v) for v in sorted(distinct)))
+    return sorted({_label_key(v) for v in distinct})
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+
+def _label_key(v: Any) -> str:
+    """The class name of a label value: ``1`` and ``1.0`` -> ``"1"``; text as it is."""
+    if _is_number(v):
+        return str(int(v)) if float(v).is_integer() else str(float(v))
+    return str(v)
+
+
+def _encode_labels(values: list[Any], names: list[str], origin: str, known_ids: bool) -> np.ndarray:
+    """Label ids for ``values``: range-checked ids (``known_ids``) or indices into ``names``."""
+    if known_ids:  # already integer ids with known names (hub ClassLabel)
         ids = np.asarray(values, dtype=np.int64)
         bad = np.flatnonzero((ids < 0) | (ids >= len(names)))
         if bad.size:
             raise DataError(f"{origin}: row {bad[0]}: label {ids[bad[0]]} outside 0..{len(names) - 1}")
-        return ids, names
-    names = sorted({str(v) for v in values})
+        return ids
     index = {n: i for i, n in enumerate(names)}
-    return np.asarray([index[str(v)] for v in values], dtype=np.int64), names
+    return np.asarray([index[_label_key(v)] for v in values], dtype=np.int64)
 
 
 def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
@@ -130,13 +152,15 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
         test_idx, train_idx = np.sort(order[:n_test]), np.sort(order[n_test:])
         test = {k: [v[i] for i in test_idx] for k, v in table.items()}
         table = {k: [v[i] for i in train_idx] for k, v in table.items()}
+        test_origin = f"{origin} (held-out share)"
     else:
-        _check_columns(test, f"{cfg.hub_id}[{cfg.test_split}]", cfg)
-    all_labels, names = _encode_labels(table[label_col] + test[label_col], names, origin)
-    train_labels, test_labels = (
-        all_labels[: len(table[label_col])],
-        all_labels[len(table[label_col]) :],
-    )
+        test_origin = f"{cfg.hub_id}[{cfg.test_split}]"
+        _check_columns(test, test_origin, cfg)
+    known_ids = names is not None
+    if names is None:
+        names = class_names_of(table[label_col] + test[label_col])
+    train_labels = _encode_labels(table[label_col], names, origin, known_ids)
+    test_labels = _encode_labels(test[label_col], names, test_origin, known_ids)
     keep = _subsample(len(train_labels), cfg.max_samples, rng)
     keep_test = _subsample(len(test_labels), cfg.max_test_samples, rng)
     group_col = "pos" if cfg.source == "wordnet" and cfg.group_column in (None, "pos") else cfg.group_column

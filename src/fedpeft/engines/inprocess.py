@@ -49,9 +49,8 @@ class Schedule:
 
 def derive_seed(*keys: int) -> int:
     """A 63-bit seed from integer keys (independent streams per round and client)."""
-    return int(
-        np.random.SeedSequence(list(keys)).generate_state(2, np.uint32).astype(np.uint64) @ [1 << 31, 1]
-    )
+    hi, lo = (int(x) for x in np.random.SeedSequence(list(keys)).generate_state(2, np.uint32))
+    return ((hi << 32) | lo) & (2**63 - 1)
 
 
 def sample_clients(seed: int, rnd: int, num_clients: int, per_round: int) -> list[int]:
@@ -101,6 +100,13 @@ class InProcessEngine:
             self.personal[client.cid] = self.method.init_client(self.model, self.initial, client)
         return self.personal[client.cid]
 
+    def evaluable_clients(self) -> list[ClientData]:
+        """Clients that have a model to score: all of them when nothing is personal (they
+        all hold the global model), else those that have trained at least once."""
+        if not self.method.personal_names:
+            return self.eval_clients
+        return [c for c in self.eval_clients if c.cid in self.personal]
+
     def load(self, tensors: Tensors) -> None:
         """Load tensors into the model unless exactly these are loaded already."""
         # Holding the tensors themselves (not their ids) keeps the identity test sound.
@@ -131,8 +137,9 @@ class InProcessEngine:
             )
             self.personal[cid] = result.personal
             results.append(result)
-            down += tensor_bytes(received)
-            up += tensor_bytes(result.uplink)
+            if self.method.communicates:
+                down += tensor_bytes(received)
+                up += tensor_bytes(result.uplink)
         loss = float(
             np.average(
                 [r.metrics.get("loss", np.nan) for r in results],
@@ -151,7 +158,8 @@ class InProcessEngine:
             self.load(global_tensors)
             out["global"] = scores(predict(self.model, self.global_test, bs), labels)
         per_client_global, per_client_local = [], []
-        for client in self.eval_clients:
+        evaluable = self.evaluable_clients()
+        for client in evaluable:
             received = self.method.downlink(server, client.cid)
             tensors = self.method.eval_state(self.model, received, self.personal_of(client), client)
             self.load(tensors)
@@ -161,6 +169,7 @@ class InProcessEngine:
                 per_client_local.append(
                     scores(predict(self.model, client.test, bs), client.test.labels.numpy())
                 )
+        out["clients_evaluated"] = len(evaluable)
         if per_client_global:
             out["global"] = mean_scores(per_client_global)
         if per_client_local:

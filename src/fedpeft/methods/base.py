@@ -157,6 +157,8 @@ class Method:
     paper: ClassVar[str] = ""
     #: Train on all clients' data pooled as one client (the Centralized reference).
     pooled: ClassVar[bool] = False
+    #: False when nothing crosses a network (pooled training): bytes are recorded as 0.
+    communicates: ClassVar[bool] = True
 
     def __init__(self, cfg: MethodConfig, train: TrainConfig):
         self.cfg = cfg

@@ -6,7 +6,7 @@ as many optimizer steps as the federated round it stands beside would take in al
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from fedpeft.methods.base import MethodConfig
 from fedpeft.methods.fedavg import FedAvgPeft
@@ -21,11 +21,19 @@ class CentralizedConfig(MethodConfig):
     lora: LoraSpec = Field(default_factory=LoraSpec)
     adapter: AdapterSpec = Field(default_factory=AdapterSpec)
 
+    @field_validator("head")
+    @classmethod
+    def _one_head(cls, head: str) -> str:
+        if head != "shared":
+            raise ValueError("method.head must be 'shared' for centralized: one pooled model has one head")
+        return head
+
 
 class Centralized(FedAvgPeft):
     name = "centralized"
     config_cls = CentralizedConfig
     pooled = True
+    communicates = False  # the data, not the model, was moved: no per-round traffic
 
     def trainable_kind(self) -> Trainable:
         return self.cfg.trainable

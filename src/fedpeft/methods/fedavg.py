@@ -38,9 +38,7 @@ class FedAvgPeft(Method):
         load_tensors(model, tensors)
         out_dir.mkdir(parents=True, exist_ok=True)
         model.backbone.save_pretrained(str(out_dir))
-        head = {
-            k.removeprefix("head."): v.detach().contiguous()
-            for k, v in model.head.state_dict(keep_vars=True).items()
-        }
-        save_file(head, str(out_dir / "head.safetensors"))
+        head = {k.removeprefix("head."): v.contiguous() for k, v in tensors.items() if k.startswith("head.")}
+        if head:  # a personal head stays with its client
+            save_file(head, str(out_dir / "head.safetensors"))
         return out_dir

@@ -60,6 +60,8 @@ def load_backbone(cfg: ModelConfig) -> tuple[nn.Module, object]:
         body = AutoModel.from_pretrained(source, dtype=getattr(torch, cfg.dtype), **kwargs)
     except (OSError, ValueError) as err:
         raise BackboneError(f"model.backbone {cfg.backbone!r}: cannot load from {source!r}: {err}") from err
+    if getattr(body, "pooler", None) is not None:  # unused: TaskModel pools token states itself
+        body.pooler = None
     if tokenizer.pad_token_id is None:  # decoders often ship without one
         tokenizer.pad_token = tokenizer.eos_token
     if cfg.dropout is not None:
