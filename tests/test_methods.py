@@ -12,6 +12,7 @@ import torch
 from fedpeft.engines.checkpoint import load_checkpoint
 from fedpeft.experiment import build, fingerprint, run
 from fedpeft.methods import REGISTRY
+from fedpeft.methods.base import tensor_bytes
 
 # What each method may train: a predicate over parameter names.
 CLAIMS = {
@@ -19,6 +20,7 @@ CLAIMS = {
     "fedbf": lambda n: n.endswith("bias") or n.startswith("head."),
     "fedap": lambda n: ".adapter." in n or n.startswith("head."),
     "fedlr": lambda n: "lora_" in n or n.startswith("head."),
+    "federa": lambda n: "lora_" in n or n.startswith("head."),
     "local": lambda n: "lora_" in n or n.startswith("head."),
     "centralized": lambda n: "lora_" in n or n.startswith("head."),
 }
@@ -37,6 +39,9 @@ def test_conformance(method_name, tiny_config):
     cfg = tiny_config(**{"method": {"name": method_name}, "train.rounds": 2, "partition.num_clients": 3})
     setup = build(cfg)
     model, method = setup.model, setup.method
+    # A method may rewrite frozen weights once, as every client does on joining (FeDeRA's
+    # residual); from then on the backbone must not move.
+    method.join(model, method.join_message(method.init_server(model)))
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -59,10 +64,16 @@ def test_conformance(method_name, tiny_config):
     assert any(not torch.equal(s[n], before[n]) for s in states for n in s)
     # bytes accounted == bytes of the tensors exchanged (float32 everywhere here)
     shared_bytes = sum(params[n].numel() * 4 for n in method.shared_names)
+    # plus, down, the one-time join message at each client's first contact
     per_round = 0 if not method.communicates else cfg.train.clients_per_round
+    join_bytes = tensor_bytes(method.join_message(ckpt.server)) if method.communicates else 0
+    seen: set[int] = set()
     for r in ckpt.records:
-        assert r["bytes_down"] == r["bytes_up"] == per_round * shared_bytes
-    assert ckpt.records[-1]["cum_bytes"] == 2 * 2 * per_round * shared_bytes
+        first_contacts = len(set(r["clients"]) - seen)
+        seen |= set(r["clients"])
+        assert r["bytes_up"] == per_round * shared_bytes
+        assert r["bytes_down"] == per_round * shared_bytes + first_contacts * join_bytes
+    assert ckpt.records[-1]["cum_bytes"] == 2 * 2 * per_round * shared_bytes + len(seen) * join_bytes
     # personal tensors never sent; shared and personal partition the trainable set
     assert set(method.shared_names).isdisjoint(method.personal_names)
     assert set(method.shared_names) | set(method.personal_names) == set(trainable)

@@ -23,7 +23,7 @@ def _scores(records):
     ]
 
 
-@pytest.mark.parametrize("method", ["fedlr", "local"])
+@pytest.mark.parametrize("method", ["fedlr", "federa", "local"])
 def test_resume_equals_uninterrupted(tiny_config, tmp_path, method):
     common = {"method": {"name": method}, "train.rounds": 4, "partition.num_clients": 4}
     straight = tiny_config(**common, output_dir=str(tmp_path / "straight"))
@@ -76,7 +76,7 @@ def test_resume_without_checkpoint_is_a_clear_error(tiny_config, tmp_path):
 def test_interrupted_write_keeps_last_good_checkpoint(tmp_path, monkeypatch):
     path = tmp_path / "checkpoint.pt"
     good = C.Checkpoint(
-        1, "fp", C.ServerState({"w": torch.ones(3)}), {0: {"p": torch.zeros(2)}}, [{"round": 1}]
+        1, "fp", C.ServerState({"w": torch.ones(3)}), {0: {"p": torch.zeros(2)}}, [{"round": 1}], [0]
     )
     C.save_checkpoint(path, good)
 
@@ -85,7 +85,7 @@ def test_interrupted_write_keeps_last_good_checkpoint(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(C.torch, "save", torn_save)
-    bad = C.Checkpoint(2, "fp", C.ServerState({"w": torch.zeros(3)}), {}, [])
+    bad = C.Checkpoint(2, "fp", C.ServerState({"w": torch.zeros(3)}), {}, [], [])
     with pytest.raises(OSError):
         C.save_checkpoint(path, bad)
     monkeypatch.undo()

@@ -25,6 +25,7 @@ from fedpeft.engines.checkpoint import ResumeError
 from fedpeft.engines.inprocess import InProcessEngine, Schedule
 from fedpeft.methods import build_method
 from fedpeft.methods.base import ClientData, Method, Tensors, load_tensors, read_tensors
+from fedpeft.metrics.variation import lora_variations
 from fedpeft.models.backbone import TaskModel, build_model
 from fedpeft.report import results as R
 from fedpeft.report.plots import plot_accuracy
@@ -168,6 +169,9 @@ def make_engine(setup: Setup, on_round: Callable[[dict], None] | None) -> InProc
         on_round=record_round,
         # metrics.jsonl restarts from the checkpoint's records (or empty): nothing lost, nothing twice
         on_start=lambda done: R.write_records(metrics_path, done),
+        analyzers={"update_variation": lora_variations}
+        if any("lora_" in n for n in setup.method.shared_names)
+        else {},
     )
 
 

@@ -23,6 +23,7 @@ class Checkpoint:
     server: ServerState
     personal: dict[int, Tensors]
     records: list[dict]
+    joined: list[int]  # clients that have received the method's join message
 
 
 class ResumeError(RuntimeError):
@@ -36,6 +37,7 @@ def save_checkpoint(path: Path, ckpt: Checkpoint) -> None:
         "server": {"tensors": ckpt.server.tensors, "extras": ckpt.server.extras},
         "personal": ckpt.personal,
         "records": ckpt.records,
+        "joined": ckpt.joined,
     }
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("wb") as fh:
@@ -58,4 +60,6 @@ def load_checkpoint(path: Path, fingerprint: str) -> Checkpoint:
             "interrupted run (or use a new output_dir)"
         )
     server = ServerState(payload["server"]["tensors"], payload["server"]["extras"])
-    return Checkpoint(payload["round"], fingerprint, server, payload["personal"], payload["records"])
+    return Checkpoint(
+        payload["round"], fingerprint, server, payload["personal"], payload["records"], payload["joined"]
+    )

@@ -75,6 +75,7 @@ class InProcessEngine:
         fingerprint: str = "",
         on_round: Callable[[dict], None] | None = None,
         on_start: Callable[[list[dict]], None] | None = None,
+        analyzers: dict[str, Callable[[Tensors, Tensors], dict]] | None = None,
     ):
         self.model, self.method, self.clients = model, method, clients
         self.eval_clients = eval_clients if eval_clients is not None else clients
@@ -82,6 +83,8 @@ class InProcessEngine:
         self.checkpoint_path, self.fingerprint = checkpoint_path, fingerprint
         self.on_round = on_round or (lambda record: None)
         self.on_start = on_start or (lambda records: None)
+        # name -> f(previous global tensors, new global tensors), recorded every round
+        self.analyzers = analyzers or {}
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         covered = set(method.shared_names) | set(method.personal_names)
         if covered != set(trainable):
@@ -91,6 +94,8 @@ class InProcessEngine:
             )
         self.initial: Tensors = read_tensors(model, trainable)
         self.personal: dict[int, Tensors] = {}
+        self.joined: set[int] = set()  # clients that have received the join message
+        self.setup_info: dict[str, float] = {}
         self.server: ServerState | None = None  # the final state, once run() returns
         self._loaded: tuple[torch.Tensor, ...] = ()
 
@@ -121,10 +126,15 @@ class InProcessEngine:
     def fit_round(self, server: ServerState, rnd: int) -> tuple[list[FitResult], dict]:
         s = self.schedule
         sampled = sample_clients(s.seed, rnd, len(self.clients), s.clients_per_round)
-        results, down, up = [], 0, 0
+        results, down, up, fit_times = [], 0, 0, []
+        join_bytes = tensor_bytes(self.method.join_message(server))
         for cid in sampled:
             client = self.clients[cid]
             received = self.method.downlink(server, cid)
+            if cid not in self.joined and self.method.communicates:
+                down += join_bytes  # first contact: the one-time join message
+            self.joined.add(cid)
+            t0 = time.perf_counter()
             seed = derive_seed(s.seed, rnd, cid)
             torch.manual_seed(seed)  # dropout and any other global-RNG draw
             self._loaded = ()
@@ -135,6 +145,7 @@ class InProcessEngine:
                 client,
                 torch.Generator().manual_seed(seed),
             )
+            fit_times.append(time.perf_counter() - t0)
             self.personal[cid] = result.personal
             results.append(result)
             if self.method.communicates:
@@ -146,7 +157,13 @@ class InProcessEngine:
                 weights=[r.num_examples for r in results],
             )
         )
-        return results, {"clients": sampled, "loss": loss, "bytes_down": down, "bytes_up": up}
+        return results, {
+            "clients": sampled,
+            "loss": loss,
+            "bytes_down": down,
+            "bytes_up": up,
+            "time_fit_max": max(fit_times),  # the slowest client: a round's time when clients run in parallel
+        }
 
     def evaluate(self, server: ServerState) -> dict:
         """Global-test scores of the global model (or the clients' mean when there is none)
@@ -177,23 +194,35 @@ class InProcessEngine:
         return out
 
     # ------------------------------------------------------------ the run
-    def run(self, resume: bool = False) -> list[dict]:
-        s = self.schedule
-        server, records, start = self.method.init_server(self.model), [], 1
+    def start(self, resume: bool) -> tuple[ServerState, list[dict]]:
+        """The server state and records to continue from; the client join applied to the model."""
         if resume:
             ckpt = load_checkpoint(self.checkpoint_path, self.fingerprint)
-            server, records, start = ckpt.server, ckpt.records, ckpt.round + 1
-            self.personal = ckpt.personal
+            server, records = ckpt.server, ckpt.records
+            self.personal, self.joined = ckpt.personal, set(ckpt.joined)
+        else:
+            t0 = time.perf_counter()
+            server, records = self.method.init_server(self.model), []
+            self.setup_info = {"time_init_server": time.perf_counter() - t0, **self.method.setup_info}
+        # Every client applies the join message to its backbone copy; here they share one copy.
+        self.method.join(self.model, self.method.join_message(server))
+        return server, records
+
+    def run(self, resume: bool = False) -> list[dict]:
+        s = self.schedule
+        server, records = self.start(resume)
         self.on_start(records)
         cum_down = records[-1]["cum_bytes_down"] if records else 0
         cum_up = records[-1]["cum_bytes_up"] if records else 0
-        for rnd in range(start, s.rounds + 1):
+        for rnd in range(len(records) + 1, s.rounds + 1):
             t0 = time.perf_counter()
             results, record = self.fit_round(server, rnd)
             t1 = time.perf_counter()
-            server = self.method.aggregate(server, results, rnd)
+            previous, server = server, self.method.aggregate(server, results, rnd)
             self._loaded = ()
             t2 = time.perf_counter()
+            for name, analyze in self.analyzers.items():
+                record[name] = analyze(previous.tensors, server.tensors)
             if rnd % s.eval_every == 0 or rnd == s.rounds:
                 record.update(self.evaluate(server))
             t3 = time.perf_counter()
@@ -208,13 +237,12 @@ class InProcessEngine:
                 "time_train": t1 - t0,
                 "time_aggregate": t2 - t1,
                 "time_eval": t3 - t2,
+                **({"setup": self.setup_info} if rnd == 1 else {}),
             }
             records.append(record)
             if self.checkpoint_path is not None:
-                save_checkpoint(
-                    self.checkpoint_path,
-                    Checkpoint(rnd, self.fingerprint, server, self.personal, records),
-                )
+                ckpt = Checkpoint(rnd, self.fingerprint, server, self.personal, records, sorted(self.joined))
+                save_checkpoint(self.checkpoint_path, ckpt)
             self.on_round(record)
         self.server = server
         return records

@@ -8,6 +8,7 @@ from fedpeft.methods.base import Method, MethodConfig
 from fedpeft.methods.centralized import Centralized
 from fedpeft.methods.fedap import FedAP
 from fedpeft.methods.fedbf import FedBF
+from fedpeft.methods.federa import FeDeRA
 from fedpeft.methods.fedft import FedFT
 from fedpeft.methods.fedlr import FedLR
 from fedpeft.methods.local import LocalOnly
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
     from fedpeft.config import TrainConfig
 
 REGISTRY: dict[str, type[Method]] = {
-    cls.name: cls for cls in (FedFT, FedBF, FedAP, FedLR, LocalOnly, Centralized)
+    cls.name: cls for cls in (FedFT, FedBF, FedAP, FedLR, FeDeRA, LocalOnly, Centralized)
 }
 
 

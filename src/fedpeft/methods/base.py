@@ -165,6 +165,8 @@ class Method:
         self.train = train
         self.shared_names: list[str] = []
         self.personal_names: list[str] = []
+        #: one-off figures of init_server (e.g. FeDeRA's decomposition time), recorded with round 1
+        self.setup_info: dict[str, float] = {}
 
     # ----- structure
     def prepare(self, model: TaskModel) -> None:
@@ -185,6 +187,10 @@ class Method:
     def downlink(self, server: ServerState, cid: int) -> Tensors:
         return server.tensors
 
+    def join_message(self, server: ServerState) -> Tensors:
+        """Tensors each client receives once, at first contact (FeDeRA's initial ``A, B``)."""
+        return {}
+
     def aggregate(self, server: ServerState, results: list[FitResult], rnd: int) -> ServerState:
         states = [r.uplink for r in results]
         return ServerState(weighted_mean(states, [r.num_examples for r in results]), server.extras)
@@ -194,6 +200,9 @@ class Method:
         return server.tensors if not self.personal_names else None
 
     # ----- client side
+    def join(self, model: TaskModel, message: Tensors) -> None:
+        """Apply the join message to a client's (frozen) model; idempotent. Default: nothing."""
+
     def init_client(self, model: TaskModel, initial: Tensors, client: ClientData) -> Tensors:
         """A client's personal state before it first trains (default: the initial values)."""
         return {n: initial[n].clone() for n in self.personal_names}

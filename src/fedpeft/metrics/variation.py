@@ -13,6 +13,8 @@ input feature). A zero column has no direction; it counts as orthogonal to anyth
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 
@@ -28,10 +30,16 @@ def variation(w1: torch.Tensor, w2: torch.Tensor) -> tuple[float, float]:
     return float(magnitude), float((1 - cos).mean())
 
 
+def short_name(name: str) -> str:
+    """``...encoder.layer.3.attention.self.query.lora_A.default.weight`` -> ``3.query.A``."""
+    match = re.search(r"layers?\.(\d+)\..*?(\w+)\.lora_([AB])\.", name)
+    return ".".join(match.groups()) if match else name
+
+
 def lora_variations(prev: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[str, list[float]]:
-    """``{name: [magnitude, direction]}`` for every LoRA ``A``/``B`` matrix present in both states."""
+    """``{layer.module.A|B: [magnitude, direction]}`` for every LoRA matrix in both states."""
     out = {}
     for name, w in new.items():
         if ("lora_A" in name or "lora_B" in name) and w.dim() == 2 and name in prev:
-            out[name] = list(variation(prev[name], w))
+            out[short_name(name)] = list(variation(prev[name], w))
     return out

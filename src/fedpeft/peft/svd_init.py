@@ -24,10 +24,10 @@ import torch
 
 
 def svd_factors(weight: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(A, B)`` of rank ``r`` from the SVD of ``weight`` ``(out, in)``; float32 math."""
+    """``(A, B)`` of rank ``r`` from the SVD of ``weight`` ``(out, in)``; at least float32 math."""
     if not 1 <= r <= min(weight.shape):
         raise ValueError(f"rank r={r} must be in [1, {min(weight.shape)}] for a {tuple(weight.shape)} weight")
-    u, sigma, vh = torch.linalg.svd(weight.detach().float(), full_matrices=False)
+    u, sigma, vh = torch.linalg.svd(_wide(weight.detach()), full_matrices=False)
     root = sigma[:r].sqrt()
     a = root[:, None] * vh[:r]  # (r, in)
     b = u[:, :r] * root[None, :]  # (out, r)
@@ -36,4 +36,9 @@ def svd_factors(weight: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tenso
 
 def residual(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """``W0 - scale * B A``: the frozen part once ``A, B`` carry the principal components."""
-    return (weight.float() - scale * (b.float() @ a.float())).to(weight.dtype)
+    return (_wide(weight) - scale * (_wide(b) @ _wide(a))).to(weight.dtype)
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32, or float64 when it already is (half precision is too coarse for SVD)."""
+    return t if t.dtype == torch.float64 else t.float()
