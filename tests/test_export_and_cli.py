@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file
@@ -76,6 +77,8 @@ def test_cli_run_partition_report_methods(tiny_config, tmp_path):
     assert res.exit_code == 0, res.output
     assert "fedlr" in res.output and "fedbf" in res.output
     assert (tmp_path / "cmp" / "accuracy_vs_bytes.png").stat().st_size > 1000
+    assert (tmp_path / "cmp" / "update_variation.png").stat().st_size > 1000  # fedlr has LoRA matrices
+    assert "time to target" in res.output
 
     res = runner.invoke(app, ["partition", str(path), "--set", f"output_dir={tmp_path / 'p'}"])
     assert res.exit_code == 0, res.output
@@ -94,3 +97,40 @@ def test_cli_bad_config_names_the_key(tmp_path):
     res = CliRunner().invoke(app, ["run", str(path)])
     assert res.exit_code == 2
     assert "train.rounds" in res.output
+
+
+def test_time_to_target_by_hand():
+    from fedpeft.report.efficiency import Link, time_to_target
+
+    records = [
+        {
+            "round": 1,
+            "clients": [0, 1],
+            "bytes_down": 2_000_000,
+            "bytes_up": 2_000_000,
+            "cum_bytes": 4_000_000,
+            "time_train": 10.0,
+            "time_fit_max": 6.0,
+            "global": {"accuracy": 0.50},
+            "setup": {"time_decompose": 0.5},
+        },
+        {
+            "round": 2,
+            "clients": [2, 3],
+            "bytes_down": 2_000_000,
+            "bytes_up": 2_000_000,
+            "cum_bytes": 8_000_000,
+            "time_train": 10.0,
+            "time_fit_max": 7.0,
+            "global": {"accuracy": 0.80},
+        },
+    ]
+    rows = time_to_target(records, target=0.85, link=Link(bandwidth_mbit=8.0, latency_ms=100.0))
+    r90, r95, r99 = rows
+    # 90 % of 0.85 = 0.765: reached at round 2
+    assert r90["round"] == 2 and r90["bytes"] == 8_000_000
+    # per round one client moves 2 MB = 16 Mbit: 2 s at 8 Mbit/s, plus 2 messages x 0.1 s
+    assert r90["comm_s"] == pytest.approx(2 * (2.0 + 0.2))
+    assert r90["train_s"] == pytest.approx(6.0 + 7.0) and r90["simulated_train_s"] == pytest.approx(20.0)
+    assert r90["total_s"] == pytest.approx(13.0 + 4.4 + 0.5)
+    assert r95["round"] is None and r99["round"] is None  # 0.8075 and 0.8415 never reached

@@ -203,10 +203,18 @@ def _print_summaries(summaries: list[dict]) -> None:
 def report(
     runs: Annotated[list[Path], typer.Argument(help="Run directories to compare.")],
     out: Annotated[Path, typer.Option(help="Where to write the comparison plots.")] = Path("runs/report"),
+    target: Annotated[
+        float | None,
+        typer.Option(help="Target global accuracy for time-to-target (default: the best of these runs)."),
+    ] = None,
+    bandwidth: Annotated[float, typer.Option(help="Client link bandwidth, Mbit/s.")] = 25.0,
+    latency: Annotated[float, typer.Option(help="Client link latency per message, ms.")] = 0.0,
 ) -> None:
-    """Compare finished runs: one table and accuracy plots with every run on one figure."""
+    """Compare finished runs: a results table, time to 90/95/99 % of a target, and plots with
+    every run on one figure (accuracy vs rounds and bytes; LoRA update variation)."""
     from fedpeft.report import results as R
-    from fedpeft.report.plots import plot_accuracy
+    from fedpeft.report.efficiency import Link, time_to_target
+    from fedpeft.report.plots import plot_accuracy, plot_variation
 
     try:
         summaries = [R.read_summary(d) for d in runs]
@@ -214,9 +222,30 @@ def report(
     except (FileNotFoundError, json.JSONDecodeError) as err:
         _fail(err)
     _print_summaries(summaries)
+    if target is None:
+        target = max((s.get("best_global_accuracy") or 0.0) for s in summaries)
+    link = Link(bandwidth, latency)
+    table = Table(title=f"time to target (accuracy {target:.3f}; link {bandwidth:g} Mbit/s, {latency:g} ms)")
+    for col in ("run", "% of target", "round", "MB", "train s", "comm s", "decomp s", "total s"):
+        table.add_column(col)
+    for label, recs in records.items():
+        for row in time_to_target(recs, target, link):
+            cells = ["-"] * 6
+            if row["round"] is not None:
+                cells = [
+                    str(row["round"]),
+                    f"{row['bytes'] / 1e6:.2f}",
+                    f"{row['train_s']:.1f}",
+                    f"{row['comm_s']:.1f}",
+                    f"{row['decompose_s']:.2f}",
+                    f"{row['total_s']:.1f}",
+                ]
+            table.add_row(label, f"{row['fraction']:.0%}", *cells)
+    console.print(table)
     out.mkdir(parents=True, exist_ok=True)
-    for path in plot_accuracy(records, out):
-        console.print(f"plot: {path}")
+    for path in [*plot_accuracy(records, out), plot_variation(records, out)]:
+        if path is not None:
+            console.print(f"plot: {path}")
 
 
 def main() -> None:  # pragma: no cover

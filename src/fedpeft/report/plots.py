@@ -38,3 +38,49 @@ def plot_accuracy(runs: dict[str, list[dict]], out_dir: Path, prefix: str = "") 
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def plot_variation(runs: dict[str, list[dict]], out_dir: Path) -> Path | None:
+    """``update_variation.png``: magnitude and direction variation of each LoRA matrix between
+    consecutive global states (rows), per matrix kind (columns: query/value x A/B); one colour
+    per run, a thin line per layer and a thick line for the mean over layers."""
+    import numpy as np
+
+    kinds = sorted(
+        {k.split(".", 1)[1] for recs in runs.values() for r in recs for k in r.get("update_variation", {})}
+    )
+    if not kinds:
+        return None
+    fig, axes = plt.subplots(2, len(kinds), figsize=(3.2 * len(kinds), 5.5), squeeze=False, sharex=True)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, records) in enumerate(runs.items()):
+        colour = colours[i % len(colours)]
+        rounds = [r["round"] for r in records if "update_variation" in r]
+        for col, kind in enumerate(kinds):
+            names = sorted(
+                {k for r in records for k in r.get("update_variation", {}) if k.endswith("." + kind)}
+            )
+            if not names:  # this run has no such matrix (e.g. not a LoRA method)
+                continue
+            for row, metric in enumerate(("magnitude", "direction")):
+                ax = axes[row][col]
+                curves = np.array(
+                    [
+                        [r["update_variation"][n][row] for r in records if "update_variation" in r]
+                        for n in names
+                    ]
+                )
+                for curve in curves:
+                    ax.plot(rounds, curve, color=colour, alpha=0.25, linewidth=0.8)
+                ax.plot(rounds, curves.mean(0), color=colour, linewidth=2, label=label if col == 0 else None)
+                ax.set_yscale("log")
+                ax.set_title(f"{kind}: {metric}", fontsize=9)
+                if row == 1:
+                    ax.set_xlabel("round")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("variation between consecutive global states (thin: one layer; thick: mean)", fontsize=9)
+    fig.tight_layout()
+    path = out_dir / "update_variation.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
