@@ -26,14 +26,18 @@ SetOpt = Annotated[
 ]
 
 
-def _config(path: Path | None, sets: list[str] | None) -> ExperimentConfig:
+def _overrides(sets: list[str] | None) -> dict:
     overrides = {}
     for item in sets or []:
         key, eq, value = item.partition("=")
         if not eq:
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
         overrides[key.strip()] = yaml.safe_load(value)
-    return load_config(path, overrides)
+    return overrides
+
+
+def _config(path: Path | None, sets: list[str] | None) -> ExperimentConfig:
+    return load_config(path, _overrides(sets))
 
 
 def _fail(err: Exception) -> None:
@@ -246,6 +250,46 @@ def report(
     for path in [*plot_accuracy(records, out), plot_variation(records, out)]:
         if path is not None:
             console.print(f"plot: {path}")
+
+
+@app.command()
+def sweep(
+    config: ConfigArg = None,
+    grid: Annotated[
+        list[str], typer.Option("--grid", "-g", help="KEY=V1,V2,... (repeatable), e.g. seed=0,1,2")
+    ] = [],  # noqa: B006 - typer reads the default, never mutates it
+    set_: SetOpt = None,
+) -> None:
+    """Run an experiment over a grid of config values; one table and one plot per metric
+    (mean ± std over seeds). Finished points are skipped, so a sweep can be resumed."""
+    from fedpeft import sweep as S
+    from fedpeft.experiment import run as run_experiment
+
+    try:
+        points = S.expand(config, S.parse_grid(grid), _overrides(set_))
+    except (ConfigError, ValueError) as err:
+        _fail(err)
+    console.print(f"sweep: {len(points)} runs")
+    done = S.run_sweep(points, lambda cfg: run_experiment(cfg))
+    rows = S.aggregate(done)
+    out = Path(points[0][1].output_dir).parent
+    S.write_summary(out, rows)
+    table = Table(title="sweep (final global scores, mean ± std over seeds)")
+    for col in ("point", "runs", "trainable", "MB", *S.METRICS):
+        table.add_column(col)
+    fmt = lambda r, m: "-" if r[f"{m}_mean"] is None else f"{r[f'{m}_mean']:.3f} ± {r[f'{m}_std']:.3f}"  # noqa: E731
+    for r in rows:
+        point = ", ".join(f"{k}={v}" for k, v in r["point"].items())
+        table.add_row(
+            point,
+            str(r["runs"]),
+            f"{r['trainable']:,}",
+            f"{r['bytes'] / 1e6:.1f}",
+            *(fmt(r, m) for m in S.METRICS),
+        )
+    console.print(table)
+    for path in S.plot_sweep(rows, out):
+        console.print(f"plot: {path}")
 
 
 def main() -> None:  # pragma: no cover
