@@ -123,46 +123,43 @@ class InProcessEngine:
             self._loaded = tuple(tensors.values())
 
     # ------------------------------------------------------------ one round
+    def fit_client(self, server: ServerState, rnd: int, cid: int) -> tuple[FitResult, int]:
+        """Client ``cid``'s local round; returns its result and the bytes it received."""
+        received = self.method.downlink(server, cid)
+        down = tensor_bytes(received)
+        if cid not in self.joined:  # first contact: the method's one-time join message too
+            down += tensor_bytes(self.method.join_message(server))
+            self.joined.add(cid)
+        seed = derive_seed(self.schedule.seed, rnd, cid)
+        torch.manual_seed(seed)  # dropout and any other global-RNG draw
+        self._loaded = ()  # fit loads its own tensors
+        client = self.clients[cid]
+        personal = self.personal_of(client)
+        result = self.method.fit(self.model, received, personal, client, torch.Generator().manual_seed(seed))
+        self.personal[cid] = result.personal
+        return result, down
+
     def fit_round(self, server: ServerState, rnd: int) -> tuple[list[FitResult], dict]:
         s = self.schedule
         sampled = sample_clients(s.seed, rnd, len(self.clients), s.clients_per_round)
-        results, down, up, fit_times = [], 0, 0, []
-        join_bytes = tensor_bytes(self.method.join_message(server))
+        results, down, fit_times = [], 0, []
         for cid in sampled:
-            client = self.clients[cid]
-            received = self.method.downlink(server, cid)
-            if cid not in self.joined and self.method.communicates:
-                down += join_bytes  # first contact: the one-time join message
-            self.joined.add(cid)
             t0 = time.perf_counter()
-            seed = derive_seed(s.seed, rnd, cid)
-            torch.manual_seed(seed)  # dropout and any other global-RNG draw
-            self._loaded = ()
-            result = self.method.fit(
-                self.model,
-                received,
-                self.personal_of(client),
-                client,
-                torch.Generator().manual_seed(seed),
-            )
+            result, received_bytes = self.fit_client(server, rnd, cid)
             fit_times.append(time.perf_counter() - t0)
-            self.personal[cid] = result.personal
             results.append(result)
-            if self.method.communicates:
-                down += tensor_bytes(received)
-                up += tensor_bytes(result.uplink)
-        loss = float(
-            np.average(
-                [r.metrics.get("loss", np.nan) for r in results],
-                weights=[r.num_examples for r in results],
-            )
-        )
+            down += received_bytes
+        up = sum(tensor_bytes(r.uplink) for r in results)
+        if not self.method.communicates:  # pooled training: nothing crossed a network
+            down = up = 0
+        weights = [r.num_examples for r in results]
         return results, {
             "clients": sampled,
-            "loss": loss,
+            "loss": float(np.average([r.metrics.get("loss", np.nan) for r in results], weights=weights)),
             "bytes_down": down,
             "bytes_up": up,
-            "time_fit_max": max(fit_times),  # the slowest client: a round's time when clients run in parallel
+            # the slowest client: what a round takes when clients train in parallel
+            "time_fit_max": max(fit_times),
         }
 
     def evaluate(self, server: ServerState) -> dict:

@@ -78,4 +78,5 @@ def summarize(records: list[dict], extra: dict) -> dict:
         "time_train": sum(r["time_train"] for r in records),
         "time_aggregate": sum(r["time_aggregate"] for r in records),
         "time_eval": sum(r["time_eval"] for r in records),
+        "setup": records[0].get("setup", {}),  # one-off server set-up (e.g. time_decompose)
     }
