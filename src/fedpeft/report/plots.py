@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -12,6 +13,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def _series(records: list[dict], x_key: str) -> tuple[list[float], list[float]]:
     pts = [(r[x_key], r["global"]["accuracy"]) for r in records if r.get("global")]
+    if x_key == "cum_bytes":  # in MB, on a log axis: runs that send nothing have no place there
+        pts = [(x / 1e6, y) for x, y in pts if x > 0]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
@@ -20,14 +23,17 @@ def plot_accuracy(runs: dict[str, list[dict]], out_dir: Path, prefix: str = "") 
     paths = []
     for x_key, xlabel, fname in (
         ("round", "round", "accuracy_vs_round.png"),
-        ("cum_bytes", "cumulative bytes sent (down + up)", "accuracy_vs_bytes.png"),
+        ("cum_bytes", "cumulative MB sent (down + up), log scale", "accuracy_vs_bytes.png"),
     ):
         fig, ax = plt.subplots(figsize=(6, 4))
         for label, records in runs.items():
             xs, ys = _series(records, x_key)
             ax.plot(xs, ys, marker="o", markersize=3, label=label)
         if x_key == "cum_bytes":
-            ax.set_xscale("symlog")
+            ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(
+                matplotlib.ticker.LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5))
+            )
         ax.set_xlabel(xlabel)
         ax.set_ylabel("global test accuracy")
         ax.grid(alpha=0.3)
