@@ -21,6 +21,7 @@ CLAIMS = {
     "fedap": lambda n: ".adapter." in n or n.startswith("head."),
     "fedlr": lambda n: "lora_" in n or n.startswith("head."),
     "federa": lambda n: "lora_" in n or n.startswith("head."),
+    "pf2lora": lambda n: "lora_" in n or n.startswith("head."),
     "local": lambda n: "lora_" in n or n.startswith("head."),
     "centralized": lambda n: "lora_" in n or n.startswith("head."),
 }
@@ -46,6 +47,21 @@ def test_conformance(method_name, tiny_config):
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
+    # record every message: what the server sends down and what clients send up
+    sent_down, sent_up = [], []
+    real_downlink, real_fit = method.downlink, method.fit
+
+    def downlink(server, cid):
+        msg = real_downlink(server, cid)
+        sent_down.append(set(msg))
+        return msg
+
+    def fit(*args, **kwargs):
+        result = real_fit(*args, **kwargs)
+        sent_up.append(set(result.uplink))
+        return result
+
+    method.downlink, method.fit = downlink, fit
     summary = run(cfg, setup=setup)
 
     # trains exactly what it claims, and something
@@ -75,6 +91,9 @@ def test_conformance(method_name, tiny_config):
         assert r["bytes_down"] == per_round * shared_bytes + first_contacts * join_bytes
     assert ckpt.records[-1]["cum_bytes"] == 2 * 2 * per_round * shared_bytes + len(seen) * join_bytes
     # personal tensors never sent; shared and personal partition the trainable set
+    assert sent_up and sent_down
+    for keys in sent_up + sent_down:
+        assert keys.isdisjoint(method.personal_names)
     assert set(method.shared_names).isdisjoint(method.personal_names)
     assert set(method.shared_names) | set(method.personal_names) == set(trainable)
     # the checkpoint holds the final server state and every trained client's personal state
