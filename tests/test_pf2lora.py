@@ -107,3 +107,30 @@ def test_hypergradient_on_the_tiny_model_float64(tiny_config):
     analytic = sum((h * d).sum() for h, d in zip(hyper, direction, strict=True))
     torch.testing.assert_close(analytic, fd.detach(), rtol=1e-6, atol=1e-9)
     assert abs(float(analytic)) > 1e-6  # a real signal, not 0 == 0
+
+
+def test_effective_rank_counts_singular_values_above_the_tolerance():
+    from fedpeft.methods.pf2lora import effective_rank
+
+    u, _ = torch.linalg.qr(torch.randn(6, 6, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(5, 5, dtype=torch.float64))
+    m = u[:, :3] @ torch.diag(torch.tensor([5.0, 1.0, 0.02], dtype=torch.float64)) @ v[:, :3].T
+    # singular values 5, 1, 0.02: thresholds 0.005, 0.05, 1.5
+    assert effective_rank(m, tol=0.001) == 3
+    assert effective_rank(m, tol=0.01) == 2
+    assert effective_rank(m, tol=0.3) == 1
+    assert effective_rank(torch.zeros(3, 3), tol=0.01) == 0
+
+
+def test_pf2lora_logs_each_clients_effective_rank(tiny_config):
+    from fedpeft.experiment import run
+    from fedpeft.report.results import read_records
+
+    cfg = tiny_config(**{"method": {"name": "pf2lora", "lora": {"r": 2}, "client_rank": 1}})
+    run(cfg)
+    records = read_records(cfg.output_dir)
+    for r in records:
+        assert set(r["client_readout"]) == {str(c) for c in r["clients"]}
+        for readout in r["client_readout"].values():
+            assert 1 <= readout["rank_min"] <= readout["rank_mean"] <= readout["rank_max"] <= 2 + 1
+    assert "global" in records[-1] and "local" in records[-1]  # the common model and each client's own

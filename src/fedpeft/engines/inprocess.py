@@ -93,6 +93,7 @@ class InProcessEngine:
                 f"method {method.name}: trainable tensors neither shared nor personal: {missing}"
             )
         self.initial: Tensors = read_tensors(model, trainable)
+        self.trainable = set(trainable)
         self.personal: dict[int, Tensors] = {}
         self.joined: set[int] = set()  # clients that have received the join message
         self.setup_info: dict[str, float] = {}
@@ -119,6 +120,9 @@ class InProcessEngine:
             a is b for a, b in zip(tensors.values(), self._loaded, strict=True)
         )
         if not same:
+            if set(tensors) != self.trainable:  # a partial load would leave another client's values
+                missing = sorted(self.trainable - set(tensors))[:3]
+                raise RuntimeError(f"method {self.method.name}: state to load lacks {missing}")
             load_tensors(self.model, tensors)
             self._loaded = tuple(tensors.values())
 
@@ -142,13 +146,15 @@ class InProcessEngine:
     def fit_round(self, server: ServerState, rnd: int) -> tuple[list[FitResult], dict]:
         s = self.schedule
         sampled = sample_clients(s.seed, rnd, len(self.clients), s.clients_per_round)
-        results, down, fit_times = [], 0, []
+        results, down, fit_times, readouts = [], 0, [], {}
         for cid in sampled:
             t0 = time.perf_counter()
             result, received_bytes = self.fit_client(server, rnd, cid)
             fit_times.append(time.perf_counter() - t0)
             results.append(result)
             down += received_bytes
+            if readout := self.method.readout(result):
+                readouts[str(cid)] = readout
         up = sum(tensor_bytes(r.uplink) for r in results)
         if not self.method.communicates:  # pooled training: nothing crossed a network
             down = up = 0
@@ -160,6 +166,7 @@ class InProcessEngine:
             "bytes_up": up,
             # the slowest client: what a round takes when clients train in parallel
             "time_fit_max": max(fit_times),
+            **({"client_readout": readouts} if readouts else {}),
         }
 
     def evaluate(self, server: ServerState) -> dict:

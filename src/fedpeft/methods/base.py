@@ -230,6 +230,11 @@ class Method:
         """The tensors client ``client`` evaluates with (default: received + personal)."""
         return {**received, **personal}
 
+    def readout(self, result: FitResult) -> dict[str, float]:
+        """Per-client figures logged each round after local training (PF2LoRA's effective
+        rank); default: none."""
+        return {}
+
     def finalize_client(
         self, model: TaskModel, received: Tensors, personal: Tensors, client: ClientData
     ) -> Tensors:

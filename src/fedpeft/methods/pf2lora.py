@@ -40,6 +40,7 @@ from fedpeft.methods.base import (
     ClientData,
     FitResult,
     MethodConfig,
+    ServerState,
     Tensors,
     load_tensors,
     local_steps,
@@ -47,6 +48,7 @@ from fedpeft.methods.base import (
     read_tensors,
 )
 from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.methods.federa import lora_layers
 from fedpeft.peft import LoraSpec
 
 CLIENT = "client"  # the PEFT adapter name of the personal adapter
@@ -61,6 +63,9 @@ class PF2LoRAConfig(MethodConfig):
     client_alpha: float = Field(4.0, gt=0, description="alpha2: the client update is (alpha2/r2) D C.")
     lower_lr: float = Field(1e-2, gt=0, description="eta_low, SGD step of the lower level.")
     bilevel: bool = Field(True, description="False: plain gradients for both adapters (ablation).")
+    rank_tol: float = Field(
+        0.01, gt=0, lt=1, description="Effective rank: singular values above rank_tol * the largest."
+    )
 
 
 Loss = Callable[[Tensors], torch.Tensor]  # loss with some parameters replaced by the given tensors
@@ -102,6 +107,11 @@ class PF2LoRA(FedAvgPeft):
         model.backbone.add_adapter(CLIENT, client)  # lora_B starts at 0: D_i C_i = 0
         model.backbone.base_model.set_adapter(["default", CLIENT])  # both active and trainable
         self.split_trainable(model)
+        # The global model: the common adapter alone, every client adapter at zero.
+        params = dict(model.named_parameters())
+        self.zero_client = {n: torch.zeros_like(params[n]) for n in self.personal_names if f".{CLIENT}." in n}
+        layer = next(iter(lora_layers(model).values()))
+        self.scales = {"default": layer.scaling["default"], CLIENT: layer.scaling[CLIENT]}
 
     def split_trainable(self, model) -> None:
         names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -110,6 +120,22 @@ class PF2LoRA(FedAvgPeft):
             personal += [n for n in names if n.startswith("head.")]
         self.personal_names = personal
         self.shared_names = [n for n in names if n not in personal]
+
+    def readout(self, result: FitResult) -> dict[str, float]:
+        """Effective rank of each adapted matrix's total update ``s B A + s2 D_i C_i``:
+        the number of its singular values above ``rank_tol`` times the largest; the mean
+        and the extremes over the adapted matrices."""
+        ranks = [
+            effective_rank(update, self.cfg.rank_tol)
+            for update in total_updates(result.uplink, result.personal, self.scales).values()
+        ]
+        return {"rank_mean": sum(ranks) / len(ranks), "rank_min": min(ranks), "rank_max": max(ranks)}
+
+    def global_state(self, server: ServerState) -> Tensors | None:
+        """The common adapter alone (client adapters zero), unless the head is personal."""
+        if self.cfg.head == "personal":
+            return None
+        return {**server.tensors, **self.zero_client}
 
     def fit(
         self, model, received: Tensors, personal: Tensors, client: ClientData, generator: torch.Generator
@@ -150,3 +176,23 @@ class PF2LoRA(FedAvgPeft):
             num_examples=len(client.train),
             metrics={"loss": total / steps, "steps": float(steps), "time_step": t_hyper / steps},
         )
+
+
+def total_updates(shared: Tensors, personal: Tensors, scales: dict[str, float]) -> dict[str, torch.Tensor]:
+    """Per adapted module: ``s B A + s2 D C`` from the common and the client LoRA tensors."""
+    tensors = {**shared, **personal}
+    updates = {}
+    for name in tensors:
+        if ".lora_A.default." not in name:
+            continue
+        module = name.split(".lora_A.default.")[0]
+        a, b = tensors[name], tensors[f"{module}.lora_B.default.weight"]
+        c, d = tensors[f"{module}.lora_A.{CLIENT}.weight"], tensors[f"{module}.lora_B.{CLIENT}.weight"]
+        updates[module] = scales["default"] * (b @ a) + scales[CLIENT] * (d @ c)
+    return updates
+
+
+def effective_rank(matrix: torch.Tensor, tol: float) -> int:
+    """How many singular values of ``matrix`` exceed ``tol`` times the largest (0 for zero)."""
+    sigma = torch.linalg.svdvals(matrix.double())
+    return int((sigma > tol * sigma[0]).sum()) if sigma[0] > 0 else 0
