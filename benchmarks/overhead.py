@@ -22,28 +22,22 @@ from fedpeft.config import load_config
 from fedpeft.data.task import take_steps
 from fedpeft.engines.inprocess import InProcessEngine, Schedule, derive_seed, sample_clients
 from fedpeft.experiment import build
-from fedpeft.methods.base import make_optimizer
+from fedpeft.methods.base import make_optimizer, sgd_steps
 
 
 def plain_loop(setup, clients: list[int], steps: int, seed: int, rnd: int) -> None:
-    """The same optimizer steps on the same batches, with nothing federated around them."""
+    """The same optimizer steps on the same batches, with nothing federated around them:
+    one optimizer for the whole loop, no loading or reading of client tensors."""
     model, cfg = setup.model, setup.cfg.train
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(params, cfg)
-    model.train()
     for cid in clients:
         s = derive_seed(seed, rnd, cid)
         torch.manual_seed(s)
-        for batch in take_steps(
+        batches = take_steps(
             setup.clients[cid].train, cfg.batch_size, steps, torch.Generator().manual_seed(s)
-        ):
-            loss = torch.nn.functional.cross_entropy(model(**batch), batch["labels"])
-            loss.backward()
-            if cfg.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            loss.item()
+        )
+        sgd_steps(model, batches, opt, params, cfg.max_grad_norm)
 
 
 def main() -> None:

@@ -100,10 +100,7 @@ def write_summary(out_dir: Path, rows: list[dict]) -> Path:
 def plot_sweep(rows: list[dict], out_dir: Path) -> list[Path]:
     """One plot per metric: mean ± std against the first swept key (or trainable parameters
     when that key is a rank or bottleneck), one line per value of the other keys."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from fedpeft.report.plots import plt, save_figure
 
     if not rows or not rows[0]["point"]:
         return []
@@ -136,9 +133,5 @@ def plot_sweep(rows: list[dict], out_dir: Path) -> list[Path]:
             ax.set_xscale("log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out_dir / f"sweep_{m}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, out_dir / f"sweep_{m}.png"))
     return paths

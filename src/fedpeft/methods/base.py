@@ -20,6 +20,7 @@ state is the mean of the returned ones weighted by ``|D_i|``.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
@@ -128,22 +129,35 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
+def sgd_steps(
+    model: TaskModel,
+    batches: Iterable[dict[str, torch.Tensor]],
+    opt: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    max_grad_norm: float | None,
+) -> float:
+    """Cross-entropy steps of ``opt`` over ``batches``; returns the summed loss."""
+    model.train()
+    total = 0.0
+    for batch in batches:
+        loss = torch.nn.functional.cross_entropy(model(**batch), batch["labels"])
+        loss.backward()
+        if max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total += loss.item()
+    return total
+
+
 def train_local(
     model: TaskModel, data: Encoded, cfg: TrainConfig, generator: torch.Generator
 ) -> dict[str, float]:
     """Plain supervised local training of every parameter that requires grad."""
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer(params, cfg)
-    model.train()
-    total, steps = 0.0, local_steps(len(data), cfg)
-    for batch in take_steps(data, cfg.batch_size, steps, generator):
-        loss = torch.nn.functional.cross_entropy(model(**batch), batch["labels"])
-        loss.backward()
-        if cfg.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        total += loss.item()
+    steps = local_steps(len(data), cfg)
+    batches = take_steps(data, cfg.batch_size, steps, generator)
+    total = sgd_steps(model, batches, make_optimizer(params, cfg), params, cfg.max_grad_norm)
     return {"loss": total / steps, "steps": float(steps)}
 
 

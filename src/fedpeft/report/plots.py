@@ -11,6 +11,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def save_figure(fig, path: Path) -> Path:
+    """Lay out, save as PNG and close ``fig``."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def _series(records: list[dict], x_key: str) -> tuple[list[float], list[float]]:
     pts = [(r[x_key], r["global"]["accuracy"]) for r in records if r.get("global")]
     if x_key == "cum_bytes":  # in MB, on a log axis: runs that send nothing have no place there
@@ -38,11 +46,7 @@ def plot_accuracy(runs: dict[str, list[dict]], out_dir: Path, prefix: str = "") 
         ax.set_ylabel("global test accuracy")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out_dir / f"{prefix}{fname}"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, out_dir / f"{prefix}{fname}"))
     return paths
 
 
@@ -85,8 +89,4 @@ def plot_variation(runs: dict[str, list[dict]], out_dir: Path) -> Path | None:
                     ax.set_xlabel("round")
     axes[0][0].legend(fontsize=7)
     fig.suptitle("variation between consecutive global states (thin: one layer; thick: mean)", fontsize=9)
-    fig.tight_layout()
-    path = out_dir / "update_variation.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out_dir / "update_variation.png")
