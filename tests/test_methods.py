@@ -22,6 +22,7 @@ CLAIMS = {
     "fedlr": lambda n: "lora_" in n or n.startswith("head."),
     "federa": lambda n: "lora_" in n or n.startswith("head."),
     "pf2lora": lambda n: "lora_" in n or n.startswith("head."),
+    "perfedavg": lambda n: "lora_" in n or n.startswith("head."),
     "local": lambda n: "lora_" in n or n.startswith("head."),
     "centralized": lambda n: "lora_" in n or n.startswith("head."),
 }

@@ -182,6 +182,7 @@ class InProcessEngine:
         evaluable = self.evaluable_clients()
         for client in evaluable:
             received = self.method.downlink(server, client.cid)
+            self._loaded = ()  # eval_state may use the model (Per-FedAvg adapts one step)
             tensors = self.method.eval_state(self.model, received, self.personal_of(client), client)
             self.load(tensors)
             if global_tensors is None:

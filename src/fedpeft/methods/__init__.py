@@ -12,13 +12,14 @@ from fedpeft.methods.federa import FeDeRA
 from fedpeft.methods.fedft import FedFT
 from fedpeft.methods.fedlr import FedLR
 from fedpeft.methods.local import LocalOnly
+from fedpeft.methods.perfedavg import PerFedAvg
 from fedpeft.methods.pf2lora import PF2LoRA
 
 if TYPE_CHECKING:
     from fedpeft.config import TrainConfig
 
 REGISTRY: dict[str, type[Method]] = {
-    cls.name: cls for cls in (FedFT, FedBF, FedAP, FedLR, FeDeRA, PF2LoRA, LocalOnly, Centralized)
+    cls.name: cls for cls in (FedFT, FedBF, FedAP, FedLR, FeDeRA, PF2LoRA, PerFedAvg, LocalOnly, Centralized)
 }
 
 

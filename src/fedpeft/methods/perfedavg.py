@@ -1,0 +1,121 @@
+"""Per-FedAvg-LoRA: model-agnostic meta-learning (MAML) over the LoRA adapter.
+
+Paper: Fallah et al., "Personalized Federated Learning with Theoretical Guarantees: A
+Model-Agnostic Meta-Learning Approach", 2020; the LoRA variant is a baseline of PF2LoRA
+(METHODS.md). The federation looks for a common adapter that does well *after one local
+SGD step*. One local step on two mini-batches ``D1, D2``:
+
+    theta'  = theta - alpha * grad L(theta; D1)                  (inner, adaptation)
+    theta  <- theta - beta * d/dtheta L(theta'; D2)               (outer: train.optimizer, train.lr)
+
+``order: 2`` differentiates through the inner step (``(I - alpha H) grad L(theta'; D2)``,
+one Hessian-vector product by autograd); ``order: 1`` is the first-order variant
+(``grad L(theta'; D2)``, ignoring the inner step's dependence on ``theta``). The server
+averages ``theta`` (LoRA + head) like FedAvg. Evaluation is personalised: each client
+first takes one adaptation step ``theta - alpha * grad L(theta; D)`` on a batch of its own
+training data, then tests. The global model's score is reported beside it, unadapted.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch.func import functional_call
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from fedpeft.data.task import make_batch, take_steps
+from fedpeft.methods.base import (
+    ClientData,
+    FitResult,
+    MethodConfig,
+    Tensors,
+    load_tensors,
+    local_steps,
+    make_optimizer,
+    read_tensors,
+)
+from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.peft import LoraSpec
+
+
+class PerFedAvgConfig(MethodConfig):
+    """MAML over LoRA under FedAvg. Paper: Per-FedAvg (Fallah et al., 2020), PF2LoRA baselines."""
+
+    name: Literal["perfedavg"] = "perfedavg"
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+    order: Literal[1, 2] = Field(1, description="1: first-order MAML; 2: through the inner step (HVP).")
+    inner_lr: float = Field(1e-2, gt=0, description="alpha, the adaptation step size.")
+
+
+def maml_grads(
+    loss_at, params: Tensors, batch1: dict, batch2: dict, inner_lr: float, order: int
+) -> tuple[float, list]:
+    """Outer gradient of ``L(theta - inner_lr * grad L(theta; batch1); batch2)`` for each
+    tensor of ``params``; ``loss_at(over, batch)`` is the loss with ``over`` substituted."""
+    inner = loss_at({}, batch1)
+    g = torch.autograd.grad(inner, list(params.values()), create_graph=order == 2)
+    adapted = {k: v - inner_lr * gi for (k, v), gi in zip(params.items(), g, strict=True)}
+    if order == 1:  # treat theta' as a leaf: grad L(theta'; D2)
+        adapted = {k: v.detach().requires_grad_() for k, v in adapted.items()}
+        outer = loss_at(adapted, batch2)
+        return float(outer.detach()), list(torch.autograd.grad(outer, list(adapted.values())))
+    outer = loss_at(adapted, batch2)
+    return float(outer.detach()), list(torch.autograd.grad(outer, list(params.values())))
+
+
+class PerFedAvg(FedAvgPeft):
+    name = "perfedavg"
+    config_cls = PerFedAvgConfig
+    kind = "lora"
+
+    def _loss_at(self, model):
+        def loss_at(over: Tensors, batch: dict) -> torch.Tensor:
+            inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+            logits = functional_call(model, over, (), inputs) if over else model(**inputs)
+            return torch.nn.functional.cross_entropy(logits, batch["labels"])
+
+        return loss_at
+
+    def fit(
+        self, model, received: Tensors, personal: Tensors, client: ClientData, generator: torch.Generator
+    ) -> FitResult:
+        load_tensors(model, {**received, **personal})
+        params = {n: p for n, p in model.named_parameters() if n in self.shared_names}
+        opt = make_optimizer(list(params.values()), self.train)
+        model.train()
+        steps = local_steps(len(client.train), self.train)
+        batches = take_steps(client.train, self.train.batch_size, 2 * steps, generator)
+        loss_at, total = self._loss_at(model), 0.0
+        for _ in range(steps):
+            batch1, batch2 = next(batches), next(batches)
+            with sdpa_kernel(SDPBackend.MATH):  # double backward for order 2
+                loss, grads = maml_grads(loss_at, params, batch1, batch2, self.cfg.inner_lr, self.cfg.order)
+            for p, g in zip(params.values(), grads, strict=True):
+                p.grad = g
+            if self.train.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(list(params.values()), self.train.max_grad_norm)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            total += loss
+        return FitResult(
+            uplink=read_tensors(model, self.shared_names),
+            personal={},
+            num_examples=len(client.train),
+            metrics={"loss": total / steps, "steps": float(steps)},
+        )
+
+    def eval_state(self, model, received: Tensors, personal: Tensors, client: ClientData) -> Tensors:
+        """One adaptation step on a batch of the client's training data (seeded by the
+        client id, so evaluation is reproducible), then the adapted tensors."""
+        load_tensors(model, {**received, **personal})
+        rows = torch.randperm(len(client.train), generator=torch.Generator().manual_seed(client.cid))
+        batch = make_batch(client.train, rows[: self.train.batch_size])
+        params = {n: p for n, p in model.named_parameters() if n in self.shared_names}
+        model.eval()  # adapt without dropout noise
+        loss = self._loss_at(model)({}, batch)
+        grads = torch.autograd.grad(loss, list(params.values()))
+        return {
+            n: (p - self.cfg.inner_lr * g).detach() for (n, p), g in zip(params.items(), grads, strict=True)
+        }
