@@ -23,6 +23,7 @@ CLAIMS = {
     "federa": lambda n: "lora_" in n or n.startswith("head."),
     "pf2lora": lambda n: "lora_" in n or n.startswith("head."),
     "perfedavg": lambda n: "lora_" in n or n.startswith("head."),
+    "hetlora": lambda n: "lora_" in n or n.startswith("head."),
     "local": lambda n: "lora_" in n or n.startswith("head."),
     "centralized": lambda n: "lora_" in n or n.startswith("head."),
 }
@@ -48,21 +49,17 @@ def test_conformance(method_name, tiny_config):
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
-    # record every message: what the server sends down and what clients send up
+    # record every message of training: what each client received and what it sent back
     sent_down, sent_up = [], []
-    real_downlink, real_fit = method.downlink, method.fit
+    real_fit = method.fit
 
-    def downlink(server, cid):
-        msg = real_downlink(server, cid)
-        sent_down.append(set(msg))
-        return msg
-
-    def fit(*args, **kwargs):
-        result = real_fit(*args, **kwargs)
-        sent_up.append(set(result.uplink))
+    def fit(model, received, *args, **kwargs):
+        sent_down.append({n: t.clone() for n, t in received.items()})
+        result = real_fit(model, received, *args, **kwargs)
+        sent_up.append(result.uplink)
         return result
 
-    method.downlink, method.fit = downlink, fit
+    method.fit = fit
     summary = run(cfg, setup=setup)
 
     # trains exactly what it claims, and something
@@ -79,22 +76,27 @@ def test_conformance(method_name, tiny_config):
     ckpt = load_checkpoint(cfg.output_dir / "checkpoint.pt", fingerprint(cfg))
     states = [ckpt.server.tensors] + list(ckpt.personal.values())
     assert any(not torch.equal(s[n], before[n]) for s in states for n in s)
-    # bytes accounted == bytes of the tensors exchanged (float32 everywhere here)
+    # bytes accounted == bytes of the tensors exchanged, plus, down, the one-time join
+    # message at each client's first contact; never more than the shared state (float32)
     shared_bytes = sum(params[n].numel() * 4 for n in method.shared_names)
-    # plus, down, the one-time join message at each client's first contact
-    per_round = 0 if not method.communicates else cfg.train.clients_per_round
-    join_bytes = tensor_bytes(method.join_message(ckpt.server)) if method.communicates else 0
+    join_bytes = tensor_bytes(method.join_message(ckpt.server))
+    per_round = 1 if method.pooled else cfg.train.clients_per_round
     seen: set[int] = set()
-    for r in ckpt.records:
+    for i, r in enumerate(ckpt.records):
+        down = sum(tensor_bytes(m) for m in sent_down[i * per_round : (i + 1) * per_round])
+        up = sum(tensor_bytes(m) for m in sent_up[i * per_round : (i + 1) * per_round])
         first_contacts = len(set(r["clients"]) - seen)
         seen |= set(r["clients"])
-        assert r["bytes_up"] == per_round * shared_bytes
-        assert r["bytes_down"] == per_round * shared_bytes + first_contacts * join_bytes
-    assert ckpt.records[-1]["cum_bytes"] == 2 * 2 * per_round * shared_bytes + len(seen) * join_bytes
+        if not method.communicates:
+            assert r["bytes_down"] == r["bytes_up"] == 0
+            continue
+        assert r["bytes_up"] == up <= per_round * shared_bytes
+        assert r["bytes_down"] == down + first_contacts * join_bytes
+        assert down <= per_round * shared_bytes
     # personal tensors never sent; shared and personal partition the trainable set
     assert sent_up and sent_down
-    for keys in sent_up + sent_down:
-        assert keys.isdisjoint(method.personal_names)
+    for message in sent_up + sent_down:
+        assert set(message).isdisjoint(method.personal_names)
     assert set(method.shared_names).isdisjoint(method.personal_names)
     assert set(method.shared_names) | set(method.personal_names) == set(trainable)
     # the checkpoint holds the final server state and every trained client's personal state

@@ -140,6 +140,7 @@ class InProcessEngine:
         client = self.clients[cid]
         personal = self.personal_of(client)
         result = self.method.fit(self.model, received, personal, client, torch.Generator().manual_seed(seed))
+        result.cid = cid
         self.personal[cid] = result.personal
         return result, down
 

@@ -11,6 +11,7 @@ from fedpeft.methods.fedbf import FedBF
 from fedpeft.methods.federa import FeDeRA
 from fedpeft.methods.fedft import FedFT
 from fedpeft.methods.fedlr import FedLR
+from fedpeft.methods.hetlora import HETLoRA
 from fedpeft.methods.local import LocalOnly
 from fedpeft.methods.perfedavg import PerFedAvg
 from fedpeft.methods.pf2lora import PF2LoRA
@@ -19,7 +20,8 @@ if TYPE_CHECKING:
     from fedpeft.config import TrainConfig
 
 REGISTRY: dict[str, type[Method]] = {
-    cls.name: cls for cls in (FedFT, FedBF, FedAP, FedLR, FeDeRA, PF2LoRA, PerFedAvg, LocalOnly, Centralized)
+    cls.name: cls
+    for cls in (FedFT, FedBF, FedAP, FedLR, FeDeRA, PF2LoRA, PerFedAvg, HETLoRA, LocalOnly, Centralized)
 }
 
 

@@ -20,7 +20,7 @@ state is the mean of the returned ones weighted by ``|D_i|``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
@@ -65,6 +65,7 @@ class FitResult:
     personal: Tensors  # kept on the client
     num_examples: int
     metrics: dict[str, float] = field(default_factory=dict)
+    cid: int = -1  # the client it came from (set by the engine, as a server would know)
 
 
 @dataclass
@@ -135,13 +136,15 @@ def sgd_steps(
     opt: torch.optim.Optimizer,
     params: list[torch.nn.Parameter],
     max_grad_norm: float | None,
+    penalty: Callable[[], torch.Tensor] | None = None,
 ) -> float:
-    """Cross-entropy steps of ``opt`` over ``batches``; returns the summed loss."""
+    """Cross-entropy (plus ``penalty()``, e.g. a regulariser) steps of ``opt`` over
+    ``batches``; returns the summed cross-entropy."""
     model.train()
     total = 0.0
     for batch in batches:
         loss = torch.nn.functional.cross_entropy(model(**batch), batch["labels"])
-        loss.backward()
+        (loss + penalty() if penalty else loss).backward()
         if max_grad_norm:
             torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         opt.step()

@@ -1,0 +1,76 @@
+"""HETLoRA: truncation and zero-padding, sparsity-weighted aggregation, self-pruning."""
+
+import pytest
+import torch
+
+from fedpeft.experiment import build
+from fedpeft.methods.base import ServerState, tensor_bytes
+from fedpeft.methods.hetlora import pad, rank_of, sparsity_weighted_mean, truncate, update_norm
+
+A, B = "m.lora_A.default.weight", "m.lora_B.default.weight"
+
+
+def test_truncate_pad_round_trip_is_exact():
+    torch.manual_seed(0)
+    full = {A: torch.randn(8, 5), B: torch.randn(6, 8), "head.weight": torch.randn(3, 4)}
+    small = truncate(full, 3)
+    assert small[A].shape == (3, 5) and small[B].shape == (6, 3) and rank_of(small) == 3
+    assert torch.equal(small["head.weight"], full["head.weight"])
+    back = pad(small, 8)
+    assert torch.equal(back[A][:3], full[A][:3]) and torch.equal(back[A][3:], torch.zeros(5, 5))
+    assert torch.equal(back[B][:, :3], full[B][:, :3]) and torch.equal(back[B][:, 3:], torch.zeros(6, 5))
+    for name in (A, B):  # truncating the padded state gives exactly what was sent
+        assert torch.equal(truncate(back, 3)[name], small[name])
+    assert tensor_bytes(small) < tensor_bytes(full)
+
+
+def test_sparsity_weighted_aggregation_by_hand():
+    # client 1: update B A with norm 3; client 2: norm 1 -> weights 3/4 and 1/4
+    s1 = {A: torch.tensor([[3.0, 0.0]]), B: torch.tensor([[1.0]])}
+    s2 = {A: torch.tensor([[0.0, 1.0]]), B: torch.tensor([[1.0]])}
+    assert update_norm(s1) == pytest.approx(3.0) and update_norm(s2) == pytest.approx(1.0)
+    out = sparsity_weighted_mean([s1, s2], [update_norm(s1), update_norm(s2)])
+    torch.testing.assert_close(out[A], torch.tensor([[2.25, 0.25]]))
+    torch.testing.assert_close(out[B], torch.tensor([[1.0]]))
+
+
+def test_client_trains_exactly_its_rank_and_prunes(tiny_config):
+    cfg = tiny_config(
+        **{
+            "method": {
+                "name": "hetlora",
+                "lora": {"r": 4},
+                "r_min": 1,
+                "gamma": 0.5,
+                "penalty": 0.0,
+                "prune_ratio": 0.99,
+            }
+        }
+    )
+    setup = build(cfg)
+    method, model = setup.method, setup.model
+    server = method.init_server(model)
+    with torch.no_grad():  # a global state with every rank component non-zero
+        server = ServerState({n: t + 0.1 if ".lora_" in n else t for n, t in server.tensors.items()})
+    received = truncate(server.tensors, 2)
+    client = setup.clients[0]
+    result = method.fit(model, received, {}, client, torch.Generator().manual_seed(0))
+    # components 2..3 were zero-padded and stayed zero while training: rank 2 exactly
+    for name, p in model.named_parameters():
+        if ".lora_A." in name:
+            assert torch.count_nonzero(p[2:]) == 0 and torch.count_nonzero(p[:2]) > 0
+    # prune_ratio 0.99: the tail (component 1 of 2) holds less than 99 % -> pruned to floor(0.5*2)=1
+    assert rank_of(result.uplink) == 1
+    result.cid = 0
+    new = method.aggregate(server, [result], rnd=1)
+    assert int(new.extras["rank.0"]) == 1 and rank_of(method.downlink(new, 0)) == 1
+    assert all(t.shape[0] == 4 for n, t in new.tensors.items() if ".lora_A." in n)  # server keeps r_max
+
+
+def test_ranks_are_drawn_in_range(tiny_config):
+    cfg = tiny_config(**{"method": {"name": "hetlora", "lora": {"r": 8}, "r_min": 2}})
+    method = build(cfg).method
+    ranks = [method.initial_rank(c) for c in range(50)]
+    assert min(ranks) >= 2 and max(ranks) <= 8 and len(set(ranks)) > 3
+    with pytest.raises(Exception, match="r_min"):
+        tiny_config(**{"method": {"name": "hetlora", "lora": {"r": 4}, "r_min": 5}})
