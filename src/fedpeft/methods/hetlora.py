@@ -113,6 +113,25 @@ def update_norm(tensors: Tensors) -> float:
     return math.sqrt(sum(float((b @ a).pow(2).sum()) for a, b in pairs(tensors)))
 
 
+def tail_penalty(mods: list[tuple[torch.Tensor, torch.Tensor]], rank: int, gamma: float) -> torch.Tensor:
+    """``sum ||B[:, q:rank]||_F ||A[q:rank, :]||_F`` over ``(A, B)`` pairs, ``q = floor(gamma rank)``."""
+    q = math.floor(gamma * rank)
+    return sum(b[:, q:rank].norm() * a[q:rank].norm() for a, b in mods)
+
+
+def pruned_rank(
+    mods: list[tuple[torch.Tensor, torch.Tensor]], rank: int, gamma: float, r_min: int, ratio: float
+) -> int:
+    """``floor(gamma rank)`` if the tail components hold less than ``ratio`` of the adapter
+    norm (and that stays >= r_min), else ``rank``."""
+    q = math.floor(gamma * rank)
+    if q < r_min or q == rank:
+        return rank
+    tail = float(tail_penalty(mods, rank, gamma))
+    full = sum(float(b[:, :rank].norm() * a[:rank].norm()) for a, b in mods)
+    return q if full > 0 and tail < ratio * full else rank
+
+
 def sparsity_weighted_mean(padded: list[Tensors], norms: list[float]) -> Tensors:
     """The LoRA tensors averaged with weights ``||B_i A_i|| / sum_j ||B_j A_j||``."""
     if sum(norms) <= 0:  # nothing learned yet anywhere: a plain mean
@@ -154,20 +173,15 @@ class HETLoRA(FedAvgPeft):
         """``lambda * sum ||B[:, q:r]|| ||A[q:r, :]||`` over the adapted modules, q = floor(gamma r)."""
         params = dict(model.named_parameters())
         mods = [(params[n], params[n.replace(".lora_A.", ".lora_B.")]) for n in self.shared_names if is_a(n)]
-        q = math.floor(self.cfg.gamma * rank)
-
-        def value() -> torch.Tensor:
-            return self.cfg.penalty * sum(b[:, q:rank].norm() * a[q:rank].norm() for a, b in mods)
-
-        return value if self.cfg.penalty > 0 and q < rank else None
+        if self.cfg.penalty == 0 or math.floor(self.cfg.gamma * rank) == rank:
+            return None
+        return lambda: self.cfg.penalty * tail_penalty(mods, rank, self.cfg.gamma)
 
     def pruned_rank(self, tensors: Tensors, rank: int) -> int:
-        q = math.floor(self.cfg.gamma * rank)
-        if q < self.cfg.r_min or q == rank:
-            return rank
-        tail = sum(float(b[:, q:rank].norm() * a[q:rank].norm()) for a, b in pairs(tensors))
-        full = sum(float(b[:, :rank].norm() * a[:rank].norm()) for a, b in pairs(tensors))
-        return q if full > 0 and tail < self.cfg.prune_ratio * full else rank
+        return pruned_rank(pairs(tensors), rank, self.cfg.gamma, self.cfg.r_min, self.cfg.prune_ratio)
+
+    def readout(self, result: FitResult) -> dict[str, float]:
+        return {"rank": float(rank_of(result.uplink))}
 
     def fit(
         self, model, received: Tensors, personal: Tensors, client: ClientData, generator: torch.Generator
