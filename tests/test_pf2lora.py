@@ -134,3 +134,4 @@ def test_pf2lora_logs_each_clients_effective_rank(tiny_config):
         for readout in r["client_readout"].values():
             assert 1 <= readout["rank_min"] <= readout["rank_mean"] <= readout["rank_max"] <= 2 + 1
     assert "global" in records[-1] and "local" in records[-1]  # the common model and each client's own
+    assert (cfg.output_dir / "client_readout.png").stat().st_size > 1000

@@ -28,7 +28,7 @@ from fedpeft.methods.base import ClientData, Method, Tensors, load_tensors, read
 from fedpeft.metrics.variation import lora_variations
 from fedpeft.models.backbone import TaskModel, build_model
 from fedpeft.report import results as R
-from fedpeft.report.plots import plot_accuracy, plot_variation
+from fedpeft.report.plots import plot_accuracy, plot_readouts, plot_variation
 
 
 @dataclass
@@ -232,4 +232,5 @@ def run(
     R.write_json(out / "summary.json", summary)
     plot_accuracy({cfg.name: records}, out)
     plot_variation({cfg.name: records}, out)
+    plot_readouts(records, out)
     return summary

@@ -90,3 +90,27 @@ def plot_variation(runs: dict[str, list[dict]], out_dir: Path) -> Path | None:
     axes[0][0].legend(fontsize=7)
     fig.suptitle("variation between consecutive global states (thin: one layer; thick: mean)", fontsize=9)
     return save_figure(fig, out_dir / "update_variation.png")
+
+
+def plot_readouts(records: list[dict], out_dir: Path) -> Path | None:
+    """``client_readout.png``: each per-client readout (e.g. PF2LoRA's effective rank) against
+    the rounds in which that client trained, one line per client."""
+    keys = sorted({k for r in records for v in r.get("client_readout", {}).values() for k in v})
+    if not keys:
+        return None
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.8), squeeze=False)
+    clients = sorted({c for r in records for c in r.get("client_readout", {})}, key=int)
+    for ax, key in zip(axes[0], keys, strict=True):
+        for cid in clients:
+            pts = [
+                (r["round"], r["client_readout"][cid][key])
+                for r in records
+                if cid in r.get("client_readout", {})
+            ]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", linewidth=1, label=f"client {cid}")
+        ax.set_xlabel("round")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+    if len(clients) <= 12:
+        axes[0][-1].legend(fontsize=7)
+    return save_figure(fig, out_dir / "client_readout.png")
