@@ -160,9 +160,12 @@ class InProcessEngine:
         if not self.method.communicates:  # pooled training: nothing crossed a network
             down = up = 0
         weights = [r.num_examples for r in results]
+        names = sorted({k for r in results for k in r.metrics} - {"loss"})
         return results, {
             "clients": sampled,
             "loss": float(np.average([r.metrics.get("loss", np.nan) for r in results], weights=weights)),
+            # any other figure a method reports (steps, time per step, rank), averaged over clients
+            "fit": {k: float(np.mean([r.metrics[k] for r in results if k in r.metrics])) for k in names},
             "bytes_down": down,
             "bytes_up": up,
             # the slowest client: what a round takes when clients train in parallel

@@ -20,6 +20,7 @@ state is the mean of the returned ones weighted by ``|D_i|``.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,8 +161,9 @@ def train_local(
     params = [p for p in model.parameters() if p.requires_grad]
     steps = local_steps(len(data), cfg)
     batches = take_steps(data, cfg.batch_size, steps, generator)
+    start = time.perf_counter()
     total = sgd_steps(model, batches, make_optimizer(params, cfg), params, cfg.max_grad_norm)
-    return {"loss": total / steps, "steps": float(steps)}
+    return {"loss": total / steps, "steps": float(steps), "time_step": (time.perf_counter() - start) / steps}
 
 
 # ---------------------------------------------------------------- the interface
