@@ -154,6 +154,21 @@ def sgd_steps(
     return total
 
 
+def step_with(
+    opt: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    max_grad_norm: float | None,
+) -> None:
+    """One optimizer step with gradients computed elsewhere (a hypergradient, a MAML gradient)."""
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g
+    if max_grad_norm:
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
 def train_local(
     model: TaskModel, data: Encoded, cfg: TrainConfig, generator: torch.Generator
 ) -> dict[str, float]:

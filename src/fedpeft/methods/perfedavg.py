@@ -35,6 +35,7 @@ from fedpeft.methods.base import (
     local_steps,
     make_optimizer,
     read_tensors,
+    step_with,
 )
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.peft import LoraSpec
@@ -92,12 +93,7 @@ class PerFedAvg(FedAvgPeft):
             batch1, batch2 = next(batches), next(batches)
             with sdpa_kernel(SDPBackend.MATH):  # double backward for order 2
                 loss, grads = maml_grads(loss_at, params, batch1, batch2, self.cfg.inner_lr, self.cfg.order)
-            for p, g in zip(params.values(), grads, strict=True):
-                p.grad = g
-            if self.train.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(list(params.values()), self.train.max_grad_norm)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            step_with(opt, list(params.values()), grads, self.train.max_grad_norm)
             total += loss
         return FitResult(
             uplink=read_tensors(model, self.shared_names),

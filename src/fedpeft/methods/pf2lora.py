@@ -46,6 +46,7 @@ from fedpeft.methods.base import (
     local_steps,
     make_optimizer,
     read_tensors,
+    step_with,
 )
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.methods.federa import lora_layers
@@ -162,12 +163,7 @@ class PF2LoRA(FedAvgPeft):
                     loss_with, upper, lower, self.cfg.lower_lr, self.cfg.bilevel
                 )
             t_hyper += time.perf_counter() - start
-            for p, g in zip(upper.values(), grads, strict=True):
-                p.grad = g
-            if self.train.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(list(upper.values()), self.train.max_grad_norm)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            step_with(opt, list(upper.values()), grads, self.train.max_grad_norm)
             load_tensors(model, stepped)
             total += loss
         return FitResult(
