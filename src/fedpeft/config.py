@@ -148,6 +148,30 @@ class EvalConfig(BaseModel):
     batch_size: int = Field(128, ge=1)
 
 
+class DeployConfig(BaseModel):
+    """How a networked (Flower) run treats slow, failing and missing clients."""
+
+    model_config = Strict
+
+    min_nodes: int | None = Field(
+        None, ge=1, description="Nodes to wait for before round 1 (None: train.clients_per_round)."
+    )
+    connect_timeout: float = Field(300, gt=0, description="Seconds to wait for min_nodes to connect.")
+    query_timeout: float = Field(30, gt=0, description="Seconds a node has to answer the per-round roll call.")
+    round_timeout: float = Field(
+        600, gt=0, description="Seconds a sampled client has to return its update; later ones are dropped."
+    )
+    min_results: int = Field(
+        1, ge=1, description="Fewest valid updates a round aggregates; with fewer the round is skipped."
+    )
+    max_skipped_rounds: int = Field(
+        3, ge=1, description="Consecutive skipped rounds after which the run stops with an error."
+    )
+    secure_aggregation: bool = Field(
+        False, description="Aggregate with Flower's SecAgg+ (methods whose aggregate is a weighted mean)."
+    )
+
+
 class ExperimentConfig(BaseModel):
     """One federated experiment, end to end."""
 
@@ -164,6 +188,7 @@ class ExperimentConfig(BaseModel):
     )
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
+    deploy: DeployConfig = DeployConfig()
     checkpoint: bool = Field(True, description="Save server and client state every round.")
 
     @model_validator(mode="after")
@@ -172,6 +197,11 @@ class ExperimentConfig(BaseModel):
         if s > m:
             raise ValueError(
                 f"train.clients_per_round: {s} clients per round but partition.num_clients is {m}"
+            )
+        if self.deploy.min_results > s:
+            raise ValueError(
+                f"deploy.min_results: {self.deploy.min_results} results needed but only "
+                f"train.clients_per_round={s} clients are asked"
             )
         if self.partition.scheme == "natural" and not self.data.group_column:
             raise ValueError("data.group_column is required when partition.scheme is 'natural'")

@@ -24,7 +24,7 @@ from fedpeft.data.task import Encoded, encode
 from fedpeft.engines.checkpoint import ResumeError
 from fedpeft.engines.inprocess import InProcessEngine, Schedule
 from fedpeft.methods import build_method
-from fedpeft.methods.base import ClientData, Method, Tensors, load_tensors, read_tensors
+from fedpeft.methods.base import ClientData, Method, ServerState, Tensors, load_tensors, read_tensors
 from fedpeft.metrics.variation import lora_variations
 from fedpeft.models.backbone import TaskModel, build_model
 from fedpeft.report import results as R
@@ -111,11 +111,19 @@ def build(cfg: ExperimentConfig, model: TaskModel | None = None, tokenizer=None)
         ClientData(i, pool.subset(tr), pool.subset(te))
         for i, (tr, te) in enumerate(zip(split.train, split.test, strict=True))
     ]
+    method, initial = attach_method(cfg, model)
+    return Setup(cfg, corpus, split, model, method, clients, global_test, initial)
+
+
+def attach_method(cfg: ExperimentConfig, model: TaskModel) -> tuple[Method, Tensors]:
+    """Build the configured method and let it prepare ``model`` (seeded, so every process
+    that builds the same config holds the same initial adapters); returns the method and
+    the trainable tensors right after preparation."""
     method = build_method(cfg.method, cfg.train)
     torch.manual_seed(cfg.seed + 1)  # adapter / LoRA initialisation
     method.prepare(model)
     initial = read_tensors(model, [n for n, p in model.named_parameters() if p.requires_grad])
-    return Setup(cfg, corpus, split, model, method, clients, global_test, initial)
+    return method, initial
 
 
 def pooled_schedule(setup: Setup) -> tuple[list[ClientData], int]:
@@ -169,10 +177,13 @@ def make_engine(setup: Setup, on_round: Callable[[dict], None] | None) -> InProc
         on_round=record_round,
         # metrics.jsonl restarts from the checkpoint's records (or empty): nothing lost, nothing twice
         on_start=lambda done: R.write_records(metrics_path, done),
-        analyzers={"update_variation": lora_variations}
-        if any("lora_" in n for n in setup.method.shared_names)
-        else {},
+        analyzers=update_variation_analyzers(setup.method),
     )
+
+
+def update_variation_analyzers(method: Method) -> dict:
+    """Per-round update variation of the global LoRA matrices, when the method shares any."""
+    return {"update_variation": lora_variations} if any("lora_" in n for n in method.shared_names) else {}
 
 
 def export(setup: Setup, server_tensors: Tensors, out: Path) -> str | None:
@@ -198,17 +209,29 @@ def run(
     t_setup = time.perf_counter()
     setup = setup or build(cfg)
     load_tensors(setup.model, setup.initial)  # a setup may serve several runs
+    hist = open_output(setup)
+    engine = make_engine(setup, on_round)
+    t_run = time.perf_counter()
+    records = engine.run(resume=resume)
+    t_end = time.perf_counter()
+    return finish(setup, records, engine.server, hist, {"time_setup": t_run - t_setup, "time_total": t_end - t_setup})
+
+
+def open_output(setup: Setup) -> np.ndarray:
+    """Create the output directory with the config and the partition heatmap; returns the
+    clients' label histograms."""
+    cfg = setup.cfg
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(dump_config(cfg))
     hist = setup.split.histograms(setup.corpus.train_labels, setup.corpus.num_classes)
     P.plot_label_heatmap(hist, out / "partition_heatmap.png", setup.corpus.class_names, cfg.name)
+    return hist
 
-    engine = make_engine(setup, on_round)
-    t_run = time.perf_counter()
-    records = engine.run(resume=resume)
-    t_end = time.perf_counter()
 
+def finish(setup: Setup, records: list[dict], server: ServerState, hist: np.ndarray, extra: dict) -> dict:
+    """Write ``summary.json``, the exported adapter and the plots; returns the summary."""
+    cfg, out = setup.cfg, Path(setup.cfg.output_dir)
     summary = R.summarize(
         records,
         {
@@ -222,11 +245,10 @@ def run(
             "class_names": setup.corpus.class_names,
             "params": param_counts(setup.model, setup.method),
             "communicated_params_per_client": sum(
-                t.numel() for t in setup.method.downlink(engine.server, 0).values()
+                t.numel() for t in setup.method.downlink(server, 0).values()
             ),
-            "time_setup": t_run - t_setup,
-            "time_total": t_end - t_setup,
-            "exported": export(setup, engine.server.tensors, out),
+            **extra,
+            "exported": export(setup, server.tensors, out),
         },
     )
     R.write_json(out / "summary.json", summary)

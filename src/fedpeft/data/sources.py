@@ -179,3 +179,21 @@ def _subsample(n: int, cap: int | None, rng: np.random.Generator) -> np.ndarray:
     if cap is None or cap >= n:
         return np.arange(n)
     return np.sort(rng.choice(n, size=cap, replace=False))
+
+
+def load_client_file(path: Path, cfg: DataConfig, class_names: list[str]) -> tuple[list[str], np.ndarray]:
+    """One deployed client's own data file: its texts and their label ids in the
+    federation's class list (a label the federation does not know fails, naming the row)."""
+    table = read_table(path)
+    _check_columns(table, str(path), cfg)
+    index = {name: i for i, name in enumerate(class_names)}
+    labels = []
+    for row, value in enumerate(table[cfg.label_column]):
+        key = _label_key(value)
+        if key not in index:
+            raise DataError(
+                f"{path}: data row {row} (0-based): label {key!r} is not one of the federation's "
+                f"{len(class_names)} classes (e.g. {class_names[:3]})"
+            )
+        labels.append(index[key])
+    return list(table[cfg.text_column]), np.asarray(labels, dtype=np.int64)

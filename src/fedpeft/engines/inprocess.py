@@ -13,7 +13,7 @@ makes a resumed run identical to an uninterrupted one.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,10 +53,13 @@ def derive_seed(*keys: int) -> int:
     return ((hi << 32) | lo) & (2**63 - 1)
 
 
-def sample_clients(seed: int, rnd: int, num_clients: int, per_round: int) -> list[int]:
-    """S of M client ids without replacement, reproducible from ``(seed, rnd)``."""
+def sample_clients(seed: int, rnd: int, population: int | Sequence[int], per_round: int) -> list[int]:
+    """S client ids without replacement from ``population`` (M, meaning ids ``0..M-1``, or
+    the ids available), reproducible from ``(seed, rnd)``. With all M ids available both
+    forms draw the same clients."""
+    ids = np.arange(population) if isinstance(population, int) else np.asarray(sorted(population))
     rng = np.random.default_rng([seed, rnd])
-    return sorted(int(c) for c in rng.choice(num_clients, size=per_round, replace=False))
+    return sorted(int(c) for c in rng.choice(ids, size=min(per_round, len(ids)), replace=False))
 
 
 class InProcessEngine:

@@ -1,0 +1,1 @@
+"""Networked deployment on Flower: the same methods across real processes."""

@@ -1,0 +1,141 @@
+"""The Flower apps: ``server_app`` and ``client_app``, for any fedpeft method.
+
+Both read the experiment from the run config (key ``experiment``: the config as YAML,
+written by ``fedpeft serve``); nothing here knows one method from another. A SuperNode
+says who it is with its node config:
+
+- ``partition-id`` (required): its client id, ``0 .. partition.num_clients - 1``;
+- ``data-file`` (optional): its own CSV/TSV/JSONL/Parquet file; without it the node
+  uses partition ``partition-id`` of the experiment's corpus;
+- ``state-dir`` (optional): where it keeps its personal state between rounds and
+  restarts (default ``.fedpeft-node`` in its working directory).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import yaml
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+from fedpeft.config import ExperimentConfig, parse_config
+from fedpeft.experiment import build, finish, fingerprint, open_output, update_variation_analyzers
+from fedpeft.flower import codec
+from fedpeft.flower.node import Node
+from fedpeft.flower.server import FlowerServer
+from fedpeft.methods.base import load_tensors
+from fedpeft.report import results as R
+
+server_app = ServerApp()
+client_app = ClientApp()
+
+
+def experiment_of(context: Context) -> ExperimentConfig:
+    text = context.run_config.get("experiment")
+    if not isinstance(text, str):
+        raise ValueError("run config: key 'experiment' (the fedpeft config as YAML) is missing")
+    return parse_config(yaml.safe_load(text), "run config 'experiment'")
+
+
+# ---------------------------------------------------------------- server
+@server_app.main()
+def serve(grid: Grid, context: Context) -> None:
+    cfg = experiment_of(context)
+    resume = bool(context.run_config.get("resume", False))
+    t0 = time.perf_counter()
+    setup = build(cfg)
+    load_tensors(setup.model, setup.initial)
+    hist = open_output(setup)
+    out = Path(cfg.output_dir)
+    metrics_path = out / "metrics.jsonl"
+
+    def log(line: str) -> None:
+        print(f"[fedpeft] {line}", flush=True)
+
+    def on_round(record: dict) -> None:
+        R.append_record(metrics_path, record)
+        acc = record.get("global", {}).get("accuracy")
+        log(f"round {record['round']}: {len(record.get('clients_returned', []))} of "
+            f"{len(record['clients'])} updates" + (f", global accuracy {acc:.4f}" if acc is not None else ""))  # fmt: skip
+
+    server = FlowerServer(
+        setup,
+        grid,
+        checkpoint_path=out / "checkpoint.pt" if cfg.checkpoint else None,
+        fingerprint=fingerprint(cfg),
+        on_round=on_round,
+        on_start=lambda done: R.write_records(metrics_path, done),
+        analyzers=update_variation_analyzers(setup.method),
+        log=log,
+    )
+    t1 = time.perf_counter()
+    records = server.run(resume=resume)
+    t2 = time.perf_counter()
+    finish(setup, records, server.server, hist, {"engine": "flower", "time_setup": t1 - t0, "time_total": t2 - t0})
+    log(f"done: {out}")
+
+
+# ---------------------------------------------------------------- client
+_nodes: dict[tuple, Node] = {}  # one per (run, node identity), kept while the process lives
+
+
+def node_of(context: Context, class_names: list[str] | None = None) -> Node:
+    nc = context.node_config
+    if "partition-id" not in nc:
+        raise ValueError("node config: 'partition-id' is missing (flower-supernode --node-config 'partition-id=0')")
+    key = (context.run_id, int(nc["partition-id"]), nc.get("data-file"), nc.get("state-dir"))
+    if key not in _nodes:
+        if class_names is None:
+            raise RuntimeError("node not set up yet: it answers the roll call first")
+        data_file = nc.get("data-file")
+        _nodes[key] = Node(
+            experiment_of(context),
+            int(nc["partition-id"]),
+            class_names,
+            data_file=Path(str(data_file)) if data_file else None,
+            state_dir=Path(str(nc.get("state-dir", ".fedpeft-node"))),
+        )
+    return _nodes[key]
+
+
+def _received(node: Node, msg: Message):
+    if "join" in msg.content and not node.joined:
+        node.join(codec.from_record(msg.content["join"]))
+    return codec.from_record(msg.content["downlink"])
+
+
+@client_app.query()
+def roll_call(msg: Message, context: Context) -> Message:
+    node = node_of(context, list(msg.content["ask"]["class_names"]))
+    info = ConfigRecord({"cid": node.cid, "joined": node.joined, "last_round": node.last_round})
+    return Message(RecordDict({"node": info}), reply_to=msg)
+
+
+@client_app.train()
+def train(msg: Message, context: Context) -> Message:
+    node = node_of(context)
+    received = _received(node, msg)
+    t0 = time.perf_counter()
+    result = node.fit(received, int(msg.content["config"]["round"]))
+    fit = {**result.metrics, "num_examples": result.num_examples, "time_fit": time.perf_counter() - t0}
+    records = {"uplink": codec.to_record(result.uplink), "fit": codec.to_metrics(fit)}
+    if readout := node.method.readout(result):  # computed here: it may need the personal state
+        records["readout"] = codec.to_metrics(readout)
+    return Message(RecordDict(records), reply_to=msg)
+
+
+@client_app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    node = node_of(context)
+    config = msg.content["config"]
+    received = _received(node, msg)
+    ev = node.evaluate(received, int(config["round"]), bool(config["global_test"]), node.cfg.eval.batch_size)
+    records: dict = {"config": ConfigRecord({"trained": ev.trained})}
+    if ev.local:
+        records["local"] = MetricRecord(ev.local)
+    if ev.global_:
+        records["global"] = MetricRecord(ev.global_)
+    return Message(RecordDict(records), reply_to=msg)

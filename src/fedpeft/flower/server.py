@@ -1,0 +1,308 @@
+"""The server side of a deployment: fedpeft's round loop driven over a Flower ``Grid``.
+
+Each round:
+
+1. **roll call**: a ``query`` message to every connected node; the replies map node ids
+   to client ids and say which nodes still need the method's join message (a restarted
+   node comes back with a fresh backbone);
+2. **sample** S of the clients that answered, with the same seeded draw as the
+   in-process engine (so with every node up both engines train the same clients);
+3. **train**: one ``train`` message per sampled client; a client that errs, crashes or
+   has not answered within ``deploy.round_timeout`` is dropped from the round, and a
+   reply whose tensors are not exactly the expected names, shapes and dtypes is refused
+   whole;
+4. **aggregate** through the method when at least ``deploy.min_results`` updates came
+   back (otherwise the round is recorded as skipped and the global state is kept);
+5. **evaluate**: the global model on the global test set here, and each client's own
+   model on its local test split on its node (``evaluate`` messages).
+
+Bytes are those Flower serialises (:func:`~fedpeft.flower.codec.wire_bytes`); the
+tensor payload the in-process engine counts is recorded beside them. The server
+state is checkpointed every round, so ``--resume`` continues a stopped run; personal
+state lives only on the nodes, which keep it per round (see :mod:`fedpeft.flower.node`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
+
+from fedpeft.config import DeployConfig
+from fedpeft.engines.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fedpeft.engines.inprocess import sample_clients
+from fedpeft.experiment import Setup
+from fedpeft.flower import codec
+from fedpeft.methods.base import FitResult, ServerState, Tensors, load_tensors, tensor_bytes
+from fedpeft.metrics.classification import mean_scores, predict, scores, spread
+
+ROLL_CALL, TRAIN, EVALUATE = "query", "train", "evaluate"
+
+
+class DeploymentError(RuntimeError):
+    """The federation cannot go on (too few nodes, too many skipped rounds, a clash)."""
+
+
+@dataclass
+class Peer:
+    node_id: int
+    joined: bool
+
+
+class FlowerServer:
+    """Runs ``setup``'s method over the nodes reachable through ``grid``."""
+
+    def __init__(
+        self,
+        setup: Setup,
+        grid: Grid,
+        *,
+        checkpoint_path: Path | None,
+        fingerprint: str,
+        on_round: Callable[[dict], None] = lambda record: None,
+        on_start: Callable[[list[dict]], None] = lambda records: None,
+        analyzers: dict[str, Callable[[Tensors, Tensors], dict]] | None = None,
+        log: Callable[[str], None] = print,
+    ):
+        self.setup, self.grid, self.method = setup, grid, setup.method
+        self.cfg = setup.cfg
+        self.deploy: DeployConfig = setup.cfg.deploy
+        self.checkpoint_path, self.fingerprint = checkpoint_path, fingerprint
+        self.on_round, self.on_start, self.log = on_round, on_start, log
+        self.analyzers = analyzers or {}
+        self.server: ServerState | None = None
+        self.setup_info: dict[str, float] = {}
+        self.uplink_like: Tensors = {}
+
+    # ------------------------------------------------------------ messaging
+    def exchange(self, messages: list[Message], timeout: float) -> tuple[dict[int, Message], dict[int, str]]:
+        """Send ``messages`` and wait up to ``timeout`` s; returns the good replies and,
+        per node that failed, why (error reply or no reply in time)."""
+        if not messages:
+            return {}, {}
+        replies = {m.metadata.src_node_id: m for m in self.grid.send_and_receive(messages, timeout=timeout)}
+        good, failed = {}, {}
+        for m in messages:
+            node = m.metadata.dst_node_id
+            reply = replies.get(node)
+            if reply is None:
+                failed[node] = f"no reply within {timeout:g} s"
+            elif reply.has_error():
+                failed[node] = f"error {reply.error.code}: {(reply.error.reason or '').strip()[-300:]}"
+            else:
+                good[node] = reply
+        return good, failed
+
+    def message(self, node_id: int, kind: str, records: dict, ttl: float) -> Message:
+        return Message(RecordDict(records), dst_node_id=node_id, message_type=kind, ttl=ttl)
+
+    def roll_call(self, rnd: int) -> dict[int, Peer]:
+        """Client id -> its node, for every node that answers in ``deploy.query_timeout``."""
+        ask = ConfigRecord({"round": rnd, "class_names": list(self.setup.corpus.class_names)})
+        timeout = self.deploy.query_timeout
+        messages = [self.message(n, ROLL_CALL, {"ask": ask}, timeout) for n in self.grid.get_node_ids()]
+        good, _ = self.exchange(messages, timeout)
+        peers: dict[int, Peer] = {}
+        for node, reply in good.items():
+            info = reply.content["node"]
+            cid = int(info["cid"])
+            if cid in peers:
+                raise DeploymentError(
+                    f"nodes {peers[cid].node_id} and {node} both claim partition-id={cid}; "
+                    "give every SuperNode its own --node-config partition-id"
+                )
+            if not 0 <= cid < self.cfg.partition.num_clients:
+                raise DeploymentError(
+                    f"node {node}: partition-id={cid} outside 0..{self.cfg.partition.num_clients - 1} "
+                    f"(partition.num_clients={self.cfg.partition.num_clients})"
+                )
+            peers[cid] = Peer(node, bool(info["joined"]))
+        return peers
+
+    def wait_for_nodes(self) -> None:
+        want = self.deploy.min_nodes or self.cfg.train.clients_per_round
+        deadline = time.monotonic() + self.deploy.connect_timeout
+        while (have := len(list(self.grid.get_node_ids()))) < want:
+            if time.monotonic() > deadline:
+                raise DeploymentError(
+                    f"{have} of deploy.min_nodes={want} nodes connected within "
+                    f"deploy.connect_timeout={self.deploy.connect_timeout:g} s"
+                )
+            time.sleep(0.5)
+
+    def downlink_records(self, server: ServerState, cid: int, peer: Peer) -> tuple[dict, int]:
+        """The records a client receives (plus the join message if its node needs it) and
+        their tensor payload in bytes."""
+        received = self.method.downlink(server, cid)
+        records, payload = {"downlink": codec.to_record(received)}, tensor_bytes(received)
+        if not peer.joined and (join := self.method.join_message(server)):
+            records["join"] = codec.to_record(join)
+            payload += tensor_bytes(join)
+        return records, payload
+
+    # ------------------------------------------------------------ one round
+    def fit_round(self, server: ServerState, rnd: int, peers: dict[int, Peer]) -> tuple[list[FitResult], dict]:
+        sampled = sample_clients(self.cfg.seed, rnd, list(peers), self.cfg.train.clients_per_round)
+        messages, payload_down = [], 0
+        for cid in sampled:
+            records, payload = self.downlink_records(server, cid, peers[cid])
+            records["config"] = ConfigRecord({"round": rnd})
+            messages.append(self.message(peers[cid].node_id, TRAIN, records, self.deploy.round_timeout))
+            payload_down += payload
+        down = sum(codec.wire_bytes(m) for m in messages)
+        good, failed = self.exchange(messages, self.deploy.round_timeout)
+        cid_of = {peers[c].node_id: c for c in sampled}
+        dropped = {cid_of[n]: why for n, why in failed.items()}
+        results, readouts, fit_times, up = [], {}, [], 0
+        for node, reply in sorted(good.items(), key=lambda kv: cid_of[kv[0]]):
+            cid = cid_of[node]
+            up += codec.wire_bytes(reply)
+            try:
+                uplink = codec.check_tensors(
+                    codec.from_record(reply.content["uplink"]), self.uplink_like, f"client {cid} update"
+                )
+            except (codec.ReplyError, KeyError) as err:
+                dropped[cid] = f"refused: {err}"
+                continue
+            fit = dict(reply.content["fit"])
+            num_examples = int(fit.pop("num_examples"))
+            fit_times.append(fit.pop("time_fit"))
+            results.append(FitResult(uplink, {}, num_examples, fit, cid))
+            peers[cid].joined = True
+            if "readout" in reply.content:
+                readouts[str(cid)] = dict(reply.content["readout"])
+        for cid, why in sorted(dropped.items()):
+            self.log(f"round {rnd}: client {cid} dropped ({why})")
+        weights = [r.num_examples for r in results]
+        names = sorted({k for r in results for k in r.metrics} - {"loss"})
+        return results, {
+            "clients": sampled,
+            "clients_returned": [r.cid for r in results],
+            **({"dropped": {str(c): why for c, why in sorted(dropped.items())}} if dropped else {}),
+            "nodes": len(peers),
+            "loss": float(np.average([r.metrics.get("loss", np.nan) for r in results], weights=weights))
+            if results
+            else float("nan"),
+            "fit": {k: float(np.mean([r.metrics[k] for r in results if k in r.metrics])) for k in names},
+            "bytes_down": down,
+            "bytes_up": up,
+            "payload_bytes_down": payload_down,
+            "payload_bytes_up": sum(tensor_bytes(r.uplink) for r in results),
+            "time_fit_max": max(fit_times, default=float("nan")),
+            **({"client_readout": readouts} if readouts else {}),
+        }
+
+    def evaluate(self, server: ServerState, rnd: int, peers: dict[int, Peer]) -> dict:
+        """Global-test scores of the global model (or the clients' mean when there is
+        none), and each client's scores on its local test split, computed on its node."""
+        setup, out = self.setup, {}
+        bs = self.cfg.eval.batch_size
+        global_tensors = self.method.global_state(server)
+        if global_tensors is not None:
+            load_tensors(setup.model, global_tensors)
+            out["global"] = scores(predict(setup.model, setup.global_test, bs), setup.global_test.labels.numpy())
+        ask_global = global_tensors is None
+        if not (self.cfg.eval.local or ask_global):
+            return out
+        messages, join_bytes, join_payload = [], 0, 0
+        for cid, peer in sorted(peers.items()):
+            records, payload = self.downlink_records(server, cid, peer)
+            if "join" in records:  # one-time setup traffic: counted, unlike evaluation traffic
+                join_bytes += codec.wire_bytes(records["join"])
+                join_payload += payload - tensor_bytes(self.method.downlink(server, cid))
+                peer.joined = True
+            records["config"] = ConfigRecord({"round": rnd, "global_test": ask_global})
+            messages.append(self.message(peer.node_id, EVALUATE, records, self.deploy.query_timeout))
+        good, failed = self.exchange(messages, max(self.deploy.query_timeout, self.deploy.round_timeout))
+        cid_of = {p.node_id: c for c, p in peers.items()}
+        per_client_global, per_client_local, evaluated = [], [], 0
+        for node, reply in sorted(good.items(), key=lambda kv: cid_of[kv[0]]):
+            if not reply.content["config"]["trained"]:
+                continue
+            evaluated += 1
+            if "local" in reply.content:
+                per_client_local.append(dict(reply.content["local"]))
+            if "global" in reply.content:
+                per_client_global.append(dict(reply.content["global"]))
+        out["clients_evaluated"] = evaluated
+        out["join_bytes_down"], out["join_payload_bytes_down"] = join_bytes, join_payload
+        if failed:
+            out["eval_failed"] = {str(cid_of[n]): why for n, why in failed.items()}
+        if per_client_global:
+            out["global"] = mean_scores(per_client_global)
+        if per_client_local and self.cfg.eval.local:
+            out["local"] = spread(per_client_local)
+        return out
+
+    # ------------------------------------------------------------ the run
+    def start(self, resume: bool) -> tuple[ServerState, list[dict]]:
+        if resume:
+            ckpt = load_checkpoint(self.checkpoint_path, self.fingerprint)
+            return ckpt.server, ckpt.records
+        t0 = time.perf_counter()
+        server = self.method.init_server(self.setup.model)
+        self.setup_info = {"time_init_server": time.perf_counter() - t0, **self.method.setup_info}
+        return server, []
+
+    def run(self, resume: bool = False) -> list[dict]:
+        cfg, deploy = self.cfg, self.deploy
+        server, records = self.start(resume)
+        # the global model is evaluated here, on the server's copy of the joined backbone
+        self.method.join(self.setup.model, self.method.join_message(server))
+        self.uplink_like = {n: t for n, t in self.setup.initial.items() if n in set(self.method.shared_names)}
+        self.on_start(records)
+        self.wait_for_nodes()
+        cum_down = records[-1]["cum_bytes_down"] if records else 0
+        cum_up = records[-1]["cum_bytes_up"] if records else 0
+        skipped = 0
+        for rnd in range(len(records) + 1, cfg.train.rounds + 1):
+            t0 = time.perf_counter()
+            peers = self.roll_call(rnd)
+            results, record = self.fit_round(server, rnd, peers)
+            t1 = time.perf_counter()
+            previous = server
+            if len(results) >= deploy.min_results:
+                server, skipped = self.method.aggregate(server, results, rnd), 0
+                for name, analyze in self.analyzers.items():
+                    record[name] = analyze(previous.tensors, server.tensors)
+            else:
+                skipped += 1
+                record["skipped"] = f"{len(results)} of deploy.min_results={deploy.min_results} updates"
+                self.log(f"round {rnd}: skipped, {record['skipped']}; the global state is unchanged")
+            t2 = time.perf_counter()
+            if rnd % cfg.eval.every == 0 or rnd == cfg.train.rounds:
+                record.update(self.evaluate(server, rnd, peers))
+            t3 = time.perf_counter()
+            record["bytes_down"] += record.pop("join_bytes_down", 0)
+            record["payload_bytes_down"] += record.pop("join_payload_bytes_down", 0)
+            cum_down += record["bytes_down"]
+            cum_up += record["bytes_up"]
+            record = {
+                "round": rnd,
+                **record,
+                "cum_bytes_down": cum_down,
+                "cum_bytes_up": cum_up,
+                "cum_bytes": cum_down + cum_up,
+                "time_train": t1 - t0,
+                "time_aggregate": t2 - t1,
+                "time_eval": t3 - t2,
+                **({"setup": self.setup_info} if rnd == 1 else {}),
+            }
+            records.append(record)
+            if self.checkpoint_path is not None:
+                save_checkpoint(self.checkpoint_path, Checkpoint(rnd, self.fingerprint, server, {}, records, []))
+            self.on_round(record)
+            if skipped >= deploy.max_skipped_rounds:
+                raise DeploymentError(
+                    f"{skipped} consecutive rounds skipped (deploy.max_skipped_rounds="
+                    f"{deploy.max_skipped_rounds}); last: {record['skipped']}. Rerun with --resume "
+                    "once enough nodes are up."
+                )
+        self.server = server
+        return records
+

@@ -1,0 +1,48 @@
+"""An in-memory stand-in for Flower's Grid: delivers each message to the ClientApp of
+its node in this process, so the bridge's protocol is tested in seconds. The real
+SuperLink/SuperNode path is tested in test_flower_deploy.py."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.supercore.task_identity import TaskIdentity
+
+RUN_ID = 7
+
+
+class FakeGrid:
+    """Nodes ``1..n`` with node configs; ``faults(node_id, message) -> str | None`` makes
+    a node fail a message (``"error"``: an error reply, ``"silent"``: no reply)."""
+
+    def __init__(self, app: ClientApp, node_configs: dict[int, dict], run_config: dict):
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = RUN_ID, 0, 0
+        self.app, self.run_config = app, run_config
+        self.contexts = {n: self.context(n, nc) for n, nc in node_configs.items()}
+        self.faults: Callable[[int, Message], str | None] = lambda node, message: None
+        self.sent: list[Message] = []
+        self.replies: list[Message] = []
+
+    def context(self, node_id: int, node_config: dict) -> Context:
+        return Context(RUN_ID, node_id, dict(node_config), RecordDict(), dict(self.run_config))
+
+    def get_node_ids(self) -> Iterable[int]:
+        return sorted(self.contexts)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        replies = []
+        for message in messages:
+            self.sent.append(message)
+            node = message.metadata.dst_node_id
+            fault = self.faults(node, message)
+            if node not in self.contexts or fault == "silent":
+                continue
+            if fault == "error":
+                replies.append(Message(Error(1, "simulated crash"), reply_to=message))
+                continue
+            reply = self.app(message, self.contexts[node])
+            self.replies.append(reply)
+            replies.append(reply)
+        return replies
