@@ -34,13 +34,14 @@ class FakeGrid:
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         replies = []
         for message in messages:
+            message.metadata.__dict__["_message_id"] = message.object_id  # as the SuperLink does
             self.sent.append(message)
             node = message.metadata.dst_node_id
             fault = self.faults(node, message)
             if node not in self.contexts or fault == "silent":
                 continue
             if fault == "error":
-                replies.append(Message(Error(1, "simulated crash"), reply_to=message))
+                replies.append(Message(Error(2, "simulated crash"), reply_to=message))
                 continue
             reply = self.app(message, self.contexts[node])
             self.replies.append(reply)

@@ -70,8 +70,8 @@ def test_personal_state_stays_on_the_nodes(tiny_config, tmp_path):
     uplinks = [set(m.content["uplink"]) for m in grid.replies if "uplink" in m.content]
     assert uplinks and all(u == shared for u in uplinks)
     # each trained node keeps its own snapshots on its own disk
-    saved = torch.load(tmp_path / "node0" / "client-0.pt", weights_only=True)
-    assert set(next(iter(saved["snapshots"].values()))) == personal
+    saved = torch.load(tmp_path / "node0" / "client-0-personal.pt", weights_only=True)["value"]
+    assert set(next(iter(saved.values()))) == personal
 
 
 def test_crashed_and_silent_clients_are_dropped_and_recorded(tiny_config, tmp_path):
@@ -156,28 +156,35 @@ def test_restarted_node_rejoins_with_its_state(tiny_config, tmp_path, method):
     had happened."""
     cfg = tiny_config(method=method, **{"train.rounds": 3, "train.clients_per_round": 4})
     grid = deploy(cfg, tmp_path)
-    real_roll_call = apps.client_app._registered_funcs["query.default"]
+    real_evaluate = apps.client_app._registered_funcs["evaluate.default"]
 
     def restart_node_0_after_round_1(message, context):
-        if message.content["ask"]["round"] == 2 and context.node_config["partition-id"] == 0:
+        reply = real_evaluate(message, context)
+        if message.content["config"]["round"] == 1 and context.node_config["partition-id"] == 0:
+            # the node's process dies; a new SuperNode starts, under a new node id
+            del grid.contexts[100]
+            grid.contexts[200] = grid.context(200, context.node_config)
             for key in [k for k in apps._nodes if k[1] == 0]:
-                del apps._nodes[key]  # the process died; a new one starts from its state dir
-        return real_roll_call(message, context)
+                del apps._nodes[key]
+            if method["name"] == "federa":  # ... on a fresh disk: its join message is gone too
+                (tmp_path / "node0" / "client-0-join.pt").unlink()
+        return reply
 
-    apps.client_app._registered_funcs["query.default"] = restart_node_0_after_round_1
+    apps.client_app._registered_funcs["evaluate.default"] = restart_node_0_after_round_1
     try:
         serve(grid)
     finally:
-        apps.client_app._registered_funcs["query.default"] = real_roll_call
-    joins = [m.content["config"]["round"] for m in grid.sent
-             if m.metadata.message_type == "train" and "join" in m.content and m.metadata.dst_node_id == 100]  # fmt: skip
-    assert joins == ([1, 2] if method["name"] == "federa" else [])
+        apps.client_app._registered_funcs["evaluate.default"] = real_evaluate
+    joins = [(m.metadata.dst_node_id, m.content["config"]["round"]) for m in grid.sent
+             if m.metadata.message_type == "train" and "join" in m.content and m.metadata.dst_node_id in (100, 200)]  # fmt: skip
+    assert joins == ([(100, 1), (200, 2)] if method["name"] == "federa" else [])
+    assert [r["clients"] for r in read_records(cfg.output_dir)] == [[0, 1, 2, 3]] * 3
     local_cfg = tiny_config(method=method, **{"train.rounds": 3, "train.clients_per_round": 4},
                             output_dir=str(tmp_path / "inproc"))  # fmt: skip
     run(local_cfg)
     assert read_records(cfg.output_dir)[-1]["local"] == pytest.approx(read_records(local_cfg.output_dir)[-1]["local"])
     # node 0's personal state after the last round is the in-process engine's, bit for bit
     reference = torch.load(local_cfg.output_dir / "checkpoint.pt", weights_only=True)["personal"][0]
-    saved = torch.load(tmp_path / "node0" / "client-0.pt", weights_only=True)["snapshots"]
+    saved = torch.load(tmp_path / "node0" / "client-0-personal.pt", weights_only=True)["value"]
     assert set(saved[3]) == set(reference)
     assert all(torch.equal(saved[3][k], reference[k]) for k in reference)

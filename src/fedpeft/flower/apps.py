@@ -79,24 +79,24 @@ def serve(grid: Grid, context: Context) -> None:
 
 
 # ---------------------------------------------------------------- client
-_nodes: dict[tuple, Node] = {}  # one per (run, node identity), kept while the process lives
+_nodes: dict[tuple, Node] = {}  # per (run, node identity), while this process lives
 
 
 def node_of(context: Context, class_names: list[str] | None = None) -> Node:
+    """This node's client. Flower runs each message in a fresh process, so a node is
+    rebuilt from its state dir; within one process (simulation, tests) it is reused."""
     nc = context.node_config
     if "partition-id" not in nc:
         raise ValueError("node config: 'partition-id' is missing (flower-supernode --node-config 'partition-id=0')")
-    key = (context.run_id, int(nc["partition-id"]), nc.get("data-file"), nc.get("state-dir"))
+    data_file, state_dir = nc.get("data-file"), nc.get("state-dir", ".fedpeft-node")
+    key = (context.run_id, int(nc["partition-id"]), data_file, state_dir)
     if key not in _nodes:
-        if class_names is None:
-            raise RuntimeError("node not set up yet: it answers the roll call first")
-        data_file = nc.get("data-file")
         _nodes[key] = Node(
             experiment_of(context),
             int(nc["partition-id"]),
-            class_names,
+            state_dir=Path(str(state_dir)),
+            class_names=class_names,
             data_file=Path(str(data_file)) if data_file else None,
-            state_dir=Path(str(nc.get("state-dir", ".fedpeft-node"))),
         )
     return _nodes[key]
 

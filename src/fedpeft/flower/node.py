@@ -7,7 +7,7 @@ simulation, e.g. the integration tests) or a file of its own (``data-file``: a r
 deployment), whose labels are mapped onto the federation's class list.
 
 Personal state never leaves the node. After each local round it is saved per round
-(``state_dir/client-<cid>.pt``, written atomically, the last two rounds kept), so a
+(``state_dir/client-<cid>-personal.pt``, written atomically, the last two rounds kept), so a
 restarted node rejoins with its state and a resumed server that repeats round ``t``
 gets exactly what an uninterrupted run would: a fit for round ``t`` starts from the
 newest snapshot older than ``t``.
@@ -25,12 +25,12 @@ import torch
 from fedpeft.config import ExperimentConfig
 from fedpeft.data import partition as P
 from fedpeft.data.sources import load_client_file
-from fedpeft.data.task import encode
+from fedpeft.data.task import Encoded, encode
 from fedpeft.engines.inprocess import derive_seed
 from fedpeft.experiment import attach_method, build, fingerprint
-from fedpeft.methods.base import ClientData, FitResult, Method, Tensors, load_tensors
+from fedpeft.methods.base import ClientData, FitResult, Tensors, load_tensors
 from fedpeft.metrics.classification import predict, scores
-from fedpeft.models.backbone import TaskModel, build_model
+from fedpeft.models.backbone import build_model, load_backbone
 
 KEEP_SNAPSHOTS = 2
 
@@ -42,66 +42,100 @@ class Evaluation:
     global_: dict[str, float]
 
 
+class NotSetUp(RuntimeError):
+    """A node asked to train or evaluate before it answered the roll call."""
+
+
 class Node:
-    """A client's side of the protocol: ``fit`` and ``evaluate`` on its own data."""
+    """A client's side of the protocol: ``fit`` and ``evaluate`` on its own data.
+
+    Flower starts a fresh process for every message, so everything a node must remember
+    lives in ``state_dir``: its encoded data and the federation's class list (written at
+    the roll call), the method's join message once applied, and its personal state.
+    """
 
     def __init__(
         self,
         cfg: ExperimentConfig,
         cid: int,
-        class_names: list[str],
         *,
+        state_dir: Path | None,
+        class_names: list[str] | None = None,
         data_file: Path | None = None,
-        state_dir: Path | None = None,
     ):
         self.cfg, self.cid = cfg, cid
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
-        if data_file is None:  # partition ``cid`` of the experiment's own corpus
-            if not 0 <= cid < cfg.partition.num_clients:
-                raise ValueError(
-                    f"node config partition-id={cid}: outside 0..{cfg.partition.num_clients - 1} "
-                    f"(partition.num_clients={cfg.partition.num_clients})"
-                )
-            setup = build(cfg)
-            self.model, self.method, self.initial = setup.model, setup.method, setup.initial
-            self.client, self.global_test = setup.clients[cid], setup.global_test
-        else:
-            self.model, tokenizer = build_model(cfg.model, len(class_names), cfg.seed)
-            self.client = self._own_data(data_file, class_names, tokenizer)
-            self.global_test = None  # a real client holds only its own data
-            self.method, self.initial = attach_method(cfg, self.model)
-        self.model: TaskModel
-        self.method: Method
+        if data_file is None and not 0 <= cid < cfg.partition.num_clients:
+            raise ValueError(
+                f"node config partition-id={cid}: outside 0..{cfg.partition.num_clients - 1} "
+                f"(partition.num_clients={cfg.partition.num_clients})"
+            )
+        self.state_dir = None if state_dir is None else Path(state_dir)
+        self.tag = f"{fingerprint(cfg)}:{data_file or 'partition'}:{cid}"
+        data = self._load("data")
+        if data is None:
+            if class_names is None:
+                raise NotSetUp(f"client {cid}: no data set up in {self.state_dir}; it answers the roll call first")
+            data = self._prepare_data(class_names, data_file)
+            self._save("data", data)
+        self.class_names: list[str] = data["class_names"]
+        self.client = ClientData(cid, Encoded(*data["train"]), Encoded(*data["test"]))
+        self.global_test = Encoded(*data["global_test"]) if data["global_test"] else None
+        # the same seeded construction as the in-process engine's, so the same initial adapters
+        self.model, _ = build_model(cfg.model, len(self.class_names), cfg.seed)
+        self.method, self.initial = attach_method(cfg, self.model)
         self.joined = False  # the method's join message applied to this node's backbone
-        self.state_path = None if state_dir is None else Path(state_dir) / f"client-{cid}.pt"
-        self.tag = f"{fingerprint(cfg)}:{data_file or 'partition'}"
-        self.snapshots: dict[int, Tensors] = self._load_snapshots()
+        if (join := self._load("join")) is not None:
+            self.join(join, save=False)
+        self.snapshots: dict[int, Tensors] = self._load("personal") or {}
 
-    def _own_data(self, path: Path, class_names: list[str], tokenizer) -> ClientData:
-        texts, labels = load_client_file(path, self.cfg.data, class_names)
-        rng = np.random.default_rng([self.cfg.seed, self.cid])
-        (train,), (test,) = P.split_local_test([np.arange(len(labels))], self.cfg.partition.local_test_fraction, rng)
-        enc = encode(texts, labels, tokenizer, self.cfg.data.max_length)
-        return ClientData(self.cid, enc.subset(train), enc.subset(test))
+    def _prepare_data(self, class_names: list[str], data_file: Path | None) -> dict:
+        """This client's encoded train and local-test splits (and the global test set when
+        the node mirrors a simulation): the same rows and padding as the in-process engine."""
+        cfg = self.cfg
+        if data_file is None:
+            setup = build(cfg)  # partition ``cid`` of the experiment's corpus
+            if setup.corpus.class_names != class_names:
+                raise ValueError(f"client {self.cid}: the server's class list differs from this node's corpus")
+            client, global_test = setup.clients[self.cid], setup.global_test
+        else:
+            _, tokenizer = load_backbone(cfg.model)
+            texts, labels = load_client_file(data_file, cfg.data, class_names)
+            rng = np.random.default_rng([cfg.seed, self.cid])
+            (train,), (test,) = P.split_local_test([np.arange(len(labels))], cfg.partition.local_test_fraction, rng)
+            enc = encode(texts, labels, tokenizer, cfg.data.max_length)
+            client, global_test = ClientData(self.cid, enc.subset(train), enc.subset(test)), None
+        fields = lambda e: [e.ids, e.lengths, e.labels]  # noqa: E731
+        return {
+            "class_names": list(class_names),
+            "train": fields(client.train),
+            "test": fields(client.test),
+            "global_test": fields(global_test) if global_test is not None else [],
+        }
+
+    # ---------------------------------------------------------------- the node's disk
+    def _path(self, what: str) -> Path:
+        assert self.state_dir is not None
+        return self.state_dir / f"client-{self.cid}-{what}.pt"
+
+    def _load(self, what: str):
+        if self.state_dir is None or not self._path(what).is_file():
+            return None
+        saved = torch.load(self._path(what), weights_only=True)
+        return saved["value"] if saved.get("tag") == self.tag else None  # another experiment's: ignore
+
+    def _save(self, what: str, value) -> None:
+        """Write atomically: a node killed mid-write keeps the previous file."""
+        if self.state_dir is None:
+            return
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        path = self._path(what)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"tag": self.tag, "value": value}, tmp)
+        os.replace(tmp, path)
 
     # ---------------------------------------------------------------- personal state
-    def _load_snapshots(self) -> dict[int, Tensors]:
-        if self.state_path is None or not self.state_path.is_file():
-            return {}
-        saved = torch.load(self.state_path, weights_only=True)
-        if saved.get("tag") != self.tag:  # another experiment's state: start afresh
-            return {}
-        return saved["snapshots"]
-
-    def _save_snapshots(self) -> None:
-        if self.state_path is None:
-            return
-        self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.state_path.with_suffix(".tmp")
-        torch.save({"tag": self.tag, "snapshots": self.snapshots}, tmp)
-        os.replace(tmp, self.state_path)
-
     def personal_before(self, rnd: int) -> Tensors | None:
         """The personal state as it was after the newest local round before ``rnd``."""
         done = [r for r in self.snapshots if r < rnd]
@@ -112,9 +146,11 @@ class Node:
         return max(self.snapshots, default=0)
 
     # ---------------------------------------------------------------- protocol
-    def join(self, message: Tensors) -> None:
+    def join(self, message: Tensors, save: bool = True) -> None:
         self.method.join(self.model, message)
         self.joined = True
+        if save:
+            self._save("join", message)
 
     def fit(self, received: Tensors, rnd: int) -> FitResult:
         """Local round ``rnd``, seeded exactly as the in-process engine seeds it."""
@@ -128,7 +164,7 @@ class Node:
         self.snapshots = {r: t for r, t in self.snapshots.items() if r < rnd}
         self.snapshots[rnd] = result.personal
         self.snapshots = dict(sorted(self.snapshots.items())[-KEEP_SNAPSHOTS:])
-        self._save_snapshots()
+        self._save("personal", self.snapshots)
         return result
 
     def evaluate(self, received: Tensors, rnd: int, on_global_test: bool, batch_size: int) -> Evaluation:

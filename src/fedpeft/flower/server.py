@@ -78,6 +78,8 @@ class FlowerServer:
         self.server: ServerState | None = None
         self.setup_info: dict[str, float] = {}
         self.uplink_like: Tensors = {}
+        self.peers: dict[int, Peer] = {}  # client id -> the node that holds it
+        self.strangers: set[int] = set()  # nodes that answered with an unusable client id
 
     # ------------------------------------------------------------ messaging
     def exchange(self, messages: list[Message], timeout: float) -> tuple[dict[int, Message], dict[int, str]]:
@@ -85,11 +87,14 @@ class FlowerServer:
         per node that failed, why (error reply or no reply in time)."""
         if not messages:
             return {}, {}
-        replies = {m.metadata.src_node_id: m for m in self.grid.send_and_receive(messages, timeout=timeout)}
+        replies = self.grid.send_and_receive(messages, timeout=timeout)
+        # match by message id: an error the SuperLink writes for an offline node comes
+        # from the SuperLink, not from the node
+        by_id = {r.metadata.reply_to_message_id: r for r in replies}
         good, failed = {}, {}
         for m in messages:
             node = m.metadata.dst_node_id
-            reply = replies.get(node)
+            reply = by_id.get(m.metadata.message_id)
             if reply is None:
                 failed[node] = f"no reply within {timeout:g} s"
             elif reply.has_error():
@@ -102,27 +107,34 @@ class FlowerServer:
         return Message(RecordDict(records), dst_node_id=node_id, message_type=kind, ttl=ttl)
 
     def roll_call(self, rnd: int) -> dict[int, Peer]:
-        """Client id -> its node, for every node that answers in ``deploy.query_timeout``."""
+        """Client id -> its node. Nodes seen before are known; a node id not seen before
+        (a new or restarted SuperNode) is asked who it is, with ``deploy.query_timeout``
+        to answer. A node that claims a client id already held replaces the older node
+        (a restarted SuperNode comes back under a new node id, while the old id lingers
+        until its heartbeat lapses)."""
+        listed = set(self.grid.get_node_ids())
+        self.peers = {cid: p for cid, p in self.peers.items() if p.node_id in listed}
+        known = {p.node_id for p in self.peers.values()} | self.strangers
         ask = ConfigRecord({"round": rnd, "class_names": list(self.setup.corpus.class_names)})
         timeout = self.deploy.query_timeout
-        messages = [self.message(n, ROLL_CALL, {"ask": ask}, timeout) for n in self.grid.get_node_ids()]
-        good, _ = self.exchange(messages, timeout)
-        peers: dict[int, Peer] = {}
-        for node, reply in good.items():
+        messages = [self.message(n, ROLL_CALL, {"ask": ask}, timeout) for n in sorted(listed - known)]
+        good, failed = self.exchange(messages, timeout)
+        for node, why in failed.items():
+            self.log(f"round {rnd}: node {node} did not answer the roll call ({why})")
+        for node, reply in sorted(good.items()):
             info = reply.content["node"]
             cid = int(info["cid"])
-            if cid in peers:
-                raise DeploymentError(
-                    f"nodes {peers[cid].node_id} and {node} both claim partition-id={cid}; "
-                    "give every SuperNode its own --node-config partition-id"
-                )
             if not 0 <= cid < self.cfg.partition.num_clients:
-                raise DeploymentError(
+                self.strangers.add(node)
+                self.log(
                     f"node {node}: partition-id={cid} outside 0..{self.cfg.partition.num_clients - 1} "
-                    f"(partition.num_clients={self.cfg.partition.num_clients})"
+                    f"(partition.num_clients={self.cfg.partition.num_clients}); ignored"
                 )
-            peers[cid] = Peer(node, bool(info["joined"]))
-        return peers
+                continue
+            if cid in self.peers:
+                self.log(f"node {node} replaces node {self.peers[cid].node_id} as client {cid}")
+            self.peers[cid] = Peer(node, bool(info["joined"]))
+        return dict(sorted(self.peers.items()))
 
     def wait_for_nodes(self) -> None:
         want = self.deploy.min_nodes or self.cfg.train.clients_per_round
