@@ -1,4 +1,4 @@
-"""The ``fedpeft`` command: run, partition, methods, report."""
+"""The ``fedpeft`` command: run, partition, methods, report, sweep; serve, join, certs (Flower)."""
 
 from __future__ import annotations
 
@@ -290,6 +290,113 @@ def sweep(
     console.print(table)
     for path in S.plot_sweep(rows, out):
         console.print(f"plot: {path}")
+
+
+# ---------------------------------------------------------------- Flower deployment
+CaOpt = Annotated[Path | None, typer.Option("--ca", help="CA certificate every party trusts (TLS).")]  # noqa: UP007
+InsecureOpt = Annotated[bool, typer.Option("--insecure", help="Plain HTTP, no TLS (loopback and trials only).")]
+
+
+def _tls(ca: Path | None, insecure: bool, cert: Path | None = None, key: Path | None = None):
+    from fedpeft.flower.deploy import Tls
+
+    if insecure == (ca is not None):
+        _fail(ValueError("give either --ca (TLS, the default for a deployment) or --insecure"))
+    for flag, path in (("--ca", ca), ("--cert", cert), ("--key", key)):
+        if path is not None and not path.is_file():
+            _fail(FileNotFoundError(f"{flag} {path}: no such file"))
+    return None if insecure else Tls(ca, cert, key)
+
+
+@app.command()
+def serve(
+    config: ConfigArg = None,
+    set_: SetOpt = None,
+    resume: Annotated[bool, typer.Option(help="Continue from the last completed round.")] = False,
+    superlink: Annotated[
+        str | None,  # noqa: UP007
+        typer.Option(help="Address of a running SuperLink (HOST:PORT); default: start one here."),
+    ] = None,
+    host: Annotated[str, typer.Option(help="Interface the SuperLink started here listens on.")] = "0.0.0.0",
+    port: Annotated[int, typer.Option(help="Port of the SuperLink started here.")] = 9092,
+    ca: CaOpt = None,
+    cert: Annotated[Path | None, typer.Option(help="SuperLink certificate (TLS).")] = None,  # noqa: UP007
+    key: Annotated[Path | None, typer.Option(help="SuperLink private key (TLS).")] = None,  # noqa: UP007
+    insecure: InsecureOpt = False,
+    workdir: Annotated[Path | None, typer.Option(help="Flower's files (default: OUTPUT_DIR/flower).")] = None,  # noqa: UP007
+) -> None:
+    """Run the experiment over Flower: start a SuperLink (unless --superlink is given),
+    submit the experiment and follow it until its last round. Clients join with
+    ``fedpeft join``; results land in the config's output_dir as with ``fedpeft run``."""
+    from fedpeft.flower import deploy
+
+    try:
+        cfg = _config(config, set_)
+    except ConfigError as err:
+        _fail(err)
+    tls = _tls(ca, insecure, cert, key)
+    work = (workdir or Path(cfg.output_dir) / "flower").resolve()
+    link = None
+    try:
+        if superlink is None:
+            link = deploy.start_superlink(work, host, port, tls, log=work / "superlink.log")
+            superlink = f"127.0.0.1:{port}"
+            console.print(f"SuperLink listening on {host}:{port} (log: {work / 'superlink.log'})")
+            console.print(f"clients join with: fedpeft join --superlink <this host>:{port} --partition-id N ...")
+        status = deploy.submit(cfg, superlink, workdir=work, tls=tls, resume=resume)
+    except deploy.DeployError as err:
+        _fail(err)
+    finally:
+        if link is not None:
+            deploy.stop(link)
+    traffic = status.get("network-traffic", {})
+    console.print(f"run {status['run-id']}: {status['status']}, {traffic.get('total-bytes', 0) / 1e6:.2f} MB on the wire")
+    from fedpeft.report.results import read_summary
+
+    _print_summaries([read_summary(Path(cfg.output_dir))])
+
+
+@app.command()
+def join(
+    superlink: Annotated[str, typer.Option(help="The SuperLink's address, HOST:PORT.")],
+    partition_id: Annotated[int, typer.Option(help="This client's id, 0 .. partition.num_clients-1.")],
+    data_file: Annotated[
+        Path | None,  # noqa: UP007
+        typer.Option(help="This client's own data (CSV/TSV/JSONL/Parquet); default: partition "
+                     "PARTITION_ID of the experiment's corpus."),
+    ] = None,
+    state_dir: Annotated[Path, typer.Option(help="Where this client keeps its state.")] = Path(".fedpeft-node"),
+    port: Annotated[int, typer.Option(help="Local port of this node's app runtime.")] = 9094,
+    ca: CaOpt = None,
+    insecure: InsecureOpt = False,
+) -> None:
+    """Join a federation as one client: runs a Flower SuperNode until stopped (Ctrl-C).
+    The node trains and evaluates on its own data; its personal state never leaves it."""
+    import os
+
+    from fedpeft.flower import deploy
+
+    tls = _tls(ca, insecure)
+    if data_file is not None and not data_file.is_file():
+        _fail(FileNotFoundError(f"--data-file {data_file}: no such file"))
+    cmd = deploy.supernode_command(superlink, partition_id, state_dir, data_file=data_file, tls=tls, port=port)
+    home = state_dir.resolve() / "flwr-home"
+    console.print(f"client {partition_id} joining {superlink} ({'TLS' if tls else 'no TLS'}); state in {state_dir}")
+    os.execvpe(cmd[0], cmd, deploy.flower_env(home))
+
+
+@app.command()
+def certs(
+    out: Annotated[Path, typer.Argument(help="Directory for ca.crt, ca.key, server.pem, server.key.")],
+    host: Annotated[
+        list[str], typer.Option("--host", help="Name or IP address clients use for the SuperLink (repeatable).")
+    ] = ["127.0.0.1", "localhost"],  # noqa: B006 - typer reads the default, never mutates it
+) -> None:
+    """Make a local certificate authority and a SuperLink certificate for TLS."""
+    from fedpeft.flower.certs import make_certificates
+
+    for name, path in make_certificates(out, host).items():
+        console.print(f"{name}: {path}")
 
 
 def main() -> None:  # pragma: no cover

@@ -28,7 +28,6 @@ from fedpeft.methods.base import ClientData, Method, ServerState, Tensors, load_
 from fedpeft.metrics.variation import lora_variations
 from fedpeft.models.backbone import TaskModel, build_model
 from fedpeft.report import results as R
-from fedpeft.report.plots import plot_accuracy, plot_readouts, plot_variation
 
 
 @dataclass
@@ -231,6 +230,8 @@ def open_output(setup: Setup) -> np.ndarray:
 
 def finish(setup: Setup, records: list[dict], server: ServerState, hist: np.ndarray, extra: dict) -> dict:
     """Write ``summary.json``, the exported adapter and the plots; returns the summary."""
+    from fedpeft.report.plots import plot_accuracy, plot_readouts, plot_variation  # matplotlib: slow import
+
     cfg, out = setup.cfg, Path(setup.cfg.output_dir)
     summary = R.summarize(
         records,

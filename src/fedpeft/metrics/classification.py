@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from sklearn.metrics import f1_score, matthews_corrcoef
 
 from fedpeft.data.task import Encoded, make_batch
 
@@ -22,6 +21,10 @@ def predict(model: torch.nn.Module, data: Encoded, batch_size: int = 128) -> np.
 
 def scores(preds: np.ndarray, labels: np.ndarray) -> dict[str, float]:
     """accuracy, macro-F1 (over the labels present in either array) and MCC."""
+    # imported here: scikit-learn takes a second to import, and a deployed client's
+    # process (one per message) usually only trains
+    from sklearn.metrics import f1_score, matthews_corrcoef
+
     if len(labels) == 0:
         return {"accuracy": float("nan"), "macro_f1": float("nan"), "mcc": float("nan")}
     return {

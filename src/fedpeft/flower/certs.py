@@ -1,0 +1,76 @@
+"""A local certificate authority for a deployment's TLS (``fedpeft certs``).
+
+Writes ``ca.crt``/``ca.key`` (the CA every node trusts) and ``server.pem``/``server.key``
+(the SuperLink's certificate, valid for the given host names and IP addresses). An
+organisation with its own PKI uses its own certificates instead; these are for trying
+a deployment and for closed networks.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.x509.oid import NameOID
+
+
+def _key() -> rsa.RSAPrivateKey:
+    return rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+
+def _write_key(key: rsa.RSAPrivateKey, path: Path) -> None:
+    path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    path.chmod(0o600)
+
+
+def _san(hosts: list[str]) -> x509.SubjectAlternativeName:
+    names: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    return x509.SubjectAlternativeName(names)
+
+
+def make_certificates(out: Path, hosts: list[str], days: int = 365) -> dict[str, Path]:
+    """A CA and a SuperLink certificate for ``hosts``; returns the written paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    now = dt.datetime.now(dt.timezone.utc)
+    ca_key, server_key = _key(), _key()
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedpeft local CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    server = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+        .issuer_name(ca_name)
+        .public_key(server_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(_san(hosts), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    paths = {name: out / name for name in ("ca.crt", "ca.key", "server.pem", "server.key")}
+    paths["ca.crt"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    _write_key(ca_key, paths["ca.key"])
+    paths["server.pem"].write_bytes(server.public_bytes(serialization.Encoding.PEM))
+    _write_key(server_key, paths["server.key"])
+    return paths

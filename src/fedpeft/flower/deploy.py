@@ -1,0 +1,338 @@
+"""Start the pieces of a Flower deployment and run a fedpeft experiment on them.
+
+``fedpeft serve`` and ``fedpeft join`` are thin wrappers over this module:
+
+- :func:`start_superlink` runs ``flower-superlink`` (one HTTP(S) server: Fleet API for
+  the SuperNodes, Control API for ``flwr run``, ServerAppIo for the ServerApp);
+- :func:`start_supernode` runs ``flower-supernode`` for one client, with its
+  ``partition-id``, optional ``data-file`` and ``state-dir`` as node config;
+- :func:`submit` writes a Flower app directory whose components are fedpeft's
+  ``server_app``/``client_app`` and whose run config is the experiment, submits it with
+  ``flwr run`` and follows it to the end.
+
+Every process gets its own ``FLWR_HOME`` and an environment that keeps Flower off the
+network (no telemetry, no update check, no dependency installation at run time: the
+package is already installed on every machine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomli_w
+
+from fedpeft.config import ExperimentConfig, dump_config
+
+CONNECTION = "fedpeft"
+
+
+class DeployError(RuntimeError):
+    """A deployment piece that failed to start or a run that did not complete."""
+
+
+@dataclass
+class Tls:
+    """Certificates for TLS: the CA every party trusts, and the SuperLink's own pair."""
+
+    ca: Path
+    cert: Path | None = None
+    key: Path | None = None
+
+
+def flower_env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a Flower process: its own FLWR_HOME, this venv's scripts first
+    on PATH (Flower starts its helpers by name), and nothing that phones home."""
+    home.mkdir(parents=True, exist_ok=True)
+    bindir = str(Path(sys.executable).parent)
+    return {
+        **os.environ,
+        "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
+        "FLWR_HOME": str(home),
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.2",
+        "PYTHONUNBUFFERED": "1",
+        **(extra or {}),
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _script(name: str) -> str:
+    path = Path(sys.executable).parent / name
+    return str(path) if path.exists() else name
+
+
+def _spawn(cmd: list[str], workdir: Path, home: Path, log: Path | None) -> subprocess.Popen:
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = open(log, "ab") if log else None  # noqa: SIM115 - handed to the child
+    return subprocess.Popen(cmd, cwd=workdir, env=flower_env(home), stdout=out, stderr=subprocess.STDOUT)
+
+
+def start_superlink(workdir: Path, host: str, port: int, tls: Tls | None, log: Path | None = None) -> subprocess.Popen:
+    """``flower-superlink`` on ``host:port``; returns once it answers its health check."""
+    if tls is None:
+        security = ["--insecure"]
+    else:
+        if tls.cert is None or tls.key is None:
+            raise DeployError("a TLS SuperLink needs its certificate and key (--cert, --key) besides --ca")
+        security = ["--ssl-ca-certfile", str(tls.ca), "--ssl-certfile", str(tls.cert), "--ssl-keyfile", str(tls.key)]
+    cmd = [_script("flower-superlink"), *security, "--host", host, "--port", str(port),
+           "--disable-runtime-dependency-installation", "--database", str(workdir / "superlink.db")]  # fmt: skip
+    proc = _spawn(cmd, workdir, workdir / "home-superlink", log)
+    wait_healthy(proc, "127.0.0.1" if host in ("0.0.0.0", "::") else host, port, tls, log)
+    return proc
+
+
+def wait_healthy(proc: subprocess.Popen, host: str, port: int, tls: Tls | None, log: Path | None, timeout: float = 120) -> None:
+    import ssl
+
+    scheme = "https" if tls else "http"
+    context = ssl.create_default_context(cafile=str(tls.ca)) if tls else None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text()[-2000:] if log and log.exists() else ""
+            raise DeployError(f"flower-superlink exited with code {proc.returncode}:\n{tail}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"{scheme}://{host}:{port}/health", timeout=2, context=context):
+                return
+        time.sleep(0.3)
+    raise DeployError(f"flower-superlink on {host}:{port} not healthy after {timeout:g} s")
+
+
+def node_config(partition_id: int, state_dir: Path, data_file: Path | None = None) -> str:
+    """The ``--node-config`` string (TOML values) that tells a node who it is."""
+    items = {"partition-id": partition_id, "state-dir": str(state_dir.resolve())}
+    if data_file is not None:
+        items["data-file"] = str(data_file.resolve())
+    return " ".join(f"{k}={json.dumps(v)}" for k, v in items.items())
+
+
+def supernode_command(
+    superlink: str, partition_id: int, state_dir: Path, *, data_file: Path | None, tls: Tls | None, port: int
+) -> list[str]:
+    security = ["--insecure"] if tls is None else ["--root-certificates", str(tls.ca)]
+    return [_script("flower-supernode"), *security, "--superlink", superlink,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--node-config", node_config(partition_id, state_dir, data_file)]  # fmt: skip
+
+
+def start_supernode(
+    workdir: Path,
+    superlink: str,
+    partition_id: int,
+    *,
+    state_dir: Path | None = None,
+    data_file: Path | None = None,
+    tls: Tls | None = None,
+    port: int | None = None,
+    log: Path | None = None,
+) -> subprocess.Popen:
+    """``flower-supernode`` for client ``partition_id``, connecting to ``superlink``."""
+    state_dir = state_dir or workdir / f"node-{partition_id}"
+    cmd = supernode_command(
+        superlink, partition_id, state_dir, data_file=data_file, tls=tls, port=port or free_port()
+    )
+    return _spawn(cmd, workdir, workdir / f"home-node-{partition_id}-{time.time_ns()}", log)
+
+
+def stop(proc: subprocess.Popen, timeout: float = 15) -> None:
+    """Stop a process and everything it started (SuperExec, app processes)."""
+    if proc.poll() is not None:
+        return
+    children = _descendants(proc.pid)
+    for pid in [proc.pid, *children]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _descendants(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    for line in out.splitlines():
+        p, pp = (int(x) for x in line.split())
+        children.setdefault(pp, []).append(p)
+    found, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            found.append(c)
+            todo.append(c)
+    return found
+
+
+# ---------------------------------------------------------------- the run
+def absolute_paths(cfg: ExperimentConfig) -> ExperimentConfig:
+    """The config with every local path made absolute: the ServerApp and the nodes run
+    in other working directories."""
+    update: dict = {"output_dir": cfg.output_dir.resolve()}
+    data = {"wordnet_dir": cfg.data.wordnet_dir.resolve()}
+    if cfg.data.path is not None:
+        data["path"] = cfg.data.path.resolve()
+    update["data"] = cfg.data.model_copy(update=data)
+    if Path(cfg.model.backbone).exists():
+        update["model"] = cfg.model.model_copy(update={"backbone": str(Path(cfg.model.backbone).resolve())})
+    return cfg.model_copy(update=update)
+
+
+def write_app(app_dir: Path, cfg: ExperimentConfig, resume: bool) -> Path:
+    """A Flower app directory whose components are fedpeft's and whose run config is
+    the experiment. It holds no code: the components import from the installed package."""
+    app_dir.mkdir(parents=True, exist_ok=True)
+    project = {
+        "project": {"name": "fedpeft-app", "version": "1.0.0", "dependencies": []},
+        "tool": {
+            "flwr": {
+                "app": {
+                    "publisher": "fedpeft",
+                    "components": {
+                        "serverapp": "fedpeft.flower.apps:server_app",
+                        "clientapp": "fedpeft.flower.apps:client_app",
+                    },
+                    "config": {"experiment": dump_config(cfg), "resume": resume},
+                }
+            }
+        },
+    }
+    (app_dir / "pyproject.toml").write_text(tomli_w.dumps(project))
+    return app_dir
+
+
+def write_connection(home: Path, superlink: str, tls: Tls | None) -> None:
+    """The ``flwr`` CLI's connection to the SuperLink's Control API."""
+    home.mkdir(parents=True, exist_ok=True)
+    conn: dict = {"address": superlink}
+    if tls is None:
+        conn["insecure"] = True
+    else:
+        conn["root-certificates"] = str(tls.ca.resolve())
+    (home / "config.toml").write_text(tomli_w.dumps({"superlink": {"default": CONNECTION, CONNECTION: conn}}))
+
+
+def _flwr(home: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([_script("flwr"), *args], env=flower_env(home), capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise DeployError(f"flwr {' '.join(args[:2])} failed ({proc.returncode}): {proc.stderr[-1500:] or proc.stdout[-1500:]}")
+    return proc
+
+
+def run_status(home: Path, run_id: int) -> dict:
+    proc = _flwr(home, "ls", CONNECTION, "--run-id", str(run_id), "--format", "json", check=False)
+    with contextlib.suppress(json.JSONDecodeError, KeyError, IndexError):
+        return json.loads(proc.stdout)["runs"][0]
+    return {}
+
+
+def submit(
+    cfg: ExperimentConfig,
+    superlink: str,
+    *,
+    workdir: Path,
+    tls: Tls | None = None,
+    resume: bool = False,
+    timeout: float | None = None,
+    echo: bool = True,
+) -> dict:
+    """Run ``cfg`` on the federation behind ``superlink`` (its Control API address) and
+    wait for the end; returns Flower's final record of the run (status, traffic)."""
+    cfg = absolute_paths(cfg)
+    home = workdir / "home-cli"
+    write_connection(home, superlink, tls)
+    app = write_app(workdir / "app", cfg, resume)
+    reply = _flwr(home, "run", str(app), CONNECTION, "--format", "json")
+    try:
+        run_id = int(json.loads(reply.stdout)["run-id"])
+    except (json.JSONDecodeError, KeyError) as err:
+        raise DeployError(f"flwr run gave no run id: {reply.stdout[-800:]} {reply.stderr[-800:]}") from err
+    logs = subprocess.Popen(
+        [_script("flwr"), "log", str(run_id), CONNECTION, "--stream"],
+        env=flower_env(home),
+        stdout=None if echo else subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while not (status := run_status(home, run_id)).get("status", "").startswith("finished"):
+            if deadline is not None and time.monotonic() > deadline:
+                _flwr(home, "stop", str(run_id), CONNECTION, check=False)
+                raise DeployError(f"run {run_id} still {status.get('status')} after {timeout:g} s; stopped")
+            time.sleep(1)
+    finally:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            logs.wait(10)
+        stop(logs)
+    status["run-id"] = run_id
+    if status["status"] != "finished:completed":
+        raise DeployError(f"run {run_id} {status['status']}: {status.get('status-details', '')}")
+    return status
+
+
+@contextlib.contextmanager
+def local_federation(
+    workdir: Path,
+    num_nodes: int,
+    *,
+    tls: Tls | None = None,
+    node_dirs: list[Path] | None = None,
+) -> Iterator[Federation]:
+    """A SuperLink and ``num_nodes`` SuperNodes on loopback (client ids ``0..n-1``), torn
+    down on exit. For tests, benchmarks and trying a deployment on one machine."""
+    port = free_port()
+    fed = Federation(workdir, f"127.0.0.1:{port}", tls)
+    fed.superlink = start_superlink(workdir, "127.0.0.1", port, tls, log=workdir / "superlink.log")
+    try:
+        for i in range(num_nodes):
+            fed.start_node(i, state_dir=node_dirs[i] if node_dirs else None)
+        yield fed
+    finally:
+        for proc in [*fed.nodes.values(), fed.superlink]:
+            stop(proc)
+
+
+@dataclass
+class Federation:
+    workdir: Path
+    address: str
+    tls: Tls | None
+    superlink: subprocess.Popen | None = None
+
+    def __post_init__(self) -> None:
+        self.nodes: dict[int, subprocess.Popen] = {}
+
+    def start_node(self, cid: int, state_dir: Path | None = None) -> None:
+        self.nodes[cid] = start_supernode(
+            self.workdir, self.address, cid, state_dir=state_dir, tls=self.tls, log=self.workdir / f"supernode-{cid}.log"
+        )
+
+    def kill_node(self, cid: int) -> None:
+        """SIGKILL a node and its app processes: a crash, not a shutdown."""
+        proc = self.nodes.pop(cid)
+        for pid in [*_descendants(proc.pid), proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+
