@@ -157,7 +157,9 @@ class DeployConfig(BaseModel):
         None, ge=1, description="Nodes to wait for before round 1 (None: train.clients_per_round)."
     )
     connect_timeout: float = Field(300, gt=0, description="Seconds to wait for min_nodes to connect.")
-    query_timeout: float = Field(30, gt=0, description="Seconds a node has to answer the per-round roll call.")
+    query_timeout: float = Field(
+        120, gt=0, description="Seconds a new node has to answer the roll call (it prepares its data then)."
+    )
     round_timeout: float = Field(
         600, gt=0, description="Seconds a sampled client has to return its update; later ones are dropped."
     )

@@ -24,13 +24,13 @@ import torch
 
 from fedpeft.config import ExperimentConfig
 from fedpeft.data import partition as P
-from fedpeft.data.sources import load_client_file
+from fedpeft.data.sources import load_client_file, load_corpus
 from fedpeft.data.task import Encoded, encode
 from fedpeft.engines.inprocess import derive_seed
-from fedpeft.experiment import attach_method, build, fingerprint
-from fedpeft.methods.base import ClientData, FitResult, Tensors, load_tensors
+from fedpeft.experiment import attach_method, fingerprint, make_split
+from fedpeft.methods.base import ClientData, FitResult, Method, Tensors, load_tensors
 from fedpeft.metrics.classification import predict, scores
-from fedpeft.models.backbone import build_model, load_backbone
+from fedpeft.models.backbone import TaskModel, build_model, load_tokenizer
 
 KEEP_SNAPSHOTS = 2
 
@@ -82,25 +82,52 @@ class Node:
         self.class_names: list[str] = data["class_names"]
         self.client = ClientData(cid, Encoded(*data["train"]), Encoded(*data["test"]))
         self.global_test = Encoded(*data["global_test"]) if data["global_test"] else None
-        # the same seeded construction as the in-process engine's, so the same initial adapters
-        self.model, _ = build_model(cfg.model, len(self.class_names), cfg.seed)
-        self.method, self.initial = attach_method(cfg, self.model)
-        self.joined = False  # the method's join message applied to this node's backbone
-        if (join := self._load("join")) is not None:
-            self.join(join, save=False)
+        self._join = self._load("join")  # the method's join message, once received
+        self._learner: tuple[TaskModel, Method, Tensors] | None = None  # built on first use
         self.snapshots: dict[int, Tensors] = self._load("personal") or {}
+
+    @property
+    def joined(self) -> bool:
+        return self._join is not None
+
+    def learner(self) -> tuple[TaskModel, Method, Tensors]:
+        """The model, the method and the initial trainable tensors, built on first use (a
+        roll call needs none of them): the same seeded construction as the in-process
+        engine's, so the same initial adapters; the join message applied if held."""
+        if self._learner is None:
+            model, _ = build_model(self.cfg.model, len(self.class_names), self.cfg.seed)
+            method, initial = attach_method(self.cfg, model)
+            if self._join is not None:
+                method.join(model, self._join)
+            self._learner = model, method, initial
+        return self._learner
+
+    @property
+    def model(self) -> TaskModel:
+        return self.learner()[0]
+
+    @property
+    def method(self) -> Method:
+        return self.learner()[1]
+
+    @property
+    def initial(self) -> Tensors:
+        return self.learner()[2]
 
     def _prepare_data(self, class_names: list[str], data_file: Path | None) -> dict:
         """This client's encoded train and local-test splits (and the global test set when
         the node mirrors a simulation): the same rows and padding as the in-process engine."""
         cfg = self.cfg
-        if data_file is None:
-            setup = build(cfg)  # partition ``cid`` of the experiment's corpus
-            if setup.corpus.class_names != class_names:
+        tokenizer = load_tokenizer(cfg.model)
+        if data_file is None:  # partition ``cid`` of the experiment's corpus
+            corpus = load_corpus(cfg.data, cfg.seed)
+            if corpus.class_names != class_names:
                 raise ValueError(f"client {self.cid}: the server's class list differs from this node's corpus")
-            client, global_test = setup.clients[self.cid], setup.global_test
+            split = make_split(cfg, corpus)
+            pool = encode(corpus.train_texts, corpus.train_labels, tokenizer, cfg.data.max_length)
+            client = ClientData(self.cid, pool.subset(split.train[self.cid]), pool.subset(split.test[self.cid]))
+            global_test = encode(corpus.test_texts, corpus.test_labels, tokenizer, cfg.data.max_length)
         else:
-            _, tokenizer = load_backbone(cfg.model)
             texts, labels = load_client_file(data_file, cfg.data, class_names)
             rng = np.random.default_rng([cfg.seed, self.cid])
             (train,), (test,) = P.split_local_test([np.arange(len(labels))], cfg.partition.local_test_fraction, rng)
@@ -146,11 +173,10 @@ class Node:
         return max(self.snapshots, default=0)
 
     # ---------------------------------------------------------------- protocol
-    def join(self, message: Tensors, save: bool = True) -> None:
+    def join(self, message: Tensors) -> None:
         self.method.join(self.model, message)
-        self.joined = True
-        if save:
-            self._save("join", message)
+        self._join = message
+        self._save("join", message)
 
     def fit(self, received: Tensors, rnd: int) -> FitResult:
         """Local round ``rnd``, seeded exactly as the in-process engine seeds it."""

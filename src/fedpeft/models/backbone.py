@@ -49,21 +49,33 @@ def resolve_backbone(cfg: ModelConfig) -> tuple[str, str | None]:
     ).expanduser().exists() else cfg.backbone, cfg.gguf_file
 
 
+def load_tokenizer(cfg: ModelConfig):
+    """The backbone's tokenizer alone (with a pad token)."""
+    from transformers import AutoTokenizer
+
+    source, gguf = resolve_backbone(cfg)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **({"gguf_file": gguf} if gguf else {}))
+    except (OSError, ValueError) as err:
+        raise BackboneError(f"model.backbone {cfg.backbone!r}: cannot load from {source!r}: {err}") from err
+    if tokenizer.pad_token_id is None:  # decoders often ship without one
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_backbone(cfg: ModelConfig) -> tuple[nn.Module, object]:
     """The pretrained model body (no head) and its tokenizer."""
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoModel
 
+    tokenizer = load_tokenizer(cfg)
     source, gguf = resolve_backbone(cfg)
     kwargs = {"gguf_file": gguf} if gguf else {}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         body = AutoModel.from_pretrained(source, dtype=getattr(torch, cfg.dtype), **kwargs)
     except (OSError, ValueError) as err:
         raise BackboneError(f"model.backbone {cfg.backbone!r}: cannot load from {source!r}: {err}") from err
     if getattr(body, "pooler", None) is not None:  # unused: TaskModel pools token states itself
         body.pooler = None
-    if tokenizer.pad_token_id is None:  # decoders often ship without one
-        tokenizer.pad_token = tokenizer.eos_token
     if cfg.dropout is not None:
         set_dropout(body, cfg.dropout)
     return body, tokenizer
