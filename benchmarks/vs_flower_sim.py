@@ -21,6 +21,7 @@ to end at most 1.1x the plain loop.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -124,7 +125,10 @@ def run_flower_sim(cfg) -> list[float]:
         server,
         client,
         num_supernodes=cfg.partition.num_clients,
-        backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 2, "include_dashboard": False}},
+        backend_config={
+            "client_resources": {"num_cpus": 1},
+            "init_args": {"num_cpus": 2, "include_dashboard": False},
+        },
     )
     return round_times(cfg.output_dir)
 
@@ -145,10 +149,8 @@ def child(name: str, args, out: Path) -> None:
 def tree_rss(proc: psutil.Process) -> int:
     total = 0
     for p in [proc, *proc.children(recursive=True)]:
-        try:
+        with contextlib.suppress(psutil.Error):  # a process that ended meanwhile
             total += p.memory_info().rss
-        except psutil.Error:
-            pass
     return total
 
 
@@ -197,8 +199,13 @@ def main() -> None:
     print("| | end to end (s) | steady round (s) | peak memory (MiB) | end to end / plain | round / plain |")
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
-        ratios = ("-", "-") if base is None else (f"{r['wall'] / base['wall']:.2f}x", f"{r['steady'] / base['steady']:.2f}x")
-        print(f"| {name} | {r['wall']:.1f} | {r['steady']:.2f} | {r['peak'] / 2**20:.0f} | {ratios[0]} | {ratios[1]} |")
+        ratios = (
+            ("-", "-")
+            if base is None
+            else (f"{r['wall'] / base['wall']:.2f}x", f"{r['steady'] / base['steady']:.2f}x")
+        )
+        cells = [f"{r['wall']:.1f}", f"{r['steady']:.2f}", f"{r['peak'] / 2**20:.0f}", *ratios]
+        print(f"| {name} | " + " | ".join(cells) + " |")
     if base is not None and "fedpeft" in results:
         ratio = results["fedpeft"]["wall"] / base["wall"]
         print(f"\nfedpeft end to end / plain loop: {ratio:.2f}x (target <= 1.1x)")

@@ -31,7 +31,9 @@ class FakeGrid:
     def get_node_ids(self) -> Iterable[int]:
         return sorted(self.contexts)
 
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
         replies = []
         for message in messages:
             message.metadata.__dict__["_message_id"] = message.object_id  # as the SuperLink does

@@ -122,7 +122,10 @@ def test_malformed_update_is_refused_whole(tiny_config, tmp_path):
 
     def truncating(message, context):
         reply = real_train(message, context)
-        if context.node_config["partition-id"] == grid.contexts[min(grid.contexts)].node_config["partition-id"]:
+        if (
+            context.node_config["partition-id"]
+            == grid.contexts[min(grid.contexts)].node_config["partition-id"]
+        ):
             rec = reply.content["uplink"]
             del rec[next(iter(rec))]  # a partial update
         return reply
@@ -175,16 +178,84 @@ def test_restarted_node_rejoins_with_its_state(tiny_config, tmp_path, method):
         serve(grid)
     finally:
         apps.client_app._registered_funcs["evaluate.default"] = real_evaluate
-    joins = [(m.metadata.dst_node_id, m.content["config"]["round"]) for m in grid.sent
-             if m.metadata.message_type == "train" and "join" in m.content and m.metadata.dst_node_id in (100, 200)]  # fmt: skip
+    trains = [
+        m for m in grid.sent if m.metadata.message_type == "train" and m.metadata.dst_node_id in (100, 200)
+    ]
+    joins = [(m.metadata.dst_node_id, m.content["config"]["round"]) for m in trains if "join" in m.content]
     assert joins == ([(100, 1), (200, 2)] if method["name"] == "federa" else [])
     assert [r["clients"] for r in read_records(cfg.output_dir)] == [[0, 1, 2, 3]] * 3
     local_cfg = tiny_config(method=method, **{"train.rounds": 3, "train.clients_per_round": 4},
                             output_dir=str(tmp_path / "inproc"))  # fmt: skip
     run(local_cfg)
-    assert read_records(cfg.output_dir)[-1]["local"] == pytest.approx(read_records(local_cfg.output_dir)[-1]["local"])
+    assert read_records(cfg.output_dir)[-1]["local"] == pytest.approx(
+        read_records(local_cfg.output_dir)[-1]["local"]
+    )
     # node 0's personal state after the last round is the in-process engine's, bit for bit
     reference = torch.load(local_cfg.output_dir / "checkpoint.pt", weights_only=True)["personal"][0]
     saved = torch.load(tmp_path / "node0" / "client-0-personal.pt", weights_only=True)["value"]
     assert set(saved[3]) == set(reference)
     assert all(torch.equal(saved[3][k], reference[k]) for k in reference)
+
+
+def test_nodes_with_their_own_data_files(tiny_config, tmp_path):
+    """A real deployment: each node reads its own file, labels mapped by name onto the
+    server's class list; an unknown label fails naming the file and row."""
+    import pandas as pd
+
+    from fedpeft.data.sources import DataError, load_corpus
+
+    cfg = tiny_config(**{"train.rounds": 1, "partition.num_clients": 2, "train.clients_per_round": 2})
+    corpus = load_corpus(cfg.data, cfg.seed)
+    files = []
+    for i in range(2):
+        rows = range(i * 40, (i + 1) * 40)
+        texts = [corpus.train_texts[r] for r in rows]
+        frame = pd.DataFrame(
+            {"text": texts, "label": [corpus.class_names[corpus.train_labels[r]] for r in rows]}
+        )
+        files.append(tmp_path / f"hospital{i}.csv")
+        frame.to_csv(files[-1], index=False)
+    apps._nodes.clear()
+    nodes = {100 + i: {"partition-id": i, "data-file": str(f), "state-dir": str(tmp_path / f"n{i}")}
+             for i, f in enumerate(files)}  # fmt: skip
+    grid = FakeGrid(apps.client_app, nodes, {"experiment": dump_config(cfg)})
+    serve(grid)
+    record = read_records(cfg.output_dir)[0]
+    assert record["clients_returned"] == [0, 1]
+    node = next(n for n in apps._nodes.values() if n.cid == 0)
+    assert len(node.client.train) + len(node.client.test) == 40
+    assert node.global_test is None
+
+    bad = tmp_path / "bad.csv"
+    pd.DataFrame({"text": ["a gloss", "another gloss"], "label": ["noun.animal", "noun.unicorn"]}).to_csv(
+        bad, index=False
+    )
+    from fedpeft.flower.node import Node
+
+    with pytest.raises(DataError, match=r"bad.csv: data row 1 .*'noun.unicorn'"):
+        Node(cfg, 0, state_dir=tmp_path / "n-bad", class_names=corpus.class_names, data_file=bad)
+
+
+def test_cli_deploy_commands_check_their_input(tmp_path):
+    from typer.testing import CliRunner
+
+    from fedpeft.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["serve"])
+    assert res.exit_code == 2 and "either --ca" in res.output
+    res = runner.invoke(app, ["join", "--superlink", "x:1", "--partition-id", "0", "--insecure",
+                              "--data-file", str(tmp_path / "missing.csv")])  # fmt: skip
+    assert res.exit_code == 2 and "missing.csv: no such file" in " ".join(res.output.split())
+    res = runner.invoke(
+        app, ["certs", str(tmp_path / "certs"), "--host", "10.0.0.5", "--host", "fl.example.org"]
+    )
+    assert res.exit_code == 0
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate((tmp_path / "certs" / "server.pem").read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == ["10.0.0.5"]
+    assert san.get_values_for_type(x509.DNSName) == ["fl.example.org"]
+    ca = x509.load_pem_x509_certificate((tmp_path / "certs" / "ca.crt").read_bytes())
+    assert cert.issuer == ca.subject

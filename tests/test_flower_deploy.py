@@ -39,7 +39,12 @@ def test_deployment_matches_in_process(tiny_config, tmp_path, tls_federation, me
     flower_cfg = tiny_config(method=method, output_dir=str(tmp_path / "flower"), **SMALL)
     local_cfg = tiny_config(method=method, output_dir=str(tmp_path / "inproc"), **SMALL)
     status = deploy.submit(
-        flower_cfg, tls_federation.address, workdir=tmp_path / "submit", tls=tls_federation.tls, timeout=420, echo=False
+        flower_cfg,
+        tls_federation.address,
+        workdir=tmp_path / "submit",
+        tls=tls_federation.tls,
+        timeout=420,
+        echo=False,
     )
     assert status["status"] == "finished:completed"
     run(local_cfg)

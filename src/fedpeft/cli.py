@@ -294,7 +294,9 @@ def sweep(
 
 # ---------------------------------------------------------------- Flower deployment
 CaOpt = Annotated[Path | None, typer.Option("--ca", help="CA certificate every party trusts (TLS).")]  # noqa: UP007
-InsecureOpt = Annotated[bool, typer.Option("--insecure", help="Plain HTTP, no TLS (loopback and trials only).")]
+InsecureOpt = Annotated[
+    bool, typer.Option("--insecure", help="Plain HTTP, no TLS (loopback and trials only).")
+]
 
 
 def _tls(ca: Path | None, insecure: bool, cert: Path | None = None, key: Path | None = None):
@@ -342,7 +344,9 @@ def serve(
             link = deploy.start_superlink(work, host, port, tls, log=work / "superlink.log")
             superlink = f"127.0.0.1:{port}"
             console.print(f"SuperLink listening on {host}:{port} (log: {work / 'superlink.log'})")
-            console.print(f"clients join with: fedpeft join --superlink <this host>:{port} --partition-id N ...")
+            console.print(
+                f"clients join with: fedpeft join --superlink <this host>:{port} --partition-id N ..."
+            )
         status = deploy.submit(cfg, superlink, workdir=work, tls=tls, resume=resume)
     except deploy.DeployError as err:
         _fail(err)
@@ -350,7 +354,8 @@ def serve(
         if link is not None:
             deploy.stop(link)
     traffic = status.get("network-traffic", {})
-    console.print(f"run {status['run-id']}: {status['status']}, {traffic.get('total-bytes', 0) / 1e6:.2f} MB on the wire")
+    megabytes = traffic.get("total-bytes", 0) / 1e6
+    console.print(f"run {status['run-id']}: {status['status']}, {megabytes:.2f} MB on the wire")
     from fedpeft.report.results import read_summary
 
     _print_summaries([read_summary(Path(cfg.output_dir))])
@@ -362,10 +367,14 @@ def join(
     partition_id: Annotated[int, typer.Option(help="This client's id, 0 .. partition.num_clients-1.")],
     data_file: Annotated[
         Path | None,  # noqa: UP007
-        typer.Option(help="This client's own data (CSV/TSV/JSONL/Parquet); default: partition "
-                     "PARTITION_ID of the experiment's corpus."),
+        typer.Option(
+            help="This client's own data (CSV/TSV/JSONL/Parquet); default: partition "
+            "PARTITION_ID of the experiment's corpus."
+        ),
     ] = None,
-    state_dir: Annotated[Path, typer.Option(help="Where this client keeps its state.")] = Path(".fedpeft-node"),
+    state_dir: Annotated[Path, typer.Option(help="Where this client keeps its state.")] = Path(
+        ".fedpeft-node"
+    ),
     port: Annotated[int, typer.Option(help="Local port of this node's app runtime.")] = 9094,
     ca: CaOpt = None,
     insecure: InsecureOpt = False,
@@ -379,9 +388,13 @@ def join(
     tls = _tls(ca, insecure)
     if data_file is not None and not data_file.is_file():
         _fail(FileNotFoundError(f"--data-file {data_file}: no such file"))
-    cmd = deploy.supernode_command(superlink, partition_id, state_dir, data_file=data_file, tls=tls, port=port)
+    cmd = deploy.supernode_command(
+        superlink, partition_id, state_dir, data_file=data_file, tls=tls, port=port
+    )
     home = state_dir.resolve() / "flwr-home"
-    console.print(f"client {partition_id} joining {superlink} ({'TLS' if tls else 'no TLS'}); state in {state_dir}")
+    console.print(
+        f"client {partition_id} joining {superlink} ({'TLS' if tls else 'no TLS'}); state in {state_dir}"
+    )
     os.execvpe(cmd[0], cmd, deploy.flower_env(home))
 
 
@@ -389,7 +402,8 @@ def join(
 def certs(
     out: Annotated[Path, typer.Argument(help="Directory for ca.crt, ca.key, server.pem, server.key.")],
     host: Annotated[
-        list[str], typer.Option("--host", help="Name or IP address clients use for the SuperLink (repeatable).")
+        list[str],
+        typer.Option("--host", help="Name or IP address clients use for the SuperLink (repeatable)."),
     ] = ["127.0.0.1", "localhost"],  # noqa: B006 - typer reads the default, never mutates it
 ) -> None:
     """Make a local certificate authority and a SuperLink certificate for TLS."""

@@ -169,9 +169,6 @@ class DeployConfig(BaseModel):
     max_skipped_rounds: int = Field(
         3, ge=1, description="Consecutive skipped rounds after which the run stops with an error."
     )
-    secure_aggregation: bool = Field(
-        False, description="Aggregate with Flower's SecAgg+ (methods whose aggregate is a weighted mean)."
-    )
 
 
 class ExperimentConfig(BaseModel):

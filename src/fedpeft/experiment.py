@@ -213,7 +213,9 @@ def run(
     t_run = time.perf_counter()
     records = engine.run(resume=resume)
     t_end = time.perf_counter()
-    return finish(setup, records, engine.server, hist, {"time_setup": t_run - t_setup, "time_total": t_end - t_setup})
+    return finish(
+        setup, records, engine.server, hist, {"time_setup": t_run - t_setup, "time_total": t_end - t_setup}
+    )
 
 
 def open_output(setup: Setup) -> np.ndarray:

@@ -22,7 +22,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from fedpeft.config import ExperimentConfig, parse_config
-from fedpeft.experiment import build, finish, fingerprint, open_output, update_variation_analyzers
+from fedpeft.experiment import build, fingerprint, finish, open_output, update_variation_analyzers
 from fedpeft.flower import codec
 from fedpeft.flower.node import Node
 from fedpeft.flower.server import FlowerServer
@@ -58,8 +58,9 @@ def serve(grid: Grid, context: Context) -> None:
     def on_round(record: dict) -> None:
         R.append_record(metrics_path, record)
         acc = record.get("global", {}).get("accuracy")
-        log(f"round {record['round']}: {len(record.get('clients_returned', []))} of "
-            f"{len(record['clients'])} updates" + (f", global accuracy {acc:.4f}" if acc is not None else ""))  # fmt: skip
+        returned, sampled = len(record.get("clients_returned", [])), len(record["clients"])
+        score = f", global accuracy {acc:.4f}" if acc is not None else ""
+        log(f"round {record['round']}: {returned} of {sampled} updates{score}")
 
     server = FlowerServer(
         setup,
@@ -74,7 +75,13 @@ def serve(grid: Grid, context: Context) -> None:
     t1 = time.perf_counter()
     records = server.run(resume=resume)
     t2 = time.perf_counter()
-    finish(setup, records, server.server, hist, {"engine": "flower", "time_setup": t1 - t0, "time_total": t2 - t0})
+    finish(
+        setup,
+        records,
+        server.server,
+        hist,
+        {"engine": "flower", "time_setup": t1 - t0, "time_total": t2 - t0},
+    )
     log(f"done: {out}")
 
 
@@ -87,7 +94,9 @@ def node_of(context: Context, class_names: list[str] | None = None) -> Node:
     rebuilt from its state dir; within one process (simulation, tests) it is reused."""
     nc = context.node_config
     if "partition-id" not in nc:
-        raise ValueError("node config: 'partition-id' is missing (flower-supernode --node-config 'partition-id=0')")
+        raise ValueError(
+            "node config: 'partition-id' is missing (flower-supernode --node-config 'partition-id=0')"
+        )
     data_file, state_dir = nc.get("data-file"), nc.get("state-dir", ".fedpeft-node")
     key = (context.run_id, int(nc["partition-id"]), data_file, state_dir)
     if key not in _nodes:

@@ -24,7 +24,9 @@ def _key() -> rsa.RSAPrivateKey:
 
 def _write_key(key: rsa.RSAPrivateKey, path: Path) -> None:
     path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
     )
     path.chmod(0o600)
 
@@ -42,7 +44,7 @@ def _san(hosts: list[str]) -> x509.SubjectAlternativeName:
 def make_certificates(out: Path, hosts: list[str], days: int = 365) -> dict[str, Path]:
     """A CA and a SuperLink certificate for ``hosts``; returns the written paths."""
     out.mkdir(parents=True, exist_ok=True)
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     ca_key, server_key = _key(), _key()
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedpeft local CA")])
     ca = (

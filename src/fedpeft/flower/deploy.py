@@ -85,22 +85,34 @@ def _spawn(cmd: list[str], workdir: Path, home: Path, log: Path | None) -> subpr
     return subprocess.Popen(cmd, cwd=workdir, env=flower_env(home), stdout=out, stderr=subprocess.STDOUT)
 
 
-def start_superlink(workdir: Path, host: str, port: int, tls: Tls | None, log: Path | None = None) -> subprocess.Popen:
+def start_superlink(
+    workdir: Path, host: str, port: int, tls: Tls | None, log: Path | None = None
+) -> subprocess.Popen:
     """``flower-superlink`` on ``host:port``; returns once it answers its health check."""
     if tls is None:
         security = ["--insecure"]
     else:
         if tls.cert is None or tls.key is None:
             raise DeployError("a TLS SuperLink needs its certificate and key (--cert, --key) besides --ca")
-        security = ["--ssl-ca-certfile", str(tls.ca), "--ssl-certfile", str(tls.cert), "--ssl-keyfile", str(tls.key)]
+        security = [
+            "--ssl-ca-certfile",
+            str(tls.ca),
+            "--ssl-certfile",
+            str(tls.cert),
+            "--ssl-keyfile",
+            str(tls.key),
+        ]
+    database = str(workdir / "superlink.db")
     cmd = [_script("flower-superlink"), *security, "--host", host, "--port", str(port),
-           "--disable-runtime-dependency-installation", "--database", str(workdir / "superlink.db")]  # fmt: skip
+           "--disable-runtime-dependency-installation", "--database", database]  # fmt: skip
     proc = _spawn(cmd, workdir, workdir / "home-superlink", log)
     wait_healthy(proc, "127.0.0.1" if host in ("0.0.0.0", "::") else host, port, tls, log)
     return proc
 
 
-def wait_healthy(proc: subprocess.Popen, host: str, port: int, tls: Tls | None, log: Path | None, timeout: float = 120) -> None:
+def wait_healthy(
+    proc: subprocess.Popen, host: str, port: int, tls: Tls | None, log: Path | None, timeout: float = 120
+) -> None:
     import ssl
 
     scheme = "https" if tls else "http"
@@ -110,9 +122,9 @@ def wait_healthy(proc: subprocess.Popen, host: str, port: int, tls: Tls | None, 
         if proc.poll() is not None:
             tail = log.read_text()[-2000:] if log and log.exists() else ""
             raise DeployError(f"flower-superlink exited with code {proc.returncode}:\n{tail}")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(f"{scheme}://{host}:{port}/health", timeout=2, context=context):
-                return
+        url = f"{scheme}://{host}:{port}/health"
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2, context=context):
+            return
         time.sleep(0.3)
     raise DeployError(f"flower-superlink on {host}:{port} not healthy after {timeout:g} s")
 
@@ -236,7 +248,8 @@ def write_connection(home: Path, superlink: str, tls: Tls | None) -> None:
 def _flwr(home: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run([_script("flwr"), *args], env=flower_env(home), capture_output=True, text=True)
     if check and proc.returncode != 0:
-        raise DeployError(f"flwr {' '.join(args[:2])} failed ({proc.returncode}): {proc.stderr[-1500:] or proc.stdout[-1500:]}")
+        said = proc.stderr[-1500:] or proc.stdout[-1500:]
+        raise DeployError(f"flwr {' '.join(args[:2])} failed ({proc.returncode}): {said}")
     return proc
 
 
@@ -325,7 +338,12 @@ class Federation:
 
     def start_node(self, cid: int, state_dir: Path | None = None) -> None:
         self.nodes[cid] = start_supernode(
-            self.workdir, self.address, cid, state_dir=state_dir, tls=self.tls, log=self.workdir / f"supernode-{cid}.log"
+            self.workdir,
+            self.address,
+            cid,
+            state_dir=state_dir,
+            tls=self.tls,
+            log=self.workdir / f"supernode-{cid}.log",
         )
 
     def kill_node(self, cid: int) -> None:
@@ -335,4 +353,3 @@ class Federation:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         proc.wait()
-

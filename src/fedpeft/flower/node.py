@@ -76,7 +76,9 @@ class Node:
         data = self._load("data")
         if data is None:
             if class_names is None:
-                raise NotSetUp(f"client {cid}: no data set up in {self.state_dir}; it answers the roll call first")
+                raise NotSetUp(
+                    f"client {cid}: no data set up in {self.state_dir}; it answers the roll call first"
+                )
             data = self._prepare_data(class_names, data_file)
             self._save("data", data)
         self.class_names: list[str] = data["class_names"]
@@ -122,15 +124,21 @@ class Node:
         if data_file is None:  # partition ``cid`` of the experiment's corpus
             corpus = load_corpus(cfg.data, cfg.seed)
             if corpus.class_names != class_names:
-                raise ValueError(f"client {self.cid}: the server's class list differs from this node's corpus")
+                raise ValueError(
+                    f"client {self.cid}: the server's class list differs from this node's corpus"
+                )
             split = make_split(cfg, corpus)
             pool = encode(corpus.train_texts, corpus.train_labels, tokenizer, cfg.data.max_length)
-            client = ClientData(self.cid, pool.subset(split.train[self.cid]), pool.subset(split.test[self.cid]))
+            client = ClientData(
+                self.cid, pool.subset(split.train[self.cid]), pool.subset(split.test[self.cid])
+            )
             global_test = encode(corpus.test_texts, corpus.test_labels, tokenizer, cfg.data.max_length)
         else:
             texts, labels = load_client_file(data_file, cfg.data, class_names)
             rng = np.random.default_rng([cfg.seed, self.cid])
-            (train,), (test,) = P.split_local_test([np.arange(len(labels))], cfg.partition.local_test_fraction, rng)
+            (train,), (test,) = P.split_local_test(
+                [np.arange(len(labels))], cfg.partition.local_test_fraction, rng
+            )
             enc = encode(texts, labels, tokenizer, cfg.data.max_length)
             client, global_test = ClientData(self.cid, enc.subset(train), enc.subset(test)), None
         fields = lambda e: [e.ids, e.lengths, e.labels]  # noqa: E731
@@ -185,7 +193,9 @@ class Node:
         personal = self.personal_before(rnd)
         if personal is None:
             personal = self.method.init_client(self.model, self.initial, self.client)
-        result = self.method.fit(self.model, received, personal, self.client, torch.Generator().manual_seed(seed))
+        result = self.method.fit(
+            self.model, received, personal, self.client, torch.Generator().manual_seed(seed)
+        )
         result.cid = self.cid
         self.snapshots = {r: t for r, t in self.snapshots.items() if r < rnd}
         self.snapshots[rnd] = result.personal
@@ -205,13 +215,16 @@ class Node:
         tensors = self.method.eval_state(self.model, received, personal, self.client)
         trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
         if set(tensors) != trainable:
-            raise RuntimeError(f"method {self.method.name}: eval state lacks {sorted(trainable - set(tensors))[:3]}")
+            raise RuntimeError(
+                f"method {self.method.name}: eval state lacks {sorted(trainable - set(tensors))[:3]}"
+            )
         load_tensors(self.model, tensors)
         local = {}
         if len(self.client.test):
             local = scores(predict(self.model, self.client.test, batch_size), self.client.test.labels.numpy())
         global_ = {}
         if on_global_test and self.global_test is not None:
-            global_ = scores(predict(self.model, self.global_test, batch_size), self.global_test.labels.numpy())
+            global_ = scores(
+                predict(self.model, self.global_test, batch_size), self.global_test.labels.numpy()
+            )
         return Evaluation(True, local, global_)
-

@@ -158,7 +158,9 @@ class FlowerServer:
         return records, payload
 
     # ------------------------------------------------------------ one round
-    def fit_round(self, server: ServerState, rnd: int, peers: dict[int, Peer]) -> tuple[list[FitResult], dict]:
+    def fit_round(
+        self, server: ServerState, rnd: int, peers: dict[int, Peer]
+    ) -> tuple[list[FitResult], dict]:
         sampled = sample_clients(self.cfg.seed, rnd, list(peers), self.cfg.train.clients_per_round)
         messages, payload_down = [], 0
         for cid in sampled:
@@ -217,7 +219,9 @@ class FlowerServer:
         global_tensors = self.method.global_state(server)
         if global_tensors is not None:
             load_tensors(setup.model, global_tensors)
-            out["global"] = scores(predict(setup.model, setup.global_test, bs), setup.global_test.labels.numpy())
+            out["global"] = scores(
+                predict(setup.model, setup.global_test, bs), setup.global_test.labels.numpy()
+            )
         ask_global = global_tensors is None
         if not (self.cfg.eval.local or ask_global):
             return out
@@ -233,7 +237,7 @@ class FlowerServer:
         good, failed = self.exchange(messages, max(self.deploy.query_timeout, self.deploy.round_timeout))
         cid_of = {p.node_id: c for c, p in peers.items()}
         per_client_global, per_client_local, evaluated = [], [], 0
-        for node, reply in sorted(good.items(), key=lambda kv: cid_of[kv[0]]):
+        for _, reply in sorted(good.items(), key=lambda kv: cid_of[kv[0]]):
             if not reply.content["config"]["trained"]:
                 continue
             evaluated += 1
@@ -307,7 +311,9 @@ class FlowerServer:
             }
             records.append(record)
             if self.checkpoint_path is not None:
-                save_checkpoint(self.checkpoint_path, Checkpoint(rnd, self.fingerprint, server, {}, records, []))
+                save_checkpoint(
+                    self.checkpoint_path, Checkpoint(rnd, self.fingerprint, server, {}, records, [])
+                )
             self.on_round(record)
             if skipped >= deploy.max_skipped_rounds:
                 raise DeploymentError(
@@ -317,4 +323,3 @@ class FlowerServer:
                 )
         self.server = server
         return records
-
