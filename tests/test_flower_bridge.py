@@ -18,6 +18,13 @@ from tests.flower_fakes import FakeGrid
 PF2 = {"name": "pf2lora", "lora": {"r": 4, "alpha": 8}, "client_rank": 2, "client_alpha": 4}
 
 
+@pytest.fixture(autouse=True)
+def forget_nodes():
+    """Nodes live in the ClientApp module's cache; drop them (and their models) after each test."""
+    yield
+    apps._nodes.clear()
+
+
 def deploy(cfg, tmp_path, num_nodes=None, **grid_kw) -> FakeGrid:
     """A fake federation for ``cfg``: one node per client, each with its own state dir."""
     apps._nodes.clear()
