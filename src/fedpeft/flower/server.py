@@ -69,6 +69,11 @@ class FlowerServer:
         analyzers: dict[str, Callable[[Tensors, Tensors], dict]] | None = None,
         log: Callable[[str], None] = print,
     ):
+        if setup.method.pooled:
+            raise DeploymentError(
+                f"method {setup.method.name!r} trains on all clients' data pooled in one place; "
+                "it is a reference for simulations and cannot run across machines"
+            )
         self.setup, self.grid, self.method = setup, grid, setup.method
         self.cfg = setup.cfg
         self.deploy: DeployConfig = setup.cfg.deploy
