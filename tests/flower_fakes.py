@@ -8,9 +8,16 @@ from collections.abc import Callable, Iterable
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.supercore.task_identity import TaskIdentity
 
 RUN_ID = 7
+
+
+def wire_copy(message: Message) -> Message:
+    """What the other side gets: the message serialised and parsed again (never the very
+    objects the sender holds)."""
+    return message_from_proto(message_to_proto(message))
 
 
 class FakeGrid:
@@ -45,7 +52,7 @@ class FakeGrid:
             if fault == "error":
                 replies.append(Message(Error(2, "simulated crash"), reply_to=message))
                 continue
-            reply = self.app(message, self.contexts[node])
+            reply = self.app(wire_copy(message), self.contexts[node])
             self.replies.append(reply)
-            replies.append(reply)
+            replies.append(wire_copy(reply))
         return replies

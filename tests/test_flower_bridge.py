@@ -270,3 +270,41 @@ def test_pooled_training_is_refused(tiny_config, tmp_path):
     cfg = tiny_config(method={"name": "centralized"})
     with pytest.raises(DeploymentError, match="pooled in one place"):
         serve(deploy(cfg, tmp_path))
+
+
+@pytest.mark.parametrize("method", [{"name": "fedlr"}, {"name": "federa"}])
+def test_secure_aggregation_gives_the_mean_without_showing_updates(tiny_config, tmp_path, method):
+    """SecAgg+ (Flower's protocol, both sides, over the in-memory grid): the server ends
+    with the in-process global state up to the protocol's quantisation, and no client's
+    update ever reaches it in the clear."""
+    common = {"method": method, "train.clients_per_round": 4, "train.rounds": 1}
+    cfg = tiny_config(output_dir=str(tmp_path / "secure"), **common, **{"deploy.secure_aggregation": True})
+    local_cfg = tiny_config(output_dir=str(tmp_path / "inproc"), **common)
+    grid = deploy(cfg, tmp_path)
+    serve(grid)
+    run(local_cfg)
+    secure_state = torch.load(cfg.output_dir / "checkpoint.pt", weights_only=True)["server"]["tensors"]
+    plain_state = torch.load(local_cfg.output_dir / "checkpoint.pt", weights_only=True)["server"]["tensors"]
+    for name, value in plain_state.items():
+        # one round (later rounds train on, and amplify, the rounding): 2**22 quantisation
+        # levels over [-8, 8] are 3.8e-6 apart, and the weights are quantised too
+        torch.testing.assert_close(secure_state[name], value, atol=1e-5, rtol=0)
+    assert any((secure_state[n] != plain_state[n]).any() for n in plain_state)  # it really was quantised
+    records = read_records(cfg.output_dir)
+    assert all(r["secure_aggregation"] and r["clients_returned"] == [0, 1, 2, 3] for r in records)
+    # every reply to a training message carries masked integers only, never the update
+    node = next(iter(apps._nodes.values()))
+    shared = set(node.method.shared_names)
+    for reply in grid.replies:
+        names = {k for rec in reply.content.array_records.values() for k in rec}
+        assert not names & shared
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+
+    masked = [r for r in grid.replies if Key.MASKED_PARAMETERS in r.content.config_records.get(RECORD_KEY_CONFIGS, {})]
+    assert len(masked) == 4 * len(records)
+
+
+def test_secure_aggregation_refuses_other_aggregations(tiny_config, tmp_path):
+    cfg = tiny_config(method={"name": "hetlora"}, **{"deploy.secure_aggregation": True})
+    with pytest.raises(DeploymentError, match="example-weighted mean"):
+        serve(deploy(cfg, tmp_path))

@@ -169,6 +169,11 @@ class DeployConfig(BaseModel):
     max_skipped_rounds: int = Field(
         3, ge=1, description="Consecutive skipped rounds after which the run stops with an error."
     )
+    secure_aggregation: bool = Field(
+        False,
+        description="Train through Flower's SecAgg+ protocol: the server sees only the mean update "
+        "(methods whose aggregate is the example-weighted mean; needs 2+ clients per round).",
+    )
 
 
 class ExperimentConfig(BaseModel):

@@ -16,14 +16,17 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import flwr.compat.common.recorddict_compat as compat
 import yaml
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from flwr.serverapp import Grid, ServerApp
 
 from fedpeft.config import ExperimentConfig, parse_config
 from fedpeft.experiment import build, fingerprint, finish, open_output, update_variation_analyzers
-from fedpeft.flower import codec
+from fedpeft.flower import codec, secure
 from fedpeft.flower.node import Node
 from fedpeft.flower.server import FlowerServer
 from fedpeft.methods.base import load_tensors
@@ -71,6 +74,7 @@ def serve(grid: Grid, context: Context) -> None:
         on_start=lambda done: R.write_records(metrics_path, done),
         analyzers=update_variation_analyzers(setup.method),
         log=log,
+        context=context,
     )
     t1 = time.perf_counter()
     records = server.run(resume=resume)
@@ -119,11 +123,40 @@ def _received(node: Node, msg: Message):
 @client_app.query()
 def roll_call(msg: Message, context: Context) -> Message:
     node = node_of(context, list(msg.content["ask"]["class_names"]))
-    info = ConfigRecord({"cid": node.cid, "joined": node.joined, "last_round": node.last_round})
+    info = ConfigRecord(
+        {
+            "cid": node.cid,
+            "joined": node.joined,
+            "last_round": node.last_round,
+            "num_examples": len(node.client.train),
+        }
+    )
     return Message(RecordDict({"node": info}), reply_to=msg)
 
 
-@client_app.train()
+def _secure_train(msg: Message, context: Context) -> Message:
+    """The training stage of SecAgg+: legacy fit instructions in, a legacy fit result out
+    (which ``secaggplus_mod`` then quantises, masks and sends)."""
+    received, join, rnd = secure.read_instructions(compat.recorddict_to_fitins(msg.content, keep_input=True))
+    node = node_of(context)
+    if join is not None and not node.joined:
+        node.join(join)
+    t0 = time.perf_counter()
+    result = node.fit(received, rnd)
+    metrics = {**result.metrics, "time_fit": time.perf_counter() - t0}
+    metrics |= {f"readout.{k}": v for k, v in node.method.readout(result).items()}
+    fitres = secure.fit_reply(result, metrics)
+    return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)
+
+
+def secure_or_plain(msg: Message, context: Context, call_next) -> Message:
+    """Route SecAgg+ protocol messages through Flower's client mod, the rest as usual."""
+    if RECORD_KEY_CONFIGS in msg.content.config_records:
+        return secaggplus_mod(msg, context, _secure_train)
+    return call_next(msg, context)
+
+
+@client_app.train(mods=[secure_or_plain])
 def train(msg: Message, context: Context) -> Message:
     node = node_of(context)
     received = _received(node, msg)

@@ -30,14 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedpeft.config import DeployConfig
 from fedpeft.engines.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedpeft.engines.inprocess import sample_clients
 from fedpeft.experiment import Setup
-from fedpeft.flower import codec
+from fedpeft.flower import codec, secure
 from fedpeft.methods.base import FitResult, ServerState, Tensors, load_tensors, tensor_bytes
 from fedpeft.metrics.classification import mean_scores, predict, scores, spread
 
@@ -52,6 +52,7 @@ class DeploymentError(RuntimeError):
 class Peer:
     node_id: int
     joined: bool
+    num_examples: int = 0
 
 
 class FlowerServer:
@@ -68,13 +69,21 @@ class FlowerServer:
         on_start: Callable[[list[dict]], None] = lambda records: None,
         analyzers: dict[str, Callable[[Tensors, Tensors], dict]] | None = None,
         log: Callable[[str], None] = print,
+        context: Context | None = None,
     ):
         if setup.method.pooled:
             raise DeploymentError(
                 f"method {setup.method.name!r} trains on all clients' data pooled in one place; "
                 "it is a reference for simulations and cannot run across machines"
             )
-        self.setup, self.grid, self.method = setup, grid, setup.method
+        if setup.cfg.deploy.secure_aggregation and not secure.supports_secure_aggregation(setup.method):
+            raise DeploymentError(
+                f"deploy.secure_aggregation: method {setup.method.name!r} does not aggregate by the "
+                "example-weighted mean of the updates, which is all SecAgg+ can compute"
+            )
+        if setup.cfg.deploy.secure_aggregation and setup.cfg.train.clients_per_round < 2:
+            raise DeploymentError("deploy.secure_aggregation needs train.clients_per_round >= 2")
+        self.setup, self.grid, self.method, self.context = setup, grid, setup.method, context
         self.cfg = setup.cfg
         self.deploy: DeployConfig = setup.cfg.deploy
         self.checkpoint_path, self.fingerprint = checkpoint_path, fingerprint
@@ -138,7 +147,7 @@ class FlowerServer:
                 continue
             if cid in self.peers:
                 self.log(f"node {node} replaces node {self.peers[cid].node_id} as client {cid}")
-            self.peers[cid] = Peer(node, bool(info["joined"]))
+            self.peers[cid] = Peer(node, bool(info["joined"]), int(info["num_examples"]))
         return dict(sorted(self.peers.items()))
 
     def wait_for_nodes(self) -> None:
@@ -167,6 +176,8 @@ class FlowerServer:
         self, server: ServerState, rnd: int, peers: dict[int, Peer]
     ) -> tuple[list[FitResult], dict]:
         sampled = sample_clients(self.cfg.seed, rnd, list(peers), self.cfg.train.clients_per_round)
+        if self.deploy.secure_aggregation:
+            return self.fit_round_secure(server, rnd, peers, sampled)
         messages, payload_down = [], 0
         for cid in sampled:
             records, payload = self.downlink_records(server, cid, peers[cid])
@@ -214,6 +225,56 @@ class FlowerServer:
             "payload_bytes_up": sum(tensor_bytes(r.uplink) for r in results),
             "time_fit_max": max(fit_times, default=float("nan")),
             **({"client_readout": readouts} if readouts else {}),
+        }
+
+    def fit_round_secure(
+        self, server: ServerState, rnd: int, peers: dict[int, Peer], sampled: list[int]
+    ) -> tuple[list[FitResult], dict]:
+        """The round's training through SecAgg+: one result, the unmasked mean update."""
+        instructions, payload_down = {}, 0
+        for cid in sampled:
+            received = self.method.downlink(server, cid)
+            join = None if peers[cid].joined else (self.method.join_message(server) or None)
+            instructions[peers[cid].node_id] = (cid, secure.fit_instructions(received, join, rnd))
+            payload_down += tensor_bytes(received) + (tensor_bytes(join) if join else 0)
+        max_weight = max(max(peers[c].num_examples for c in sampled), 1)
+        outcome, counted = secure.secure_round(
+            self.grid,
+            self.context,
+            rnd,
+            instructions,
+            self.uplink_like,
+            max_weight,
+            self.deploy.round_timeout,
+        )
+        returned = outcome.returned
+        for cid in returned:
+            peers[cid].joined = True
+        dropped = {c: "did not complete the SecAgg+ protocol" for c in sampled if c not in returned}
+        for cid, why in dropped.items():
+            self.log(f"round {rnd}: client {cid} dropped ({why})")
+        results = [outcome.result] if outcome.result is not None else []
+        per_client = outcome.metrics
+        readouts = {
+            str(cid): {k.removeprefix("readout."): v for k, v in m.items() if k.startswith("readout.")}
+            for cid, m in zip(returned, per_client, strict=True)
+        }
+        names = sorted({k for m in per_client for k in m} - {"loss", "time_fit"})
+        names = [n for n in names if not n.startswith("readout.")]
+        return results, {
+            "clients": sampled,
+            "clients_returned": returned,
+            **({"dropped": {str(c): why for c, why in sorted(dropped.items())}} if dropped else {}),
+            "nodes": len(peers),
+            "secure_aggregation": True,
+            "loss": float(np.mean([m["loss"] for m in per_client])) if per_client else float("nan"),
+            "fit": {k: float(np.mean([m[k] for m in per_client if k in m])) for k in names},
+            "bytes_down": counted.down,
+            "bytes_up": counted.up,
+            "payload_bytes_down": payload_down,
+            "payload_bytes_up": len(returned) * tensor_bytes(self.uplink_like),
+            "time_fit_max": max((m["time_fit"] for m in per_client), default=float("nan")),
+            **({"client_readout": readouts} if any(readouts.values()) else {}),
         }
 
     def evaluate(self, server: ServerState, rnd: int, peers: dict[int, Peer]) -> dict:

@@ -1,0 +1,166 @@
+"""Secure aggregation: a round's training through Flower's SecAgg+ protocol.
+
+With ``deploy.secure_aggregation: true`` the server never sees a client's update: each
+client masks its (quantised, example-weighted) update with pairwise masks and secret
+shares, and the server can only reconstruct the **sum** over the clients that
+completed the protocol. That is enough for every method whose aggregation is the
+example-weighted mean of the uplinks (the FedAvg family: fedft, fedbf, fedap, fedlr,
+federa, pf2lora, perfedavg); methods that aggregate otherwise (HETLoRA weighs by norms,
+Local-only does not aggregate) are refused.
+
+Flower 1.41 implements SecAgg+ as a workflow over its legacy strategy interface, so
+this module speaks that dialect for one round: :class:`OneRound` hands the workflow the
+sampled clients' instructions and takes back the unmasked mean; on the nodes,
+:func:`secure_train` answers the protocol's training stage (see ``apps.py``). Precision:
+values are clipped to ``[-clipping_range, clipping_range]`` (8) and quantised to
+``2**22`` levels over that range, so the mean is exact to about 4e-6.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+from flwr.app import Context
+from flwr.common import Code, FitIns, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.server.compat.legacy_context import LegacyContext
+from flwr.server.strategy import Strategy
+from flwr.server.workflow import SecAggPlusWorkflow
+from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
+from flwr.serverapp import Grid
+
+from fedpeft.flower import codec
+from fedpeft.methods.base import FitResult, Method, Tensors
+
+
+def supports_secure_aggregation(method: Method) -> bool:
+    """Whether ``method`` aggregates by the default example-weighted mean of the uplinks."""
+    return type(method).aggregate is Method.aggregate and method.communicates
+
+
+class CountingGrid:
+    """A Grid that adds up the bytes Flower serialises for what passes through it."""
+
+    def __init__(self, grid: Grid):
+        self.grid, self.down, self.up = grid, 0, 0
+
+    def get_node_ids(self):
+        return self.grid.get_node_ids()
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        self.down += sum(codec.wire_bytes(m) for m in messages)
+        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
+        self.up += sum(codec.wire_bytes(r) for r in replies if not r.has_error())
+        return replies
+
+
+class _Node:
+    """What the SecAgg+ workflow needs of a legacy client proxy: its node id."""
+
+    def __init__(self, node_id: int, cid: int):
+        self.node_id, self.cid = node_id, cid
+
+
+def pack(tensors: Tensors) -> tuple[list[np.ndarray], str]:
+    names = sorted(tensors)
+    return [tensors[n].numpy() for n in names], json.dumps(names)
+
+
+def unpack(arrays: list[np.ndarray], names: str) -> Tensors:
+    return {n: torch.from_numpy(np.array(a)) for n, a in zip(json.loads(names), arrays, strict=True)}
+
+
+class OneRound(Strategy):
+    """Adapts one fedpeft round to the legacy strategy calls the SecAgg+ workflow makes."""
+
+    def __init__(self, instructions: dict[int, tuple[int, FitIns]], uplink_like: Tensors):
+        self.instructions = instructions  # node id -> (client id, FitIns)
+        self.uplink_like = uplink_like
+        self.result: FitResult | None = None
+        self.returned: list[int] = []
+        self.metrics: list[dict] = []
+
+    def configure_fit(self, server_round, parameters, client_manager):
+        return [(_Node(node, cid), ins) for node, (cid, ins) in self.instructions.items()]
+
+    def aggregate_fit(self, server_round, results, failures):
+        """``results`` all carry the same unmasked mean (the workflow puts it in each)."""
+        if not results:
+            return None, {}
+        _, first = results[0]
+        # the workflow dequantises in float64; the mean is stored like weighted_mean's
+        mean = unpack(parameters_to_ndarrays(first.parameters), json.dumps(sorted(self.uplink_like)))
+        mean = {n: t.to(self.uplink_like[n].dtype) for n, t in mean.items() if n in self.uplink_like} | {
+            n: t for n, t in mean.items() if n not in self.uplink_like
+        }
+        mean = codec.check_tensors(mean, self.uplink_like, "securely aggregated update")
+        total = sum(res.num_examples for _, res in results)
+        self.returned = sorted(proxy.cid for proxy, _ in results)
+        self.metrics = [dict(res.metrics) for _, res in results]
+        self.result = FitResult(mean, {}, total, {})
+        return None, {}  # fedpeft keeps the state; the workflow's copy is not used
+
+    def initialize_parameters(self, client_manager):
+        return None
+
+    def configure_evaluate(self, server_round, parameters, client_manager):
+        return []
+
+    def aggregate_evaluate(self, server_round, results, failures):
+        return None, {}
+
+    def evaluate(self, server_round, parameters):
+        return None
+
+
+def secure_round(
+    grid: Grid,
+    context: Context,
+    rnd: int,
+    instructions: dict[int, tuple[int, FitIns]],
+    uplink_like: Tensors,
+    max_weight: float,
+    timeout: float,
+) -> tuple[OneRound, CountingGrid]:
+    """Run SecAgg+ for one round over the clients in ``instructions``."""
+    strategy = OneRound(instructions, uplink_like)
+    legacy = LegacyContext(context, strategy=strategy)
+    legacy.state.config_records[MAIN_CONFIGS_RECORD] = _round_config(rnd)
+    legacy.state.array_records[MAIN_PARAMS_RECORD] = codec.to_record({})
+    counting = CountingGrid(grid)
+    workflow = SecAggPlusWorkflow(
+        num_shares=1.0, reconstruction_threshold=0.5, max_weight=max_weight, timeout=timeout
+    )
+    workflow(counting, legacy)
+    return strategy, counting
+
+
+def _round_config(rnd: int):
+    from flwr.app import ConfigRecord
+
+    return ConfigRecord({Key.CURRENT_ROUND: rnd})
+
+
+# ---------------------------------------------------------------- node side
+def fit_instructions(received: Tensors, join: Tensors | None, rnd: int) -> FitIns:
+    arrays, names = pack(received)
+    config = {"round": rnd, "names": names, "join": ""}
+    if join:
+        join_arrays, config["join"] = pack(join)
+        arrays += join_arrays
+    return FitIns(ndarrays_to_parameters(arrays), config)
+
+
+def read_instructions(ins: FitIns) -> tuple[Tensors, Tensors | None, int]:
+    arrays = parameters_to_ndarrays(ins.parameters)
+    n = len(json.loads(ins.config["names"]))
+    received = unpack(arrays[:n], str(ins.config["names"]))
+    join = unpack(arrays[n:], str(ins.config["join"])) if ins.config["join"] else None
+    return received, join, int(ins.config["round"])
+
+
+def fit_reply(result: FitResult, metrics: dict[str, float]) -> FitRes:
+    arrays, _ = pack(result.uplink)
+    return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), result.num_examples, metrics)
