@@ -300,7 +300,8 @@ def test_secure_aggregation_gives_the_mean_without_showing_updates(tiny_config, 
         assert not names & shared
     from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 
-    masked = [r for r in grid.replies if Key.MASKED_PARAMETERS in r.content.config_records.get(RECORD_KEY_CONFIGS, {})]
+    protocol = [r.content.config_records.get(RECORD_KEY_CONFIGS, {}) for r in grid.replies]
+    masked = [c for c in protocol if Key.MASKED_PARAMETERS in c]
     assert len(masked) == 4 * len(records)
 
 
