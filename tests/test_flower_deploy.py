@@ -21,7 +21,13 @@ from fedpeft.report.results import read_records, read_summary
 pytestmark = pytest.mark.deploy
 
 PF2 = {"name": "pf2lora", "lora": {"r": 4, "alpha": 8}, "client_rank": 2, "client_alpha": 4}
-SMALL = {"partition.num_clients": 3, "train.clients_per_round": 3, "train.threads": 1, "eval.every": 2}
+SMALL = {
+    "partition.num_clients": 3,
+    "train.clients_per_round": 3,
+    "train.threads": 1,
+    "train.rounds": 3,
+    "eval.every": 3,
+}
 
 
 @pytest.fixture(scope="module")
