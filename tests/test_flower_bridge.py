@@ -4,6 +4,8 @@ refused whole, restarted nodes rejoining with their state."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from flwr.app import Context, RecordDict
@@ -31,6 +33,18 @@ def deploy(cfg, tmp_path, num_nodes=None, **grid_kw) -> FakeGrid:
     n = num_nodes or cfg.partition.num_clients
     nodes = {100 + i: {"partition-id": i, "state-dir": str(tmp_path / f"node{i}")} for i in range(n)}
     return FakeGrid(apps.client_app, nodes, {"experiment": dump_config(cfg)})
+
+
+@contextlib.contextmanager
+def wrapped_handler(kind: str, wrapper):
+    """Route the ClientApp's ``kind`` messages through ``wrapper(real, message, context)``."""
+    funcs = apps.client_app._registered_funcs
+    real = funcs[f"{kind}.default"]
+    funcs[f"{kind}.default"] = lambda message, context: wrapper(real, message, context)
+    try:
+        yield
+    finally:
+        funcs[f"{kind}.default"] = real
 
 
 def serve(grid: FakeGrid, resume: bool = False) -> None:
@@ -125,20 +139,16 @@ def test_malformed_update_is_refused_whole(tiny_config, tmp_path):
     """Client 0 returns an update missing one tensor: it is refused, the others aggregate."""
     cfg = tiny_config(**{"train.rounds": 1, "train.clients_per_round": 4})
     grid = deploy(cfg, tmp_path)
-    real_train = apps.client_app._registered_funcs["train.default"]
 
-    def truncating(message, context):
+    def truncating(real_train, message, context):
         reply = real_train(message, context)
         if context.node_config["partition-id"] == 0:
             rec = reply.content["uplink"]
             del rec[next(iter(rec))]  # a partial update
         return reply
 
-    apps.client_app._registered_funcs["train.default"] = truncating
-    try:
+    with wrapped_handler("train", truncating):
         serve(grid)
-    finally:
-        apps.client_app._registered_funcs["train.default"] = real_train
     record = read_records(cfg.output_dir)[0]
     assert list(record["dropped"]) == ["0"]
     assert record["dropped"]["0"].startswith("refused: client 0 update: missing tensors")
@@ -164,9 +174,8 @@ def test_restarted_node_rejoins_with_its_state(tiny_config, tmp_path, method):
     had happened."""
     cfg = tiny_config(method=method, **{"train.rounds": 3, "train.clients_per_round": 4})
     grid = deploy(cfg, tmp_path)
-    real_evaluate = apps.client_app._registered_funcs["evaluate.default"]
 
-    def restart_node_0_after_round_1(message, context):
+    def restart_node_0_after_round_1(real_evaluate, message, context):
         reply = real_evaluate(message, context)
         if message.content["config"]["round"] == 1 and context.node_config["partition-id"] == 0:
             # the node's process dies; a new SuperNode starts, under a new node id
@@ -178,11 +187,8 @@ def test_restarted_node_rejoins_with_its_state(tiny_config, tmp_path, method):
                 (tmp_path / "node0" / "client-0-join.pt").unlink()
         return reply
 
-    apps.client_app._registered_funcs["evaluate.default"] = restart_node_0_after_round_1
-    try:
+    with wrapped_handler("evaluate", restart_node_0_after_round_1):
         serve(grid)
-    finally:
-        apps.client_app._registered_funcs["evaluate.default"] = real_evaluate
     trains = [
         m for m in grid.sent if m.metadata.message_type == "train" and m.metadata.dst_node_id in (100, 200)
     ]

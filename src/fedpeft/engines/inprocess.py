@@ -62,6 +62,26 @@ def sample_clients(seed: int, rnd: int, population: int | Sequence[int], per_rou
     return sorted(int(c) for c in rng.choice(ids, size=min(per_round, len(ids)), replace=False))
 
 
+def close_record(rnd: int, record: dict, done: list[dict], times: Sequence[float], setup_info: dict) -> dict:
+    """Round ``rnd``'s record, completed: cumulative bytes (continuing ``done``, the
+    records so far), the time spent training, aggregating and evaluating (from the
+    four timestamps ``times``) and, in round 1, the one-time set-up figures."""
+    cum_down = (done[-1]["cum_bytes_down"] if done else 0) + record["bytes_down"]
+    cum_up = (done[-1]["cum_bytes_up"] if done else 0) + record["bytes_up"]
+    t0, t1, t2, t3 = times
+    return {
+        "round": rnd,
+        **record,
+        "cum_bytes_down": cum_down,
+        "cum_bytes_up": cum_up,
+        "cum_bytes": cum_down + cum_up,
+        "time_train": t1 - t0,
+        "time_aggregate": t2 - t1,
+        "time_eval": t3 - t2,
+        **({"setup": setup_info} if rnd == 1 else {}),
+    }
+
+
 class InProcessEngine:
     """Runs a method over simulated clients that share one model in memory."""
 
@@ -224,8 +244,6 @@ class InProcessEngine:
         s = self.schedule
         server, records = self.start(resume)
         self.on_start(records)
-        cum_down = records[-1]["cum_bytes_down"] if records else 0
-        cum_up = records[-1]["cum_bytes_up"] if records else 0
         for rnd in range(len(records) + 1, s.rounds + 1):
             t0 = time.perf_counter()
             results, record = self.fit_round(server, rnd)
@@ -237,20 +255,7 @@ class InProcessEngine:
                 record[name] = analyze(previous.tensors, server.tensors)
             if rnd % s.eval_every == 0 or rnd == s.rounds:
                 record.update(self.evaluate(server))
-            t3 = time.perf_counter()
-            cum_down += record["bytes_down"]
-            cum_up += record["bytes_up"]
-            record = {
-                "round": rnd,
-                **record,
-                "cum_bytes_down": cum_down,
-                "cum_bytes_up": cum_up,
-                "cum_bytes": cum_down + cum_up,
-                "time_train": t1 - t0,
-                "time_aggregate": t2 - t1,
-                "time_eval": t3 - t2,
-                **({"setup": self.setup_info} if rnd == 1 else {}),
-            }
+            record = close_record(rnd, record, records, (t0, t1, t2, time.perf_counter()), self.setup_info)
             records.append(record)
             if self.checkpoint_path is not None:
                 ckpt = Checkpoint(rnd, self.fingerprint, server, self.personal, records, sorted(self.joined))

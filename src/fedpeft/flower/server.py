@@ -35,7 +35,7 @@ from flwr.serverapp import Grid
 
 from fedpeft.config import DeployConfig
 from fedpeft.engines.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from fedpeft.engines.inprocess import sample_clients
+from fedpeft.engines.inprocess import close_record, sample_clients
 from fedpeft.experiment import Setup
 from fedpeft.flower import codec, secure
 from fedpeft.methods.base import FitResult, ServerState, Tensors, load_tensors, tensor_bytes
@@ -339,8 +339,6 @@ class FlowerServer:
         self.uplink_like = {n: t for n, t in self.setup.initial.items() if n in set(self.method.shared_names)}
         self.on_start(records)
         self.wait_for_nodes()
-        cum_down = records[-1]["cum_bytes_down"] if records else 0
-        cum_up = records[-1]["cum_bytes_up"] if records else 0
         skipped = 0
         for rnd in range(len(records) + 1, cfg.train.rounds + 1):
             t0 = time.perf_counter()
@@ -362,19 +360,7 @@ class FlowerServer:
             t3 = time.perf_counter()
             record["bytes_down"] += record.pop("join_bytes_down", 0)
             record["payload_bytes_down"] += record.pop("join_payload_bytes_down", 0)
-            cum_down += record["bytes_down"]
-            cum_up += record["bytes_up"]
-            record = {
-                "round": rnd,
-                **record,
-                "cum_bytes_down": cum_down,
-                "cum_bytes_up": cum_up,
-                "cum_bytes": cum_down + cum_up,
-                "time_train": t1 - t0,
-                "time_aggregate": t2 - t1,
-                "time_eval": t3 - t2,
-                **({"setup": self.setup_info} if rnd == 1 else {}),
-            }
+            record = close_record(rnd, record, records, (t0, t1, t2, t3), self.setup_info)
             records.append(record)
             if self.checkpoint_path is not None:
                 save_checkpoint(
