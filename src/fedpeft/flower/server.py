@@ -2,9 +2,9 @@
 
 Each round:
 
-1. **roll call**: a ``query`` message to every connected node; the replies map node ids
-   to client ids and say which nodes still need the method's join message (a restarted
-   node comes back with a fresh backbone);
+1. **roll call**: a ``query`` message to every node not seen before; the replies map
+   node ids to client ids and say which nodes still need the method's join message (a
+   restarted node comes back under a new node id, possibly with a fresh backbone);
 2. **sample** S of the clients that answered, with the same seeded draw as the
    in-process engine (so with every node up both engines train the same clients);
 3. **train**: one ``train`` message per sampled client; a client that errs, crashes or
