@@ -22,7 +22,8 @@ def wire_copy(message: Message) -> Message:
 
 class FakeGrid:
     """Nodes ``1..n`` with node configs; ``faults(node_id, message) -> str | None`` makes
-    a node fail a message (``"error"``: an error reply, ``"silent"``: no reply)."""
+    a node fail a message (``"error"``: an error reply, ``"silent"``: no reply,
+    ``"vanish"``: no reply and the node is gone)."""
 
     def __init__(self, app: ClientApp, node_configs: dict[int, dict], run_config: dict):
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = RUN_ID, 0, 0
@@ -30,6 +31,7 @@ class FakeGrid:
         self.contexts = {n: self.context(n, nc) for n, nc in node_configs.items()}
         self.faults: Callable[[int, Message], str | None] = lambda node, message: None
         self.sent: list[Message] = []
+        self.outbox: dict[str, Message] = {}  # replies not yet pulled, by the id they answer
         self.replies: list[Message] = []
 
     def context(self, node_id: int, node_config: dict) -> Context:
@@ -37,6 +39,18 @@ class FakeGrid:
 
     def get_node_ids(self) -> Iterable[int]:
         return sorted(self.contexts)
+
+    def push_messages(self, messages: Iterable[Message]) -> list[str]:
+        """Deliver now; the replies wait to be pulled (a silent node never answers)."""
+        ids = []
+        for message in messages:
+            for reply in self.send_and_receive([message]):
+                self.outbox[reply.metadata.reply_to_message_id] = reply
+            ids.append(message.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
+        return [self.outbox.pop(i) for i in list(message_ids) if i in self.outbox]
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
@@ -47,6 +61,8 @@ class FakeGrid:
             self.sent.append(message)
             node = message.metadata.dst_node_id
             fault = self.faults(node, message)
+            if fault == "vanish":  # the node dies: no reply, and the SuperLink stops listing it
+                del self.contexts[node]
             if node not in self.contexts or fault == "silent":
                 continue
             if fault == "error":

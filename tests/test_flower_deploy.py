@@ -75,14 +75,16 @@ def test_node_killed_mid_round(tiny_config, tmp_path):
     cfg = tiny_config(
         method=PF2,
         output_dir=str(tmp_path / "flower"),
-        **{**SMALL, "train.rounds": 3, "eval.every": 3, "deploy.round_timeout": 45, "deploy.min_results": 2},
+        # a generous timeout: the dead node is dropped once its heartbeats lapse (about a
+        # minute), and a slow machine must not drop the healthy ones
+        **{**SMALL, "train.rounds": 3, "eval.every": 3, "deploy.round_timeout": 300},
     )
     with deploy.local_federation(tmp_path / "fed", 3) as fed:
         import threading
 
         def saboteur():
             metrics = cfg.output_dir / "metrics.jsonl"
-            deadline = time.monotonic() + 400
+            deadline = time.monotonic() + 600
             while time.monotonic() < deadline:  # round 1 recorded: round 2's messages are out
                 if metrics.is_file() and metrics.read_text().count("\n") >= 1:
                     time.sleep(1)
@@ -93,13 +95,13 @@ def test_node_killed_mid_round(tiny_config, tmp_path):
 
         thread = threading.Thread(target=saboteur, daemon=True)
         thread.start()
-        status = deploy.submit(cfg, fed.address, workdir=tmp_path / "submit", timeout=500, echo=False)
+        status = deploy.submit(cfg, fed.address, workdir=tmp_path / "submit", timeout=900, echo=False)
         thread.join()
     assert status["status"] == "finished:completed"
     records = read_records(cfg.output_dir)
     assert len(records) == 3
     assert "2" in records[1]["dropped"]
     assert 2 not in records[1]["clients_returned"]
-    assert len(records[1]["clients_returned"]) == 2  # the round went on with the others
+    assert records[1]["clients_returned"] == [0, 1]  # the round went on with the others
     assert 2 in records[2]["clients_returned"]  # the restarted node rejoined
     assert records[-1]["local"]["accuracy_mean"] >= 0

@@ -42,6 +42,8 @@ from fedpeft.methods.base import FitResult, ServerState, Tensors, load_tensors, 
 from fedpeft.metrics.classification import mean_scores, predict, scores, spread
 
 ROLL_CALL, TRAIN, EVALUATE = "query", "train", "evaluate"
+POLL_SECONDS = 0.5  # how often the server asks the SuperLink for replies
+OFFLINE = object()  # stands in for the reply of a node that dropped off the SuperLink
 
 
 class DeploymentError(RuntimeError):
@@ -101,21 +103,43 @@ class FlowerServer:
         per node that failed, why (error reply or no reply in time)."""
         if not messages:
             return {}, {}
-        replies = self.grid.send_and_receive(messages, timeout=timeout)
-        # match by message id: an error the SuperLink writes for an offline node comes
-        # from the SuperLink, not from the node
-        by_id = {r.metadata.reply_to_message_id: r for r in replies}
+        by_id = self.collect(messages, timeout)
         good, failed = {}, {}
         for m in messages:
             node = m.metadata.dst_node_id
             reply = by_id.get(m.metadata.message_id)
-            if reply is None:
+            if reply is OFFLINE:
+                failed[node] = "its node went offline (missed its heartbeats)"
+            elif reply is None:
                 failed[node] = f"no reply within {timeout:g} s"
             elif reply.has_error():
                 failed[node] = f"error {reply.error.code}: {(reply.error.reason or '').strip()[-300:]}"
             else:
                 good[node] = reply
         return good, failed
+
+    def collect(self, messages: list[Message], timeout: float) -> dict[str, Message | object]:
+        """Push ``messages``, then pull replies until all are in, ``timeout`` s have
+        passed, or the nodes still owing one have dropped off the SuperLink's list (a
+        crashed node stops its heartbeats; there is no point waiting out the timeout).
+        Replies are matched by message id: an error the SuperLink writes for an offline
+        node comes from the SuperLink, not from the node."""
+        ids = list(self.grid.push_messages(messages))  # fills in each message's id
+        pending = dict(zip(ids, messages, strict=True))
+        replies: dict[str, Message | object] = {}
+        deadline = time.monotonic() + timeout
+        while pending and time.monotonic() < deadline:
+            for reply in self.grid.pull_messages(list(pending)):
+                key = reply.metadata.reply_to_message_id
+                if pending.pop(key, None) is not None:
+                    replies[key] = reply
+            if pending:
+                online = set(self.grid.get_node_ids())
+                for key in [k for k, m in pending.items() if m.metadata.dst_node_id not in online]:
+                    replies[key] = OFFLINE
+                    del pending[key]
+                time.sleep(POLL_SECONDS)
+        return replies
 
     def message(self, node_id: int, kind: str, records: dict, ttl: float) -> Message:
         return Message(RecordDict(records), dst_node_id=node_id, message_type=kind, ttl=ttl)
