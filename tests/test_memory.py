@@ -1,10 +1,20 @@
-"""The simulation keeps one backbone: memory grows with clients by their personal state only."""
+"""The simulation keeps one backbone: memory grows with clients by their personal state only.
 
+The measurement runs in a fresh interpreter: resident memory is a property of a whole
+process, and what other tests left behind (arenas, threads, caches) must not count.
+"""
+
+import copy
 import gc
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import psutil
 from transformers import BertModel
 
+from fedpeft.config import parse_config
 from fedpeft.engines import inprocess
 from fedpeft.experiment import build, run
 from fedpeft.methods.base import tensor_bytes
@@ -41,18 +51,47 @@ def _run_clients(tiny_config, num_clients: int, out: str):
     return setup, engines[0], psutil.Process().memory_info().rss - rss_before
 
 
-def test_200_clients_share_one_backbone(tiny_config, tmp_path):
-    _run_clients(tiny_config, 20, str(tmp_path / "warm"))  # pays one-time costs (imports, buffers)
-    setup, engine, rss_growth = _run_clients(tiny_config, 200, str(tmp_path / "big"))
-    params = dict(setup.model.named_parameters())
-    model_bytes = sum(p.numel() * p.element_size() for p in params.values())
-    personal_bytes = sum(params[n].numel() * params[n].element_size() for n in setup.method.personal_names)
+def _measure(backbone: str, out: str) -> dict:
+    """The 200-client run after a 20-client warm-up (which pays one-time costs)."""
+    from conftest import TINY  # this file's directory is on sys.path when run as a script
 
+    def tiny_config(**overrides):
+        data = copy.deepcopy(TINY) | {"model": {"backbone": backbone}}
+        data.update(overrides)
+        return parse_config(data, "tiny")
+
+    _run_clients(tiny_config, 20, str(Path(out) / "warm"))
+    setup, engine, rss_growth = _run_clients(tiny_config, 200, str(Path(out) / "big"))
+    params = dict(setup.model.named_parameters())
     store = engine.personal
-    assert len(store) == 200  # every client trained, holds and was evaluated with its own state
-    assert sum(tensor_bytes(s) for s in store.values()) == 200 * personal_bytes
-    assert personal_bytes * 50 < model_bytes  # the test is meaningful: states are small
-    # exactly one backbone object alive, however many clients
-    assert sum(type(o) is BertModel for o in gc.get_objects()) == 1
+    return {
+        "model_bytes": sum(p.numel() * p.element_size() for p in params.values()),
+        "personal_bytes": sum(
+            params[n].numel() * params[n].element_size() for n in setup.method.personal_names
+        ),
+        "clients_stored": len(store),
+        "stored_bytes": sum(tensor_bytes(s) for s in store.values()),
+        "backbones_alive": sum(type(o) is BertModel for o in gc.get_objects()),
+        "rss_growth": rss_growth,
+    }
+
+
+def test_200_clients_share_one_backbone(tiny_backbone, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, __file__, str(tiny_backbone), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert m["clients_stored"] == 200  # every client trained, holds and was evaluated with its own state
+    assert m["stored_bytes"] == 200 * m["personal_bytes"]
+    assert m["personal_bytes"] * 50 < m["model_bytes"]  # the test is meaningful: states are small
+    assert m["backbones_alive"] == 1  # exactly one backbone object alive, however many clients
     # 200 model copies would cost 200 * model_bytes; the run grew by a small fraction of that
-    assert rss_growth < 20 * model_bytes, (rss_growth, model_bytes)
+    assert m["rss_growth"] < 20 * m["model_bytes"], m
+
+
+if __name__ == "__main__":
+    print(json.dumps(_measure(sys.argv[1], sys.argv[2])))
