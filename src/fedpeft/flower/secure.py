@@ -22,7 +22,7 @@ import json
 
 import numpy as np
 import torch
-from flwr.app import Context
+from flwr.app import ConfigRecord, Context
 from flwr.common import Code, FitIns, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server.compat.legacy_context import LegacyContext
 from flwr.server.strategy import Strategy
@@ -92,9 +92,7 @@ class OneRound(Strategy):
         _, first = results[0]
         # the workflow dequantises in float64; the mean is stored like weighted_mean's
         mean = unpack(parameters_to_ndarrays(first.parameters), json.dumps(sorted(self.uplink_like)))
-        mean = {n: t.to(self.uplink_like[n].dtype) for n, t in mean.items() if n in self.uplink_like} | {
-            n: t for n, t in mean.items() if n not in self.uplink_like
-        }
+        mean = {n: t.to(self.uplink_like[n].dtype) for n, t in mean.items()}
         mean = codec.check_tensors(mean, self.uplink_like, "securely aggregated update")
         total = sum(res.num_examples for _, res in results)
         self.returned = sorted(proxy.cid for proxy, _ in results)
@@ -127,7 +125,7 @@ def secure_round(
     """Run SecAgg+ for one round over the clients in ``instructions``."""
     strategy = OneRound(instructions, uplink_like)
     legacy = LegacyContext(context, strategy=strategy)
-    legacy.state.config_records[MAIN_CONFIGS_RECORD] = _round_config(rnd)
+    legacy.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({Key.CURRENT_ROUND: rnd})
     legacy.state.array_records[MAIN_PARAMS_RECORD] = codec.to_record({})
     counting = CountingGrid(grid)
     workflow = SecAggPlusWorkflow(
@@ -135,12 +133,6 @@ def secure_round(
     )
     workflow(counting, legacy)
     return strategy, counting
-
-
-def _round_config(rnd: int):
-    from flwr.app import ConfigRecord
-
-    return ConfigRecord({Key.CURRENT_ROUND: rnd})
 
 
 # ---------------------------------------------------------------- node side
