@@ -9,7 +9,8 @@ global test set beside it. Also prints the measured cost of PF2LoRA's hypergradi
 seconds per local step with the bilevel coupling against the same steps with it
 switched off (``bilevel: false``, the paper's ablation).
 
-    .venv/bin/python benchmarks/personalized.py [--seeds 0,1] [--s 0.6,0.9,1.0] [--out runs/personalized]
+    .venv/bin/python benchmarks/personalized.py [--seeds 0,1] [--s 0.6,0.9,1.0] [--head shared|personal]
+        [--out runs/personalized]
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ METHODS = {
 }
 
 
-def run_all(seeds: list[int], levels: list[float], names: list[str], rounds: int, out: Path) -> None:
+def run_all(
+    seeds: list[int], levels: list[float], names: list[str], rounds: int, out: Path, method_extra: dict
+) -> None:
     for seed in seeds:
         for s in levels:
             for name in names:
@@ -45,7 +48,7 @@ def run_all(seeds: list[int], levels: list[float], names: list[str], rounds: int
                 cfg = load_config(None, {
                     "name": name,
                     "seed": seed,
-                    "method": METHODS[name],
+                    "method": {**METHODS[name], **method_extra},
                     "output_dir": str(run_dir),
                     "data.max_samples": 2000,
                     "data.max_test_samples": 400,
@@ -54,7 +57,7 @@ def run_all(seeds: list[int], levels: list[float], names: list[str], rounds: int
                               "lr": 0.002},
                     "eval.every": rounds,
                 })  # fmt: skip
-                summary = run(cfg)
+                summary = run(cfg, resume=(run_dir / "checkpoint.pt").is_file())  # pick up a cut-off run
                 acc = summary["final_local"]["accuracy_mean"]
                 print(f"[s={s} {name} seed {seed}] personalised {acc:.4f}", flush=True)
 
@@ -66,13 +69,17 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--out", type=Path, default=Path("runs/personalized"))
+    ap.add_argument(
+        "--head", choices=["shared", "personal"], default="shared",
+        help="the classification head: averaged like the adapters, or kept on each client",
+    )  # fmt: skip
     args = ap.parse_args()
     seeds = [int(x) for x in args.seeds.split(",")]
     levels = [float(x) for x in args.s.split(",")]
     names = args.methods.split(",")
-    run_all(seeds, levels, names, args.rounds, args.out)
+    run_all(seeds, levels, names, args.rounds, args.out, {"head": args.head})
 
-    print(f"\n8 clients, all per round, {args.rounds} rounds x 5 local steps, seeds {seeds}\n")
+    print(f"\n8 clients, all per round, {args.rounds} rounds x 5 local steps, {args.head} head, seeds {seeds}\n")
     head = " | ".join(f"s = {s}: personalised (worst decile) / global" for s in levels)
     print(f"| method | {head} |")
     print("|---|" + "---|" * len(levels))
