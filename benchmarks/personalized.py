@@ -45,14 +45,14 @@ def run_all(
     for seed in seeds:
         for s in levels:
             for name in names:
-                run_dir = out / f"s{s}" / f"{name}-seed{seed}"
-                if (run_dir / "summary.json").is_file():
+                target = run_dir(out, name, s, seed)
+                if (target / "summary.json").is_file():
                     continue  # resumable
                 cfg = load_config(None, {
                     "name": name,
                     "seed": seed,
                     "method": {**METHODS[name], **method_extra},
-                    "output_dir": str(run_dir),
+                    "output_dir": str(target),
                     "data.max_samples": 2000,
                     "data.max_test_samples": 400,
                     "partition": {"scheme": "similarity", "similarity": s, "num_clients": 8},
@@ -60,7 +60,7 @@ def run_all(
                               "lr": 0.002},
                     "eval.every": rounds,
                 })  # fmt: skip
-                summary = run(cfg, resume=(run_dir / "checkpoint.pt").is_file())  # pick up a cut-off run
+                summary = run(cfg, resume=(target / "checkpoint.pt").is_file())  # pick up a cut-off run
                 acc = summary["final_local"]["accuracy_mean"]
                 print(f"[s={s} {name} seed {seed}] personalised {acc:.4f}", flush=True)
 
@@ -92,32 +92,90 @@ def main() -> None:
         method_extra[key] = yaml.safe_load(value)
     run_all(seeds, levels, names, args.rounds, args.out, method_extra)
 
-    print(f"\n8 clients, all per round, {args.rounds} rounds x 5 local steps, {args.head} head, seeds {seeds}\n")
-    head = " | ".join(f"s = {s}: personalised (worst decile) / global" for s in levels)
+    pers = {
+        n: {s: [read_summary(run_dir(args.out, n, s, seed)) for seed in seeds] for s in levels} for n in names
+    }
+    print(f"\n8 clients, all per round, {args.rounds} rounds x 5 steps, {args.head} head, seeds {seeds}\n")
+    print_table(pers)
+    print_claim(pers)
+    plot(pers, args.out / "personalized.png", f"{args.head} head, seeds {seeds}")
+    print(f"plot: {args.out / 'personalized.png'}")
+    print_step_times(names, levels, seeds, args.out)
+
+
+def run_dir(out: Path, name: str, s: float, seed: int) -> Path:
+    return out / f"s{s}" / f"{name}-seed{seed}"
+
+
+def personalised(summaries: list[dict]) -> np.ndarray:
+    return np.array([x["final_local"]["accuracy_mean"] for x in summaries])
+
+
+def print_table(pers: dict[str, dict[float, list[dict]]]) -> None:
+    levels = list(next(iter(pers.values())))
+    head = " | ".join(f"s = {s}: personalised ± std over seeds (worst decile) / global" for s in levels)
     print(f"| method | {head} |")
     print("|---|" + "---|" * len(levels))
-    step_time: dict[str, list[float]] = {}
-    for name in names:
+    for name, by_s in pers.items():
         cells = []
-        for s in levels:
-            dirs = [args.out / f"s{s}" / f"{name}-seed{seed}" for seed in seeds]
-            sums = [read_summary(d) for d in dirs]
-            pers = [x["final_local"]["accuracy_mean"] for x in sums]
+        for sums in by_s.values():
+            acc = personalised(sums)
             worst = np.mean([x["final_local"]["accuracy_p10"] for x in sums])
             glob = np.mean([x["final_global"]["accuracy"] for x in sums])
-            cells.append(f"{np.mean(pers):.3f} ± {np.std(pers):.3f} ({worst:.3f}) / {glob:.3f}")
-            for d in dirs:
-                step_time.setdefault(name, []).extend(
-                    r["fit"]["time_step"] for r in read_records(d) if "time_step" in r.get("fit", {})
-                )
+            cells.append(f"{acc.mean():.3f} ± {acc.std():.3f} ({worst:.3f}) / {glob:.3f}")
         print(f"| {name} | " + " | ".join(cells) + " |")
-    print("\nseconds per local step (mean over rounds and clients), where the method reports it:")
+
+
+def print_claim(pers: dict[str, dict[float, list[dict]]]) -> None:
+    """The paper's claim: PF2LoRA best (of the federated methods) at every s, its margin growing with s."""
+    rivals = [n for n in pers if n not in ("pf2lora", "pf2lora-nobilevel", "local")]
+    if "pf2lora" not in pers or not rivals:
+        return
+    print("\nPF2LoRA against the best other federated method (Local-only is not federated):")
+    for s, sums in pers["pf2lora"].items():
+        ours = personalised(sums)
+        best = max(rivals, key=lambda n: personalised(pers[n][s]).mean())
+        theirs = personalised(pers[best][s])
+        wins = int(sum(o > max(personalised(pers[n][s])[i] for n in rivals) for i, o in enumerate(ours)))
+        margin = ours.mean() - theirs.mean()
+        print(f"  s = {s}: PF2LoRA {ours.mean():.3f}, best rival {best} {theirs.mean():.3f}, "
+              f"margin {margin:+.3f}; PF2LoRA best in {wins} of {len(ours)} seeds")  # fmt: skip
+    if "local" in pers:
+        for s, sums in pers["local"].items():
+            gap = personalised(sums).mean() - personalised(pers["pf2lora"][s]).mean()
+            print(f"  s = {s}: Local-only minus PF2LoRA {gap:+.3f}")
+
+
+def plot(pers: dict[str, dict[float, list[dict]]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for name, by_s in pers.items():
+        accs = [personalised(sums) for sums in by_s.values()]
+        ax.errorbar(list(by_s), [a.mean() for a in accs], yerr=[a.std() for a in accs], marker="o", capsize=3,
+                    label=name)  # fmt: skip
+    ax.set(xlabel="heterogeneity s", ylabel="personalised accuracy", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_step_times(names: list[str], levels: list[float], seeds: list[int], out: Path) -> None:
+    step_time = {
+        name: [r["fit"]["time_step"] for s in levels for seed in seeds
+               for r in read_records(run_dir(out, name, s, seed)) if "time_step" in r.get("fit", {})]
+        for name in names
+    }  # fmt: skip
+    print("\nseconds per local step in these runs (mean over rounds and clients), where reported")
+    print("(benchmarks/hypergradient_cost.py measures PF2LoRA's hypergradient side by side):")
     for name, times in step_time.items():
         if times:
             print(f"  {name}: {np.mean(times):.3f}")
-    if "pf2lora" in step_time and "pf2lora-nobilevel" in step_time:
-        ratio = np.mean(step_time["pf2lora"]) / np.mean(step_time["pf2lora-nobilevel"])
-        print(f"PF2LoRA hypergradient cost: {ratio:.2f}x the step without the bilevel coupling")
 
 
 if __name__ == "__main__":
