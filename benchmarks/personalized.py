@@ -32,7 +32,7 @@ PF2 = {"name": "pf2lora", "lora": LORA, "client_rank": 2, "client_alpha": 4, "lo
 METHODS = {
     "local": {"name": "local"},
     "homlora": {"name": "fedlr", "lora": LORA},
-    "perfedavg": {"name": "perfedavg", "order": 1, "inner_lr": 0.01, "lora": LORA},
+    "perfedavg": {"name": "perfedavg", "order": 1, "inner_lr": 0.3, "lora": LORA},
     "hetlora": {"name": "hetlora", "lora": LORA, "r_min": 2},
     "pf2lora": PF2,
     "pf2lora-nobilevel": {**PF2, "bilevel": False},

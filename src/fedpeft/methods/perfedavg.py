@@ -47,7 +47,7 @@ class PerFedAvgConfig(MethodConfig):
     name: Literal["perfedavg"] = "perfedavg"
     lora: LoraSpec = Field(default_factory=LoraSpec)
     order: Literal[1, 2] = Field(1, description="1: first-order MAML; 2: through the inner step (HVP).")
-    inner_lr: float = Field(1e-2, gt=0, description="alpha, the adaptation step size.")
+    inner_lr: float = Field(0.3, gt=0, description="alpha, the adaptation step size (SGD).")
 
 
 def maml_grads(
