@@ -28,7 +28,7 @@ from fedpeft.experiment import run
 from fedpeft.report.results import read_records, read_summary
 
 LORA = {"r": 8, "alpha": 16}
-PF2 = {"name": "pf2lora", "lora": LORA, "client_rank": 2, "client_alpha": 4, "lower_lr": 0.3}
+PF2 = {"name": "pf2lora", "lora": LORA, "client_rank": 2, "client_alpha": 4, "lower_lr": 0.1}
 METHODS = {
     "local": {"name": "local"},
     "homlora": {"name": "fedlr", "lora": LORA},

@@ -62,7 +62,7 @@ class PF2LoRAConfig(MethodConfig):
     lora: LoraSpec = Field(default_factory=LoraSpec, description="The common adapter (A, B).")
     client_rank: int = Field(2, ge=1, description="r2, rank of the client adapter (C_i, D_i).")
     client_alpha: float = Field(4.0, gt=0, description="alpha2: the client update is (alpha2/r2) D C.")
-    lower_lr: float = Field(0.3, gt=0, description="eta_low, SGD step of the lower level.")
+    lower_lr: float = Field(0.1, gt=0, description="eta_low, SGD step of the lower level.")
     bilevel: bool = Field(True, description="False: plain gradients for both adapters (ablation).")
     rank_tol: float = Field(
         0.01, gt=0, lt=1, description="Effective rank: singular values above rank_tol * the largest."
