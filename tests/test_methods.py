@@ -123,6 +123,26 @@ def test_head_can_be_personal(tiny_config):
     assert summary["params"]["personal"] == head
 
 
+def test_personal_head_is_trained_and_kept(method_name, tiny_config):
+    """With ``head: personal`` every method trains each client's own head and keeps it."""
+    if method_name == "centralized":
+        pytest.skip("centralized has one pooled client: its head is shared by definition")
+    cfg = tiny_config(**{
+        "method": {"name": method_name, "head": "personal"}, "train.rounds": 2, "partition.num_clients": 3,
+    })  # fmt: skip
+    setup = build(cfg)
+    head = [n for n in setup.method.personal_names if n.startswith("head.")]
+    assert head and not any(n.startswith("head.") for n in setup.method.shared_names)
+    run(cfg, setup=setup)
+    ckpt = load_checkpoint(cfg.output_dir / "checkpoint.pt", fingerprint(cfg))
+    assert ckpt.personal, "no client kept a personal state"
+    for cid, state in ckpt.personal.items():
+        assert set(head) <= set(state), cid
+        assert any(not torch.equal(state[n], setup.initial[n]) for n in head), f"client {cid}: head untrained"
+    heads = list(ckpt.personal.values())
+    assert any(not torch.equal(heads[0]["head.weight"], h["head.weight"]) for h in heads[1:])
+
+
 def test_centralized_has_one_shared_head(tiny_config):
     from fedpeft.config import ConfigError
 

@@ -71,6 +71,11 @@ class PerFedAvg(FedAvgPeft):
     config_cls = PerFedAvgConfig
     kind = "lora"
 
+    def _trainable(self, model) -> dict[str, torch.nn.Parameter]:
+        """The meta-learned parameters: the shared ones and a personal head, if any."""
+        names = set(self.shared_names) | set(self.personal_names)
+        return {n: p for n, p in model.named_parameters() if n in names}
+
     def _loss_at(self, model):
         def loss_at(over: Tensors, batch: dict) -> torch.Tensor:
             inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
@@ -83,7 +88,7 @@ class PerFedAvg(FedAvgPeft):
         self, model, received: Tensors, personal: Tensors, client: ClientData, generator: torch.Generator
     ) -> FitResult:
         load_tensors(model, {**received, **personal})
-        params = {n: p for n, p in model.named_parameters() if n in self.shared_names}
+        params = self._trainable(model)
         opt = make_optimizer(list(params.values()), self.train)
         model.train()
         steps = local_steps(len(client.train), self.train)
@@ -97,7 +102,7 @@ class PerFedAvg(FedAvgPeft):
             total += loss
         return FitResult(
             uplink=read_tensors(model, self.shared_names),
-            personal={},
+            personal=read_tensors(model, self.personal_names),
             num_examples=len(client.train),
             metrics={"loss": total / steps, "steps": float(steps)},
         )
@@ -108,7 +113,7 @@ class PerFedAvg(FedAvgPeft):
         load_tensors(model, {**received, **personal})
         rows = torch.randperm(len(client.train), generator=torch.Generator().manual_seed(client.cid))
         batch = make_batch(client.train, rows[: self.train.batch_size])
-        params = {n: p for n, p in model.named_parameters() if n in self.shared_names}
+        params = self._trainable(model)
         model.eval()  # adapt without dropout noise
         loss = self._loss_at(model)({}, batch)
         grads = torch.autograd.grad(loss, list(params.values()))
