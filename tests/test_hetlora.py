@@ -43,6 +43,7 @@ def test_client_trains_exactly_its_rank_and_prunes(tiny_config):
                 "r_min": 1,
                 "gamma": 0.5,
                 "penalty": 0.0,
+                "prune_rule": "share",
                 "prune_ratio": 0.99,
             }
         }
@@ -74,3 +75,74 @@ def test_ranks_are_drawn_in_range(tiny_config):
     assert min(ranks) >= 2 and max(ranks) <= 8 and len(set(ranks)) > 3
     with pytest.raises(Exception, match="r_min"):
         tiny_config(**{"method": {"name": "hetlora", "lora": {"r": 4}, "r_min": 5}})
+
+
+def test_rank_draw_mixes_in_the_experiment_seed(tiny_config):
+    draws = [
+        [build(tiny_config(seed=seed, method={"name": "hetlora"})).method.initial_rank(c) for c in range(20)]
+        for seed in (0, 1, 3)
+    ]
+    assert draws[0] != draws[1] and draws[0] != draws[2] and draws[1] != draws[2]
+
+
+def test_pruning_rules_by_hand():
+    from fedpeft.methods.hetlora import component_energies, pruned_rank
+
+    # one module, rank 4, components of energy 1, 1, 1, 0.2 (||b_j|| ||a_j||)
+    a = torch.diag(torch.tensor([1.0, 1.0, 1.0, 0.2]))
+    b = torch.eye(4)
+    mods = [(a, b)]
+    assert component_energies(mods, 4) == pytest.approx([1, 1, 1, 0.2])
+    # gamma 0.75: q = 3, tail = {3}. mean rule: 0.2 < 0.3 * 1 -> prune; < 0.1 * 1 -> keep
+    assert pruned_rank(mods, 4, 0.75, 1, 0.3, "mean") == 3
+    assert pruned_rank(mods, 4, 0.75, 1, 0.1, "mean") == 4
+    # share rule: 0.2 / 3.2 = 0.0625 of the total -> pruned at ratio 0.1
+    assert pruned_rank(mods, 4, 0.75, 1, 0.1, "share") == 3
+    # equal energies: the share rule's tail is 1/4 of the total, the mean rule's ratio 1
+    eq = [(torch.eye(4), torch.eye(4))]
+    assert pruned_rank(eq, 4, 0.75, 1, 0.3, "share") == 3  # fires with no sign of a small tail
+    assert pruned_rank(eq, 4, 0.75, 1, 0.3, "mean") == 4
+    assert pruned_rank(mods, 4, 0.75, 4, 0.3, "mean") == 4  # never below r_min
+
+
+def test_client_is_scored_with_its_own_adapter(tiny_config):
+    """The personalised score is each client's last trained adapter (kept, never sent);
+    the truncated global one is reported beside it as local_global."""
+    from fedpeft.engines.checkpoint import load_checkpoint
+    from fedpeft.experiment import fingerprint, run
+    from fedpeft.methods.hetlora import OWN, pad
+    from fedpeft.report.results import read_records
+
+    cfg = tiny_config(**{"method": {"name": "hetlora", "lora": {"r": 4}, "r_min": 1}})
+    setup = build(cfg)
+    method, model = setup.method, setup.model
+    sent = []
+    real_fit = method.fit
+
+    def fit(*args, **kwargs):
+        result = real_fit(*args, **kwargs)
+        sent.append(result)
+        return result
+
+    method.fit = fit
+    summary = run(cfg, setup=setup)
+    ckpt = load_checkpoint(cfg.output_dir / "checkpoint.pt", fingerprint(cfg))
+    last = {}
+    for result in sent:
+        last[result.cid] = result
+    for cid, result in last.items():
+        own = {n.removeprefix(OWN): t for n, t in ckpt.personal[cid].items() if n.startswith(OWN)}
+        for n, t in pad(result.uplink, 4).items():  # the adapter it trained and sent last
+            assert torch.equal(own[n], t), n
+        assert not any(n.startswith(OWN) for n in result.uplink)
+        received = method.downlink(ckpt.server, cid)
+        scored = method.eval_state(model, received, ckpt.personal[cid], setup.clients[cid])
+        assert any(not torch.equal(scored[n], t) for n, t in pad(received, 4).items())  # not the global
+    record = read_records(cfg.output_dir)[-1]
+    assert "local_global" in record and record["local"] == summary["final_local"]
+    # personal_model: global swaps the two
+    method_cfg = {"name": "hetlora", "lora": {"r": 4}, "r_min": 1, "personal_model": "global"}
+    cfg2 = tiny_config(**{"method": method_cfg, "output_dir": str(cfg.output_dir) + "-g"})
+    run(cfg2)
+    swapped = read_records(cfg2.output_dir)[-1]
+    assert swapped["local"] == record["local_global"] and swapped["local_own"] == record["local"]

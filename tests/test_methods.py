@@ -12,7 +12,9 @@ import torch
 from fedpeft.engines.checkpoint import load_checkpoint
 from fedpeft.experiment import build, fingerprint, run
 from fedpeft.methods import REGISTRY
-from fedpeft.methods.base import tensor_bytes
+from fedpeft.methods.base import load_tensors, tensor_bytes
+
+PRIVATE = ("opt.", "own.")  # personal-state entries that are not parameters
 
 # What each method may train: a predicate over parameter names.
 CLAIMS = {
@@ -99,9 +101,10 @@ def test_conformance(method_name, tiny_config):
         assert set(message).isdisjoint(method.personal_names)
     assert set(method.shared_names).isdisjoint(method.personal_names)
     assert set(method.shared_names) | set(method.personal_names) == set(trainable)
-    # the checkpoint holds the final server state and every trained client's personal state
+    # the checkpoint holds the final server state and every trained client's personal state:
+    # its personal parameters, plus only private entries (kept optimizer state, HETLoRA's own model)
     for state in ckpt.personal.values():
-        assert set(state) == set(method.personal_names)
+        assert {n for n in state if not n.startswith(PRIVATE)} == set(method.personal_names)
     assert set(ckpt.server.tensors) == set(method.shared_names)
     assert summary["params"]["trainable"] == sum(params[n].numel() for n in trainable)
 
@@ -150,16 +153,31 @@ def test_centralized_has_one_shared_head(tiny_config):
         tiny_config(**{"method": {"name": "centralized", "head": "personal"}})
 
 
-def test_personal_clients_evaluated_only_once_trained(tiny_config):
-    # 4 clients, 1 per round, 2 rounds: at most 2 clients have a model of their own
-    cfg = tiny_config(**{"method": {"name": "local"}, "train.clients_per_round": 1})
-    summary = run(cfg)
+@pytest.mark.parametrize("name", ["local", "pf2lora", "fedlr"])
+def test_every_client_is_scored_trained_or_not(name, tiny_config):
+    """4 clients, 1 per round, 2 rounds: at most 2 train, all 4 are scored, each with its
+    own model or, never having trained, the global model and its initial personal state."""
+    import numpy as np
+
+    from fedpeft.metrics.classification import predict, scores
     from fedpeft.report.results import read_records
 
+    cfg = tiny_config(**{"method": {"name": name}, "train.clients_per_round": 1})
+    setup = build(cfg)
+    summary = run(cfg, setup=setup)
     records = read_records(cfg.output_dir)
     trained = {c for r in records for c in r["clients"]}
-    assert records[-1]["clients_evaluated"] == len(trained) < 4
-    assert summary["final_local"] is not None
+    assert len(trained) < 4 and records[-1]["clients_evaluated"] == 4
+    ckpt = load_checkpoint(cfg.output_dir / "checkpoint.pt", fingerprint(cfg))
+    assert set(ckpt.personal) == trained
+    method, model = setup.method, setup.model
+    by_hand = []
+    for client in setup.clients:
+        personal = ckpt.personal.get(client.cid) or method.init_client(model, setup.initial, client)
+        received = method.downlink(ckpt.server, client.cid)
+        load_tensors(model, method.eval_state(model, received, personal, client))
+        by_hand.append(scores(predict(model, client.test, 64), client.test.labels.numpy())["accuracy"])
+    assert summary["final_local"]["accuracy_mean"] == pytest.approx(np.mean(by_hand), abs=1e-9)
 
 
 def test_a_setup_runs_twice_from_the_same_start(tiny_config, tmp_path):
@@ -168,3 +186,44 @@ def test_a_setup_runs_twice_from_the_same_start(tiny_config, tmp_path):
     first = run(cfg, setup=setup)
     second = run(cfg.model_copy(update={"output_dir": tmp_path / "again"}), setup=setup)
     assert first["final_global"] == second["final_global"]
+
+
+@pytest.mark.parametrize("name", ["local", "fedlr", "pf2lora", "perfedavg", "hetlora"])
+def test_kept_optimizer_state_carries_over_rounds(name, tiny_config, tmp_path):
+    """``train.optimizer_state: keep``: each client's Adam state lives on in its personal
+    state (never sent) and resumes where it stopped: after 2 rounds of 2 steps its step
+    count is 4. With ``reset`` (the default) nothing is kept."""
+    over = {"method": {"name": name}, "partition.num_clients": 3, "train.clients_per_round": 3}
+    for mode in ("keep", "reset"):
+        cfg = tiny_config(**over, **{"train.optimizer_state": mode, "output_dir": str(tmp_path / mode)})
+        run(cfg)
+        ckpt = load_checkpoint(cfg.output_dir / "checkpoint.pt", fingerprint(cfg))
+        for cid, state in ckpt.personal.items():
+            steps = {n: float(t) for n, t in state.items() if n.startswith("opt.step.")}
+            if mode == "reset":
+                assert not any(n.startswith("opt.") for n in state), cid
+                continue
+            assert steps and set(steps.values()) == {4.0}, (cid, steps)
+            moments = [t for n, t in state.items() if n.startswith("opt.exp_avg.")]
+            assert moments and any(t.abs().sum() > 0 for t in moments)
+            assert not any(n.startswith("opt.") for n in ckpt.server.tensors)
+
+
+def test_optimizer_state_round_trip(tiny_config):
+    from fedpeft.methods.base import make_optimizer, optimizer_tensors, trainable_params
+
+    cfg = tiny_config(**{"train.optimizer_state": "keep"})
+    model = build(cfg).model
+    named = trainable_params(model)
+    opt = make_optimizer(named, cfg.train)
+    for _ in range(2):
+        loss = sum((p**2).sum() for p in named.values())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    saved = optimizer_tensors(opt, named, cfg.train)
+    restored = make_optimizer(named, cfg.train, saved)
+    for name, p in named.items():
+        for key, value in opt.state[p].items():
+            assert torch.equal(restored.state[p][key], value), (name, key)
+    assert optimizer_tensors(opt, named, cfg.train.model_copy(update={"optimizer_state": "reset"})) == {}

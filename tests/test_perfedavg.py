@@ -1,5 +1,6 @@
 """Per-FedAvg-LoRA: first- and second-order MAML gradients, and one-step personalised evaluation."""
 
+import pytest
 import torch
 
 from fedpeft.experiment import run
@@ -61,3 +62,24 @@ def test_perfedavg_runs_with_personalised_evaluation(tiny_config):
     last = read_records(cfg.output_dir)[-1]
     assert last["global"]["accuracy"] >= 0 and last["local"]["accuracy_mean"] >= 0
     assert last["clients_evaluated"] == cfg.partition.num_clients
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_split_batch_gives_equal_examples_per_step(split, tiny_config, monkeypatch):
+    """The paper's step reads two batches of B; ``split_batch`` reads one batch of B in
+    two halves, the examples per step of every other method."""
+    from fedpeft.methods import perfedavg
+
+    sizes = []
+    real = perfedavg.maml_grads
+
+    def spy(loss_at, params, batch1, batch2, *args):
+        sizes.append((len(batch1["labels"]), len(batch2["labels"])))
+        if split:  # the halves are disjoint rows of one batch
+            assert not torch.equal(batch1["input_ids"][:1], batch2["input_ids"][:1])
+        return real(loss_at, params, batch1, batch2, *args)
+
+    monkeypatch.setattr(perfedavg, "maml_grads", spy)
+    cfg = tiny_config(**{"method": {"name": "perfedavg", "split_batch": split}, "train.rounds": 1})
+    run(cfg)
+    assert sizes and set(sizes) == ({(4, 4)} if split else {(8, 8)})

@@ -49,6 +49,14 @@ def _fail(err: Exception) -> None:
 def run(
     config: ConfigArg = None,
     resume: Annotated[bool, typer.Option(help="Continue from the last completed round.")] = False,
+    export_personal: Annotated[
+        bool,
+        typer.Option(
+            "--export-personal",
+            help="Also export each client's own model (global + personal part, head included) "
+            "under adapter/clients/<cid>/ (the config key export.personal).",
+        ),
+    ] = False,
     set_: SetOpt = None,
 ) -> None:
     """Run a federated experiment and write its results directory."""
@@ -59,7 +67,7 @@ def run(
     hf_logging.disable_progress_bar()
 
     try:
-        cfg = _config(config, set_)
+        cfg = _config(config, [*(set_ or []), *(["export.personal=true"] if export_personal else [])])
     except ConfigError as err:
         _fail(err)
     console.print(

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedpeft.config import ExperimentConfig, dump_config
+from fedpeft.config import ExperimentConfig, ExportConfig, dump_config
 from fedpeft.data import partition as P
 from fedpeft.data.sources import Corpus, load_corpus
 from fedpeft.data.task import Encoded, encode
@@ -67,7 +67,7 @@ def make_split(cfg: ExperimentConfig, corpus: Corpus) -> Split:
 
 def fingerprint(cfg: ExperimentConfig) -> str:
     """A hash of everything that determines the results (output_dir excluded)."""
-    data = cfg.model_copy(update={"output_dir": Path(".")})
+    data = cfg.model_copy(update={"output_dir": Path("."), "export": ExportConfig()})
     return hashlib.sha256(dump_config(data).encode()).hexdigest()[:16]
 
 
@@ -118,7 +118,7 @@ def attach_method(cfg: ExperimentConfig, model: TaskModel) -> tuple[Method, Tens
     """Build the configured method and let it prepare ``model`` (seeded, so every process
     that builds the same config holds the same initial adapters); returns the method and
     the trainable tensors right after preparation."""
-    method = build_method(cfg.method, cfg.train)
+    method = build_method(cfg.method, cfg.train, cfg.seed)
     torch.manual_seed(cfg.seed + 1)  # adapter / LoRA initialisation
     method.prepare(model)
     initial = read_tensors(model, [n for n, p in model.named_parameters() if p.requires_grad])
@@ -185,15 +185,35 @@ def update_variation_analyzers(method: Method) -> dict:
     return {"update_variation": lora_variations} if any("lora_" in n for n in method.shared_names) else {}
 
 
-def export(setup: Setup, server_tensors: Tensors, out: Path) -> str | None:
-    """Save the global (shared) tensors, and the label names, under ``out/adapter``."""
+def export(
+    setup: Setup,
+    server_tensors: Tensors,
+    out: Path,
+    client_models: Callable[[ClientData], Tensors] | None = None,
+) -> dict | None:
+    """Save the global model under ``out/adapter`` (its shared tensors only: personal state
+    never enters the global export) and, given ``client_models`` (in-process runs with
+    ``export.personal``), each client's own model under ``out/adapter/clients/<cid>``.
+    Every directory gets ``fedpeft_model.json``: backbone, pooling and label names."""
     target = out / "adapter"
     shutil.rmtree(target, ignore_errors=True)  # never leave a previous run's adapter behind
-    if not setup.method.shared_names:
-        return None
-    path = setup.method.export(setup.model, server_tensors, target)
-    R.write_json(target / "labels.json", {"id2label": dict(enumerate(setup.corpus.class_names))})
-    return str(path)
+    method, exported = setup.method, {}
+    info = {
+        "backbone": setup.cfg.model.backbone,
+        "pooling": setup.cfg.model.pooling,
+        "id2label": dict(enumerate(setup.corpus.class_names)),
+    }
+    if method.shared_names:
+        shared = {n: server_tensors[n] for n in method.shared_names}
+        exported["global"] = str(method.export(setup.model, shared, target))
+        R.write_json(target / "fedpeft_model.json", info)
+    if client_models is not None and setup.cfg.export.personal:
+        for client in setup.clients:
+            client_dir = target / "clients" / str(client.cid)
+            method.export(setup.model, client_models(client), client_dir)
+            R.write_json(client_dir / "fedpeft_model.json", info)
+        exported["clients"] = str(target / "clients")
+    return exported or None
 
 
 def run(
@@ -213,9 +233,9 @@ def run(
     t_run = time.perf_counter()
     records = engine.run(resume=resume)
     t_end = time.perf_counter()
-    return finish(
-        setup, records, engine.server, hist, {"time_setup": t_run - t_setup, "time_total": t_end - t_setup}
-    )
+    extra = {"time_setup": t_run - t_setup, "time_total": t_end - t_setup}
+    client_models = lambda client: engine.client_model(engine.server, client)[0]  # noqa: E731
+    return finish(setup, records, engine.server, hist, extra, client_models)
 
 
 def open_output(setup: Setup) -> np.ndarray:
@@ -230,8 +250,15 @@ def open_output(setup: Setup) -> np.ndarray:
     return hist
 
 
-def finish(setup: Setup, records: list[dict], server: ServerState, hist: np.ndarray, extra: dict) -> dict:
-    """Write ``summary.json``, the exported adapter and the plots; returns the summary."""
+def finish(
+    setup: Setup,
+    records: list[dict],
+    server: ServerState,
+    hist: np.ndarray,
+    extra: dict,
+    client_models: Callable[[ClientData], Tensors] | None = None,
+) -> dict:
+    """Write ``summary.json``, the exported adapters and the plots; returns the summary."""
     from fedpeft.report.plots import plot_accuracy, plot_readouts, plot_variation  # matplotlib: slow import
 
     cfg, out = setup.cfg, Path(setup.cfg.output_dir)
@@ -251,7 +278,7 @@ def finish(setup: Setup, records: list[dict], server: ServerState, hist: np.ndar
                 t.numel() for t in setup.method.downlink(server, 0).values()
             ),
             **extra,
-            "exported": export(setup, server.tensors, out),
+            "exported": export(setup, server.tensors, out, client_models),
         },
     )
     R.write_json(out / "summary.json", summary)

@@ -125,16 +125,12 @@ class InProcessEngine:
 
     # ------------------------------------------------------------ state helpers
     def personal_of(self, client: ClientData) -> Tensors:
-        if client.cid not in self.personal:
-            self.personal[client.cid] = self.method.init_client(self.model, self.initial, client)
-        return self.personal[client.cid]
-
-    def evaluable_clients(self) -> list[ClientData]:
-        """Clients that have a model to score: all of them when nothing is personal (they
-        all hold the global model), else those that have trained at least once."""
-        if not self.method.personal_names:
-            return self.eval_clients
-        return [c for c in self.eval_clients if c.cid in self.personal]
+        """Client ``client``'s personal state: what it kept from its last round or, if it
+        has not trained yet, the method's initial personal state (not stored: a client
+        that never trains never holds state)."""
+        if client.cid in self.personal:
+            return self.personal[client.cid]
+        return self.method.init_client(self.model, self.initial, client)
 
     def load(self, tensors: Tensors) -> None:
         """Load tensors into the model unless exactly these are loaded already."""
@@ -196,33 +192,50 @@ class InProcessEngine:
             **({"client_readout": readouts} if readouts else {}),
         }
 
+    def client_model(self, server: ServerState, client: ClientData) -> tuple[Tensors, dict[str, Tensors]]:
+        """The tensors client ``client`` is scored with (:meth:`Method.eval_state`: the
+        global model and its personal part) and any other models of it the method names."""
+        received = self.method.downlink(server, client.cid)
+        personal = self.personal_of(client)
+        self._loaded = ()  # eval_state may use the model (Per-FedAvg adapts one step)
+        extra = self.method.extra_eval_states(self.model, received, personal, client)
+        self._loaded = ()
+        return self.method.eval_state(self.model, received, personal, client), extra
+
     def evaluate(self, server: ServerState) -> dict:
         """Global-test scores of the global model (or the clients' mean when there is none)
-        and each client's scores on its local test split."""
+        and every client's scores on its local test split: all clients, so that every
+        method is scored on the same ones (a client that never trained holds the global
+        model and its initial personal state)."""
         bs, out = self.schedule.eval_batch_size, {}
         labels = self.global_test.labels.numpy()
         global_tensors = self.method.global_state(server)
         if global_tensors is not None:
             self.load(global_tensors)
             out["global"] = scores(predict(self.model, self.global_test, bs), labels)
-        per_client_global, per_client_local = [], []
-        evaluable = self.evaluable_clients()
-        for client in evaluable:
-            received = self.method.downlink(server, client.cid)
-            self._loaded = ()  # eval_state may use the model (Per-FedAvg adapts one step)
-            tensors = self.method.eval_state(self.model, received, self.personal_of(client), client)
+        per_client_global, per_client_local, extra_local = [], [], {}
+        for client in self.eval_clients:
+            tensors, extra = self.client_model(server, client)
+            local_test = self.schedule.eval_local and len(client.test)
+            for name, state in extra.items() if local_test else ():
+                self.load(state)
+                extra_local.setdefault(name, []).append(
+                    scores(predict(self.model, client.test, bs), client.test.labels.numpy())
+                )
             self.load(tensors)
             if global_tensors is None:
                 per_client_global.append(scores(predict(self.model, self.global_test, bs), labels))
-            if self.schedule.eval_local and len(client.test):
+            if local_test:
                 per_client_local.append(
                     scores(predict(self.model, client.test, bs), client.test.labels.numpy())
                 )
-        out["clients_evaluated"] = len(evaluable)
+        out["clients_evaluated"] = len(self.eval_clients)
         if per_client_global:
             out["global"] = mean_scores(per_client_global)
         if per_client_local:
             out["local"] = spread(per_client_local)
+        for name, values in extra_local.items():
+            out[f"local_{name}"] = spread(values)
         return out
 
     # ------------------------------------------------------------ the run

@@ -180,4 +180,6 @@ def evaluate(msg: Message, context: Context) -> Message:
         records["local"] = MetricRecord(ev.local)
     if ev.global_:
         records["global"] = MetricRecord(ev.global_)
+    for name, values in ev.extra.items():
+        records[f"local_{name}"] = MetricRecord(values)
     return Message(RecordDict(records), reply_to=msg)

@@ -16,7 +16,7 @@ newest snapshot older than ``t``.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +40,7 @@ class Evaluation:
     trained: bool
     local: dict[str, float]
     global_: dict[str, float]
+    extra: dict[str, dict[str, float]] = field(default_factory=dict)  # local_<name>: another client model
 
 
 class NotSetUp(RuntimeError):
@@ -205,15 +206,21 @@ class Node:
 
     def evaluate(self, received: Tensors, rnd: int, on_global_test: bool, batch_size: int) -> Evaluation:
         """Scores of this client's model (after round ``rnd``) on its local test split and,
-        if asked and held, on the global test set. A client with personal state that has
-        not trained yet has no model of its own to score."""
+        if asked and held, on the global test set. A client that has not trained yet is
+        scored too, with its initial personal state, as in-process."""
         personal = self.personal_before(rnd + 1)
+        trained = personal is not None
         if personal is None:
-            if self.method.personal_names:
-                return Evaluation(False, {}, {})
             personal = self.method.init_client(self.model, self.initial, self.client)
-        tensors = self.method.eval_state(self.model, received, personal, self.client)
         trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        extra = {}
+        for name, state in self.method.extra_eval_states(self.model, received, personal, self.client).items():
+            if len(self.client.test):
+                load_tensors(self.model, state)
+                extra[name] = scores(
+                    predict(self.model, self.client.test, batch_size), self.client.test.labels.numpy()
+                )
+        tensors = self.method.eval_state(self.model, received, personal, self.client)
         if set(tensors) != trainable:
             raise RuntimeError(
                 f"method {self.method.name}: eval state lacks {sorted(trainable - set(tensors))[:3]}"
@@ -227,4 +234,4 @@ class Node:
             global_ = scores(
                 predict(self.model, self.global_test, batch_size), self.global_test.labels.numpy()
             )
-        return Evaluation(True, local, global_)
+        return Evaluation(trained, local, global_, extra)

@@ -78,6 +78,11 @@ class FlowerServer:
                 f"method {setup.method.name!r} trains on all clients' data pooled in one place; "
                 "it is a reference for simulations and cannot run across machines"
             )
+        if setup.cfg.export.personal:
+            raise DeploymentError(
+                "export.personal: in a deployment each client's personal state stays on its node, "
+                "so the server cannot export clients' models; export them in a simulation (fedpeft run)"
+            )
         if setup.cfg.deploy.secure_aggregation and not secure.supports_secure_aggregation(setup.method):
             raise DeploymentError(
                 f"deploy.secure_aggregation: method {setup.method.name!r} does not aggregate by the "
@@ -326,13 +331,14 @@ class FlowerServer:
             messages.append(self.message(peer.node_id, EVALUATE, records, self.deploy.query_timeout))
         good, failed = self.exchange(messages, max(self.deploy.query_timeout, self.deploy.round_timeout))
         cid_of = {p.node_id: c for c, p in peers.items()}
-        per_client_global, per_client_local, evaluated = [], [], 0
+        per_client_global, per_client_local, extra_local, evaluated = [], [], {}, 0
         for _, reply in sorted(good.items(), key=lambda kv: cid_of[kv[0]]):
-            if not reply.content["config"]["trained"]:
-                continue
-            evaluated += 1
+            evaluated += 1  # every client, trained or not, as in-process
             if "local" in reply.content:
                 per_client_local.append(dict(reply.content["local"]))
+            for key in reply.content:
+                if key.startswith("local_"):
+                    extra_local.setdefault(key, []).append(dict(reply.content[key]))
             if "global" in reply.content:
                 per_client_global.append(dict(reply.content["global"]))
         out["clients_evaluated"] = evaluated
@@ -343,6 +349,7 @@ class FlowerServer:
             out["global"] = mean_scores(per_client_global)
         if per_client_local and self.cfg.eval.local:
             out["local"] = spread(per_client_local)
+            out.update({key: spread(values) for key, values in extra_local.items()})
         return out
 
     # ------------------------------------------------------------ the run

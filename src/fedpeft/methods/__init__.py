@@ -30,8 +30,9 @@ def method_config_union():
     return Union[tuple(cls.config_cls for cls in REGISTRY.values())]  # noqa: UP007
 
 
-def build_method(cfg: MethodConfig, train: TrainConfig) -> Method:
-    return REGISTRY[cfg.name](cfg, train)
+def build_method(cfg: MethodConfig, train: TrainConfig, seed: int = 0) -> Method:
+    """The configured method; ``seed`` is the experiment's (for a method's own draws)."""
+    return REGISTRY[cfg.name](cfg, train, seed)
 
 
 __all__ = ["REGISTRY", "Method", "MethodConfig", "build_method", "method_config_union"]

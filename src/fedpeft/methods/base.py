@@ -8,9 +8,14 @@ Every method splits a client's trainable tensors into three parts (METHODS.md):
 
 - **shared** (``self.shared_names``): sent to the server each round and aggregated;
 - **personal** (``self.personal_names``): stays on the client for the whole run;
-- **ephemeral**: optimizer state. Here it lives for one round of local training and
-  is then dropped (a fresh optimizer each round), for every method unless its module
-  says otherwise.
+- **ephemeral**: optimizer state. With ``train.optimizer_state: reset`` (the default) it
+  lives for one round of local training and is then dropped (a fresh optimizer each
+  round); with ``keep`` each client keeps it in its personal state under ``opt.`` keys
+  (never sent), so Adam's moments carry over from one round to the client's next.
+
+A client's personal state may hold such private entries besides its personal
+parameters (``opt.*``; HETLoRA's own adapter under ``own.*``): they never leave the client
+and are never loaded into the model as parameters (:meth:`Method.params_of`).
 
 The defaults below implement FedAvg over the shared tensors (FeDeRA paper, sec. 3.1):
 the server sends its state, clients train ``E`` epochs or ``K`` steps, and the new
@@ -125,10 +130,47 @@ def local_steps(n: int, cfg: TrainConfig) -> int:
     return cfg.local_steps or cfg.local_epochs * math.ceil(n / cfg.batch_size)
 
 
-def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+OPT = "opt."  # personal keys of a kept optimizer state: opt.<state key>.<parameter name>
+
+
+def make_optimizer(
+    named: dict[str, torch.Tensor], cfg: TrainConfig, saved: Tensors | None = None
+) -> torch.optim.Optimizer:
+    """``train.optimizer`` over the named parameters; with ``train.optimizer_state: keep``
+    its state is restored from the ``opt.*`` entries of ``saved`` (a client's personal
+    state), where there are any."""
+    params = list(named.values())
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        opt = torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    else:
+        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer_state == "keep" and saved:
+        for key, value in saved.items():
+            if key.startswith(OPT):
+                state_key, name = key.removeprefix(OPT).split(".", 1)
+                if name in named:
+                    opt.state[named[name]][state_key] = value.clone()
+    return opt
+
+
+def optimizer_tensors(
+    opt: torch.optim.Optimizer, named: dict[str, torch.Tensor], cfg: TrainConfig
+) -> Tensors:
+    """The optimizer's per-parameter state as ``opt.<key>.<name>`` tensors when
+    ``train.optimizer_state`` is ``keep`` (else nothing: a fresh optimizer next round)."""
+    if cfg.optimizer_state != "keep":
+        return {}
+    out = {}
+    for name, p in named.items():
+        for key, value in opt.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                out[f"{OPT}{key}.{name}"] = value.detach().clone()
+    return out
+
+
+def trainable_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The parameters that require grad, by name."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
 def sgd_steps(
@@ -170,15 +212,28 @@ def step_with(
 
 
 def train_local(
-    model: TaskModel, data: Encoded, cfg: TrainConfig, generator: torch.Generator
-) -> dict[str, float]:
-    """Plain supervised local training of every parameter that requires grad."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    model: TaskModel,
+    data: Encoded,
+    cfg: TrainConfig,
+    generator: torch.Generator,
+    saved: Tensors | None = None,
+) -> tuple[dict[str, float], Tensors]:
+    """Plain supervised local training of every parameter that requires grad; returns the
+    figures and the optimizer state to keep (empty unless ``train.optimizer_state: keep``).
+    ``saved``: the client's personal state, holding a kept optimizer state if any."""
+    named = trainable_params(model)
+    params = list(named.values())
     steps = local_steps(len(data), cfg)
     batches = take_steps(data, cfg.batch_size, steps, generator)
+    opt = make_optimizer(named, cfg, saved)
     start = time.perf_counter()
-    total = sgd_steps(model, batches, make_optimizer(params, cfg), params, cfg.max_grad_norm)
-    return {"loss": total / steps, "steps": float(steps), "time_step": (time.perf_counter() - start) / steps}
+    total = sgd_steps(model, batches, opt, params, cfg.max_grad_norm)
+    metrics = {
+        "loss": total / steps,
+        "steps": float(steps),
+        "time_step": (time.perf_counter() - start) / steps,
+    }
+    return metrics, optimizer_tensors(opt, named, cfg)
 
 
 # ---------------------------------------------------------------- the interface
@@ -194,9 +249,10 @@ class Method:
     #: False when nothing crosses a network (pooled training): bytes are recorded as 0.
     communicates: ClassVar[bool] = True
 
-    def __init__(self, cfg: MethodConfig, train: TrainConfig):
+    def __init__(self, cfg: MethodConfig, train: TrainConfig, seed: int = 0):
         self.cfg = cfg
         self.train = train
+        self.seed = seed  # the experiment's seed, for a method's own draws (HETLoRA's ranks)
         self.shared_names: list[str] = []
         self.personal_names: list[str] = []
         #: one-off figures of init_server (e.g. FeDeRA's decomposition time), recorded with round 1
@@ -234,6 +290,11 @@ class Method:
         return server.tensors if not self.personal_names else None
 
     # ----- client side
+    def params_of(self, personal: Tensors) -> Tensors:
+        """The personal *parameters* of a personal state (without ``opt.*`` and other
+        private entries)."""
+        return {n: personal[n] for n in self.personal_names}
+
     def join(self, model: TaskModel, message: Tensors) -> None:
         """Apply the join message to a client's (frozen) model; idempotent. Default: nothing."""
 
@@ -249,11 +310,11 @@ class Method:
         client: ClientData,
         generator: torch.Generator,
     ) -> FitResult:
-        load_tensors(model, {**received, **personal})
-        metrics = train_local(model, client.train, self.train, generator)
+        load_tensors(model, {**received, **self.params_of(personal)})
+        metrics, opt_state = train_local(model, client.train, self.train, generator, personal)
         return FitResult(
             uplink=read_tensors(model, self.shared_names),
-            personal=read_tensors(model, self.personal_names),
+            personal={**read_tensors(model, self.personal_names), **opt_state},
             num_examples=len(client.train),
             metrics=metrics,
         )
@@ -261,8 +322,17 @@ class Method:
     def eval_state(
         self, model: TaskModel, received: Tensors, personal: Tensors, client: ClientData
     ) -> Tensors:
-        """The tensors client ``client`` evaluates with (default: received + personal)."""
-        return {**received, **personal}
+        """The tensors client ``client`` evaluates with, and its own model in a per-client
+        export (default: received + personal parameters)."""
+        return {**received, **self.params_of(personal)}
+
+    def extra_eval_states(
+        self, model: TaskModel, received: Tensors, personal: Tensors, client: ClientData
+    ) -> dict[str, Tensors]:
+        """Other models of client ``client`` scored on its local test split beside
+        :meth:`eval_state`'s, by name (HETLoRA's truncated global adapter); default none.
+        Each is reported as ``local_<name>``."""
+        return {}
 
     def readout(self, result: FitResult) -> dict[str, float]:
         """Per-client figures logged each round after local training (PF2LoRA's effective
@@ -277,10 +347,10 @@ class Method:
 
     # ----- results
     def export(self, model: TaskModel, tensors: Tensors, out_dir: Path) -> Path:
-        """Save the model's trainable tensors (loaded from ``tensors``) under ``out_dir``."""
+        """Save ``tensors`` (the global model's shared tensors, or one client's whole model)
+        under ``out_dir`` as safetensors; LoRA methods override this with an HF PEFT adapter."""
         from safetensors.torch import save_file
 
-        load_tensors(model, tensors)
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / "trainable.safetensors"
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))

@@ -12,8 +12,9 @@ from typing import ClassVar
 
 from safetensors.torch import save_file
 
-from fedpeft.methods.base import Method, Tensors, load_tensors
+from fedpeft.methods.base import Method, Tensors
 from fedpeft.peft import AdapterSpec, LoraSpec, Trainable, make_trainable
+from fedpeft.peft.lora import LoraTerm, lora_terms, write_lora_adapter
 
 
 class FedAvgPeft(Method):
@@ -30,15 +31,22 @@ class FedAvgPeft(Method):
         make_trainable(model, self.trainable_kind(), lora, adapter)
         self.split_trainable(model)
 
+    def lora_terms(self, model, tensors: Tensors) -> dict[str, list[LoraTerm]]:
+        """Per adapted module, the ``(scale, A, B)`` terms of the model ``tensors`` describe
+        on the *pretrained* backbone (FeDeRA adds its principal part, negated)."""
+        return lora_terms(model, tensors)
+
     def export(self, model, tensors: Tensors, out_dir: Path) -> Path:
-        """LoRA: an HF PEFT adapter directory (``PeftModel.from_pretrained`` loads it) plus
-        ``head.safetensors``; other kinds: the trainable tensors as safetensors."""
+        """LoRA: one HF PEFT adapter directory that ``PeftModel.from_pretrained`` loads onto
+        the pretrained backbone, plus ``head.safetensors`` when ``tensors`` hold the head
+        (a personal head is left out of the global export); other kinds: the tensors as
+        safetensors. Only what ``tensors`` holds is written: a method's other adapters
+        (PF2LoRA's client adapter) never reach the global export."""
         if self.trainable_kind() != "lora":
             return super().export(model, tensors, out_dir)
-        load_tensors(model, tensors)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        model.backbone.save_pretrained(str(out_dir))
+        config = model.backbone.peft_config["default"]
+        write_lora_adapter(config, self.lora_terms(model, tensors), out_dir)
         head = {k.removeprefix("head."): v.contiguous() for k, v in tensors.items() if k.startswith("head.")}
-        if head:  # a personal head stays with its client
+        if head:
             save_file(head, str(out_dir / "head.safetensors"))
         return out_dir

@@ -8,6 +8,11 @@ weight (``fedpeft.peft.svd_init``) and the frozen weight replaced by the residua
 ``W_res = W0 - (beta / r) B A``, so the model's output at round 0 is the pretrained
 model's. FedAvg then aggregates ``A``, ``B`` and the head.
 
+Export: an adapter holding only ``A, B`` would compute ``W0 + s B A`` on the pretrained
+backbone, counting the principal part twice; the export therefore adds the term
+``-s B0 A0`` (a rank-2r adapter), so that loaded onto the pretrained backbone it is the
+trained model (``lora_terms``).
+
 Federated detail the paper leaves open: singular vectors are defined up to sign and
 machines may disagree, so clients must not decompose on their own. The server
 decomposes once (``init_server``, timed) and keeps the initial ``A, B`` as the *join
@@ -26,6 +31,7 @@ from pydantic import Field
 from fedpeft.methods.base import MethodConfig, ServerState, Tensors, read_tensors
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.peft import LoraSpec
+from fedpeft.peft.lora import LoraTerm, lora_layers
 from fedpeft.peft.svd_init import residual, svd_factors
 
 _JOIN = "join."
@@ -39,13 +45,6 @@ class FeDeRAConfig(MethodConfig):
         default_factory=lambda: LoraSpec(r=8, alpha=8),
         description="Rank r and beta (= lora.alpha); the paper uses beta = r, i.e. scale 1.",
     )
-
-
-def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
-    """``{module name: PEFT LoRA layer}`` for every LoRA-adapted linear of ``model``."""
-    from peft.tuners.lora import LoraLayer
-
-    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
 class FeDeRA(FedAvgPeft):
@@ -73,12 +72,24 @@ class FeDeRA(FedAvgPeft):
 
     # ----- client: derive the residual from what the server sent
     def join(self, model, message: Tensors) -> None:
+        self.principal = message  # the initial A0, B0, which the export folds back in
         with torch.no_grad():
             for name, layer in lora_layers(model).items():
                 a = message[f"{name}.lora_A.default.weight"]
                 b = message[f"{name}.lora_B.default.weight"]
                 base = layer.get_base_layer()
                 base.weight.copy_(residual(pretrained_weight(layer), a, b, layer.scaling["default"]))
+
+    # ----- export: the trained model on the *pretrained* backbone
+    def lora_terms(self, model, tensors: Tensors) -> dict[str, list[LoraTerm]]:
+        """``s B A`` and ``-s B0 A0``: on ``W0`` they give ``W_res + s B A``, the trained layer
+        (the export's adapter has rank 2r: ``A' = [A; A0]``, ``B' = [B, -B0]``)."""
+        terms = super().lora_terms(model, tensors)
+        for name, layer in lora_layers(model).items():
+            a0 = self.principal[f"{name}.lora_A.default.weight"]
+            b0 = self.principal[f"{name}.lora_B.default.weight"]
+            terms[name].append((-layer.scaling["default"], a0, b0))
+        return terms
 
 
 def pretrained_weight(layer: torch.nn.Module) -> torch.Tensor:

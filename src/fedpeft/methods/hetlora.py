@@ -4,23 +4,45 @@ Paper: Cho et al., "Heterogeneous LoRA for Federated Fine-tuning of On-Device Fo
 Models", EMNLP 2024; METHODS.md, PF2LoRA section. Four parts:
 
 1. **Rank initialisation**: client ``i`` gets a fixed rank ``r_i`` in ``[r_min, r_max]``
-   (a seeded uniform draw per client), the server keeps rank ``r_max``.
+   (a uniform draw seeded by the experiment seed, ``rank_seed`` and the client id), the
+   server keeps rank ``r_max``.
 2. **Truncation on the way down**: client ``i`` receives ``B[:, :r_i]`` and ``A[:r_i, :]``
    (fewer bytes for smaller ranks).
 3. **Local training with self-pruning**: the loss gets
    ``lambda * sum ||B[:, q:r_i]||_F ||A[q:r_i, :]||_F`` with ``q = floor(gamma r_i)``, which
-   pushes the last ``r_i - q`` rank components towards zero; after training, if those
-   components carry less than ``prune_ratio`` of the adapter norm
-   (``sum ||B_tail|| ||A_tail|| < prune_ratio * sum ||B|| ||A||``), the client drops them:
-   ``r_i <- q`` (never below ``r_min``), and sends the smaller matrices.
+   pushes the last ``r_i - q`` rank components towards zero; after training the client
+   drops them when they are small (the *pruning rule* below): ``r_i <- q`` (never below
+   ``r_min``), and sends the smaller matrices.
 4. **Zero-padding and sparsity-weighted aggregation on the way up**: the server pads
    every client's ``A, B`` back to ``r_max`` and averages them with weights proportional
    to the Frobenius norm of the client's update ``||B_i A_i||`` (over all adapted
    matrices); the head is averaged by client size, as in FedAvg.
 
-Reading of the paper where the extracted text is silent: the pruning test above (a norm
-ratio, METHODS.md's "prunes columns whose norm falls below a ratio"), one prune step per
-round at most, and the LoRA scale ``alpha / r_max`` for every client. Zero-padded rank
+**The pruning rule.** The paper's text is not among fedpeft's sources; METHODS.md says
+the client "prunes columns whose norm falls below a ratio". Component ``j`` of an adapter
+is the rank-one term ``b_j a_j^T`` (column ``j`` of ``B``, row ``j`` of ``A``); its energy is
+``e_j = sum over adapted modules of ||b_j|| ||a_j||`` (the Frobenius norm of the term).
+``prune_rule`` compares the tail ``T = {q, ..., r_i - 1}`` with the kept components
+``K = {0, ..., q - 1}``:
+
+- ``mean`` (default): prune when ``mean_{j in T} e_j < prune_ratio * mean_{j in K} e_j``,
+  i.e. a tail component is on average under ``prune_ratio`` of a kept one. Scale-free in
+  the rank: with every component of equal energy it never fires.
+- ``share`` (fedpeft before 2026-11-22): prune when ``sum_T e_j < prune_ratio * sum_j e_j``.
+  With ``r_i = 8, gamma = 0.9`` the tail is one component in eight, so an adapter of
+  equal-energy components (a share of 0.125) sits just above the default 0.1 and the rule
+  fires as soon as the penalty nudges the tail.
+
+``benchmarks/hetlora_pruning.py`` shows the sensitivity to the rule and the ratio. Other
+readings where the text is silent: one prune step per round at most, and the LoRA scale
+``alpha / r_max`` for every client.
+
+**The client's model** (PF2LoRA paper: HETLoRA is a personalised baseline). Each client
+keeps its last locally trained adapter and head (after pruning) in its personal state
+(``own.*``, never sent) and is scored with it (``personal_model: own``); the global
+adapter truncated to its rank is scored beside it and reported as ``local_global``
+(``personal_model: global`` swaps the two). A client that has not trained yet holds the
+initial adapter at its initial rank. Zero-padded rank
 components stay exactly zero during local training (their gradients vanish because
 both their ``A`` row and ``B`` column are zero), so a client trains exactly rank ``r_i``.
 The current ranks are server state (``rank.<client>`` in its extras), updated from the
@@ -38,6 +60,7 @@ from pydantic import Field, model_validator
 
 from fedpeft.data.task import take_steps
 from fedpeft.methods.base import (
+    OPT,
     ClientData,
     FitResult,
     MethodConfig,
@@ -46,8 +69,10 @@ from fedpeft.methods.base import (
     load_tensors,
     local_steps,
     make_optimizer,
+    optimizer_tensors,
     read_tensors,
     sgd_steps,
+    trainable_params,
     weighted_mean,
 )
 from fedpeft.methods.fedavg import FedAvgPeft
@@ -63,7 +88,17 @@ class HETLoRAConfig(MethodConfig):
     rank_seed: int = Field(0, ge=0, description="Seed of the per-client rank draw.")
     gamma: float = Field(0.9, gt=0, lt=1, description="Sparsity factor: a prune keeps floor(gamma r_i).")
     penalty: float = Field(1e-3, ge=0, description="lambda of the rank-tail regulariser.")
-    prune_ratio: float = Field(0.1, gt=0, lt=1, description="Prune when the tail holds less than this share.")
+    prune_rule: Literal["mean", "share"] = Field(
+        "mean",
+        description="mean: prune when the tail's mean component energy is under prune_ratio times the "
+        "kept components' mean; share: when the tail holds under prune_ratio of the total energy.",
+    )
+    prune_ratio: float = Field(0.1, gt=0, lt=1, description="Threshold of the pruning rule.")
+    personal_model: Literal["own", "global"] = Field(
+        "own",
+        description="The client model scored as personalised: its own last trained adapter (own), or "
+        "the global adapter truncated to its rank (global); the other is reported as local_<other>.",
+    )
 
     @model_validator(mode="after")
     def _ranks(self) -> HETLoRAConfig:
@@ -119,17 +154,32 @@ def tail_penalty(mods: list[tuple[torch.Tensor, torch.Tensor]], rank: int, gamma
     return sum(b[:, q:rank].norm() * a[q:rank].norm() for a, b in mods)
 
 
+def component_energies(mods: list[tuple[torch.Tensor, torch.Tensor]], rank: int) -> list[float]:
+    """``e_j = sum over modules of ||B[:, j]|| ||A[j, :]||`` for ``j < rank``: the Frobenius
+    norm of each rank-one term, summed over the adapted modules."""
+    return [sum(float(b[:, j].norm() * a[j].norm()) for a, b in mods) for j in range(rank)]
+
+
 def pruned_rank(
-    mods: list[tuple[torch.Tensor, torch.Tensor]], rank: int, gamma: float, r_min: int, ratio: float
+    mods: list[tuple[torch.Tensor, torch.Tensor]],
+    rank: int,
+    gamma: float,
+    r_min: int,
+    ratio: float,
+    rule: str = "mean",
 ) -> int:
-    """``floor(gamma rank)`` if the tail components hold less than ``ratio`` of the adapter
-    norm (and that stays >= r_min), else ``rank``."""
+    """``floor(gamma rank)`` if the tail components are small by ``rule`` (module
+    docstring) and that stays >= r_min, else ``rank``."""
     q = math.floor(gamma * rank)
     if q < r_min or q == rank:
         return rank
-    tail = float(tail_penalty(mods, rank, gamma))
-    full = sum(float(b[:, :rank].norm() * a[:rank].norm()) for a, b in mods)
-    return q if full > 0 and tail < ratio * full else rank
+    energy = component_energies(mods, rank)
+    kept, tail = energy[:q], energy[q:]
+    if rule == "mean":
+        small = sum(tail) / len(tail) < ratio * sum(kept) / len(kept)
+    else:
+        small = sum(tail) < ratio * sum(energy)
+    return q if sum(energy) > 0 and small else rank
 
 
 def sparsity_weighted_mean(padded: list[Tensors], norms: list[float]) -> Tensors:
@@ -145,7 +195,7 @@ class HETLoRA(FedAvgPeft):
     kind = "lora"
 
     def initial_rank(self, cid: int) -> int:
-        rng = np.random.default_rng([self.cfg.rank_seed, cid])
+        rng = np.random.default_rng([self.seed, self.cfg.rank_seed, cid])
         return int(rng.integers(self.cfg.r_min, self.cfg.lora.r + 1))
 
     def rank(self, server: ServerState, cid: int) -> int:
@@ -178,30 +228,76 @@ class HETLoRA(FedAvgPeft):
         return lambda: self.cfg.penalty * tail_penalty(mods, rank, self.cfg.gamma)
 
     def pruned_rank(self, tensors: Tensors, rank: int) -> int:
-        return pruned_rank(pairs(tensors), rank, self.cfg.gamma, self.cfg.r_min, self.cfg.prune_ratio)
+        cfg = self.cfg
+        return pruned_rank(pairs(tensors), rank, cfg.gamma, cfg.r_min, cfg.prune_ratio, cfg.prune_rule)
 
     def readout(self, result: FitResult) -> dict[str, float]:
         return {"rank": float(rank_of(result.uplink))}
 
+    def init_client(self, model, initial: Tensors, client: ClientData) -> Tensors:
+        """Personal parameters (a personal head) and the client's own model: the initial
+        adapter at the client's initial rank (and the initial head)."""
+        own = pad(
+            truncate({n: initial[n] for n in self.shared_names}, self.initial_rank(client.cid)),
+            self.cfg.lora.r,
+        )
+        return {**super().init_client(model, initial, client), **{OWN + n: t for n, t in own.items()}}
+
     def fit(
         self, model, received: Tensors, personal: Tensors, client: ClientData, generator: torch.Generator
     ) -> FitResult:
-        rank = rank_of(received)
-        load_tensors(model, {**pad(received, self.cfg.lora.r), **personal})
-        params = [p for p in model.parameters() if p.requires_grad]
+        rank, r_max = rank_of(received), self.cfg.lora.r
+        load_tensors(model, {**pad(received, r_max), **self.params_of(personal)})
+        named = trainable_params(model)
+        params = list(named.values())
         steps = local_steps(len(client.train), self.train)
         batches = take_steps(client.train, self.train.batch_size, steps, generator)
-        opt = make_optimizer(params, self.train)
+        opt = make_optimizer(named, self.train, mask_components(personal, rank))
         total = sgd_steps(model, batches, opt, params, self.train.max_grad_norm, self.penalty(model, rank))
         trained = read_tensors(model, self.shared_names)
         new_rank = self.pruned_rank(trained, rank)
+        uplink = truncate(trained, new_rank)
+        own = {OWN + n: t for n, t in pad(uplink, r_max).items()}
+        opt_state = mask_components(optimizer_tensors(opt, named, self.train), new_rank)
         return FitResult(
-            uplink=truncate(trained, new_rank),
-            personal=read_tensors(model, self.personal_names),
+            uplink=uplink,
+            personal={**read_tensors(model, self.personal_names), **own, **opt_state},
             num_examples=len(client.train),
             metrics={"loss": total / steps, "steps": float(steps), "rank": float(new_rank)},
         )
 
+    def own_state(self, personal: Tensors) -> Tensors:
+        """The client's own model: its last trained adapter (and head) plus personal parameters."""
+        own = {n.removeprefix(OWN): t for n, t in personal.items() if n.startswith(OWN)}
+        return {**own, **self.params_of(personal)}
+
+    def truncated_global(self, received: Tensors, personal: Tensors) -> Tensors:
+        return {**pad(received, self.cfg.lora.r), **self.params_of(personal)}
+
     def eval_state(self, model, received: Tensors, personal: Tensors, client: ClientData) -> Tensors:
-        """The client's model: the global adapter truncated to its rank."""
-        return {**pad(received, self.cfg.lora.r), **personal}
+        """The client's own adapter (``personal_model: own``) or the truncated global one."""
+        if self.cfg.personal_model == "own":
+            return self.own_state(personal)
+        return self.truncated_global(received, personal)
+
+    def extra_eval_states(self, model, received: Tensors, personal: Tensors, client: ClientData) -> dict:
+        if self.cfg.personal_model == "own":
+            return {"global": self.truncated_global(received, personal)}
+        return {"own": self.own_state(personal)}
+
+
+OWN = "own."  # personal keys of the client's own (last locally trained) model
+
+
+def mask_components(state: Tensors, rank: int) -> Tensors:
+    """``opt.*`` entries of LoRA tensors with the rank components from ``rank`` on set to
+    zero (a kept Adam moment must not move a zero-padded or pruned component); others as
+    they are."""
+    out = {}
+    for n, t in state.items():
+        if n.startswith(OPT) and t.dim() == 2 and is_a(n):
+            t = torch.cat([t[:rank], t.new_zeros(t.shape[0] - rank, t.shape[1])])
+        elif n.startswith(OPT) and t.dim() == 2 and is_b(n):
+            t = torch.cat([t[:, :rank], t.new_zeros(t.shape[0], t.shape[1] - rank)], dim=1)
+        out[n] = t
+    return out

@@ -18,6 +18,7 @@ training data, then tests. The global model's score is reported beside it, unada
 
 from __future__ import annotations
 
+import time
 from typing import Literal
 
 import torch
@@ -34,6 +35,7 @@ from fedpeft.methods.base import (
     load_tensors,
     local_steps,
     make_optimizer,
+    optimizer_tensors,
     read_tensors,
     step_with,
 )
@@ -48,6 +50,11 @@ class PerFedAvgConfig(MethodConfig):
     lora: LoraSpec = Field(default_factory=LoraSpec)
     order: Literal[1, 2] = Field(1, description="1: first-order MAML; 2: through the inner step (HVP).")
     inner_lr: float = Field(0.3, gt=0, description="alpha, the adaptation step size (SGD).")
+    split_batch: bool = Field(
+        False,
+        description="False: D1 and D2 are two batches of train.batch_size (the paper; twice the "
+        "examples per step of other methods); True: the two halves of one batch (equal budgets).",
+    )
 
 
 def maml_grads(
@@ -87,30 +94,48 @@ class PerFedAvg(FedAvgPeft):
     def fit(
         self, model, received: Tensors, personal: Tensors, client: ClientData, generator: torch.Generator
     ) -> FitResult:
-        load_tensors(model, {**received, **personal})
+        load_tensors(model, {**received, **self.params_of(personal)})
         params = self._trainable(model)
-        opt = make_optimizer(list(params.values()), self.train)
+        opt = make_optimizer(params, self.train, personal)
         model.train()
         steps = local_steps(len(client.train), self.train)
-        batches = take_steps(client.train, self.train.batch_size, 2 * steps, generator)
-        loss_at, total = self._loss_at(model), 0.0
-        for _ in range(steps):
-            batch1, batch2 = next(batches), next(batches)
+        loss_at, total, start = self._loss_at(model), 0.0, time.perf_counter()
+        for batch1, batch2 in self.batch_pairs(client, steps, generator):
             with sdpa_kernel(SDPBackend.MATH):  # double backward for order 2
                 loss, grads = maml_grads(loss_at, params, batch1, batch2, self.cfg.inner_lr, self.cfg.order)
             step_with(opt, list(params.values()), grads, self.train.max_grad_norm)
             total += loss
+        t_steps = time.perf_counter() - start
         return FitResult(
             uplink=read_tensors(model, self.shared_names),
-            personal=read_tensors(model, self.personal_names),
+            personal={
+                **read_tensors(model, self.personal_names),
+                **optimizer_tensors(opt, params, self.train),
+            },
             num_examples=len(client.train),
-            metrics={"loss": total / steps, "steps": float(steps)},
+            metrics={"loss": total / steps, "steps": float(steps), "time_step": t_steps / steps},
         )
+
+    def batch_pairs(self, client: ClientData, steps: int, generator: torch.Generator):
+        """``(D1, D2)`` for each step: two batches of ``train.batch_size`` (the paper's
+        Per-FedAvg), or with ``split_batch`` the two halves of one batch, so that a step
+        sees as many examples as another method's step."""
+        size = self.train.batch_size
+        if not self.cfg.split_batch:
+            batches = take_steps(client.train, size, 2 * steps, generator)
+            for _ in range(steps):
+                yield next(batches), next(batches)
+            return
+        if size < 2:
+            raise ValueError("method.split_batch needs train.batch_size >= 2")
+        for batch in take_steps(client.train, size, steps, generator):
+            half = len(batch["labels"]) // 2
+            yield {k: v[:half] for k, v in batch.items()}, {k: v[half:] for k, v in batch.items()}
 
     def eval_state(self, model, received: Tensors, personal: Tensors, client: ClientData) -> Tensors:
         """One adaptation step on a batch of the client's training data (seeded by the
         client id, so evaluation is reproducible), then the adapted tensors."""
-        load_tensors(model, {**received, **personal})
+        load_tensors(model, {**received, **self.params_of(personal)})
         rows = torch.randperm(len(client.train), generator=torch.Generator().manual_seed(client.cid))
         batch = make_batch(client.train, rows[: self.train.batch_size])
         params = self._trainable(model)

@@ -18,10 +18,12 @@ personal``. One local step on a mini-batch (:func:`bilevel_step`):
    ``(C, D) <- (C', D')``.
 
 The server averages ``(A, B)`` (and the head) every ``I = train.local_steps`` steps, one
-round. ``bilevel: false`` is the paper's ablation: both adapters take plain gradients of
+round. The global export holds the common adapter (and a shared head) only; a client's
+own model (``export.personal``) is one PEFT adapter of rank ``r + r2`` holding both.
+``bilevel: false`` is the paper's ablation: both adapters take plain gradients of
 the same loss. Reading of the paper: steps 1 and 3 use the same mini-batch (Algorithm 1
 draws one sample per step). Ephemeral state: the upper-level AdamW state lives for one
-round, as for every fedpeft method.
+round, or is kept by the client with ``train.optimizer_state: keep``.
 """
 
 from __future__ import annotations
@@ -45,12 +47,13 @@ from fedpeft.methods.base import (
     load_tensors,
     local_steps,
     make_optimizer,
+    optimizer_tensors,
     read_tensors,
     step_with,
 )
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.methods.federa import lora_layers
 from fedpeft.peft import LoraSpec
+from fedpeft.peft.lora import lora_layers
 
 CLIENT = "client"  # the PEFT adapter name of the personal adapter
 
@@ -128,7 +131,7 @@ class PF2LoRA(FedAvgPeft):
         and the extremes over the adapted matrices."""
         ranks = [
             effective_rank(update, self.cfg.rank_tol)
-            for update in total_updates(result.uplink, result.personal, self.scales).values()
+            for update in total_updates(result.uplink, self.params_of(result.personal), self.scales).values()
         ]
         return {"rank_mean": sum(ranks) / len(ranks), "rank_min": min(ranks), "rank_max": max(ranks)}
 
@@ -141,12 +144,12 @@ class PF2LoRA(FedAvgPeft):
     def fit(
         self, model, received: Tensors, personal: Tensors, client: ClientData, generator: torch.Generator
     ) -> FitResult:
-        load_tensors(model, {**received, **personal})
+        load_tensors(model, {**received, **self.params_of(personal)})
         params = dict(model.named_parameters())
         upper = {n: params[n] for n in self.shared_names}
         lower = {n: params[n] for n in self.personal_names if f".{CLIENT}." in n}
         upper.update({n: params[n] for n in self.personal_names if n not in lower})  # a personal head
-        opt = make_optimizer(list(upper.values()), self.train)
+        opt = make_optimizer(upper, self.train, personal)
         model.train()
         total, steps, t_hyper = 0.0, local_steps(len(client.train), self.train), 0.0
         for batch in take_steps(client.train, self.train.batch_size, steps, generator):
@@ -168,7 +171,10 @@ class PF2LoRA(FedAvgPeft):
             total += loss
         return FitResult(
             uplink=read_tensors(model, self.shared_names),
-            personal=read_tensors(model, self.personal_names),
+            personal={
+                **read_tensors(model, self.personal_names),
+                **optimizer_tensors(opt, upper, self.train),
+            },
             num_examples=len(client.train),
             metrics={"loss": total / steps, "steps": float(steps), "time_step": t_hyper / steps},
         )

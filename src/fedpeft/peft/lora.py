@@ -6,6 +6,10 @@ Thin on purpose: HF PEFT's LoRA layer already implements the formula with
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
+
+import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
@@ -41,3 +45,60 @@ def add_lora(backbone: nn.Module, spec: LoraSpec) -> nn.Module:
         return get_peft_model(backbone, config)
     except ValueError as err:
         raise ValueError(f"method.lora.target_modules {targets}: {err}") from err
+
+
+def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """``{module name: PEFT LoRA layer}`` for every LoRA-adapted linear of ``model``."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+#: One additive term ``scale * B @ A`` of an adapted weight: ``(scale, A (r, in), B (out, r))``.
+LoraTerm = tuple[float, torch.Tensor, torch.Tensor]
+
+
+def write_lora_adapter(config, terms: dict[str, list[LoraTerm]], out_dir: Path) -> None:
+    """Write one HF PEFT LoRA adapter whose update of module ``m`` is ``sum_k s_k B_k A_k``
+    over ``terms[m]`` (module names as in the TaskModel, ``backbone.`` first).
+
+    The terms are stacked into a single adapter of rank ``r' = sum_k r_k``:
+    ``A' = [A_1; A_2; ...]``, ``B' = [B_1, (s_2/s_1) B_2, ...]`` with ``lora_alpha = s_1 r'``,
+    so PEFT's scaling ``lora_alpha / r'`` is ``s_1`` and ``s_1 B' A' = sum_k s_k B_k A_k``
+    (HF PEFT converts PiSSA adapters the same way). With one term this is the plain
+    adapter, rank and scale unchanged. ``config`` is the ``LoraConfig`` the model was
+    built with (target modules, dropout); ``PeftModel.from_pretrained`` on the
+    *pretrained* backbone then computes exactly the adapted model.
+    """
+    from safetensors.torch import save_file
+
+    state, ranks, base_scale = {}, set(), None
+    for module, parts in terms.items():
+        base_scale = parts[0][0] if base_scale is None else base_scale
+        a = torch.cat([a for _, a, _ in parts], dim=0)
+        b = torch.cat([b * (s / base_scale) for s, _, b in parts], dim=1)
+        key = module.removeprefix("backbone.")
+        state[f"{key}.lora_A.weight"] = a.contiguous()
+        state[f"{key}.lora_B.weight"] = b.contiguous()
+        ranks.add(a.shape[0])
+    if len(ranks) != 1:  # pragma: no cover - every fedpeft method adapts all modules at one rank
+        raise ValueError(f"adapted modules have different total ranks {sorted(ranks)}")
+    r = ranks.pop()
+    out = copy.deepcopy(config)
+    out.r, out.lora_alpha, out.rank_pattern, out.alpha_pattern = r, base_scale * r, {}, {}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out.save_pretrained(str(out_dir))
+    save_file(state, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def lora_terms(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, list[LoraTerm]]:
+    """The ``(scale, A, B)`` terms of every LoRA-adapted module for the adapters whose
+    tensors are in ``tensors`` (PEFT parameter names), in the layer's adapter order."""
+    terms: dict[str, list[LoraTerm]] = {}
+    for name, layer in lora_layers(model).items():
+        for adapter in layer.lora_A:
+            a = tensors.get(f"{name}.lora_A.{adapter}.weight")
+            if a is not None:
+                b = tensors[f"{name}.lora_B.{adapter}.weight"]
+                terms.setdefault(name, []).append((layer.scaling[adapter], a, b))
+    return terms

@@ -1,0 +1,155 @@
+"""Exports reproduce the trained models, loaded exactly as the README says.
+
+For every LoRA method: run a tiny experiment with ``export.personal``, then, in a fresh
+Python process, load ``adapter/`` (and each ``adapter/clients/<cid>/``) with
+``AutoModel.from_pretrained(backbone)`` + ``PeftModel.from_pretrained`` + the head from
+``head.safetensors``, pool as ``fedpeft_model.json`` says, and compare the logits with
+the trained model's (the global model; each client's own model) on a batch.
+Tolerance: ``atol 1e-5, rtol 1e-4`` in float32 (FeDeRA's export adds ``-s B0 A0`` where
+training subtracted it from ``W0``, a different rounding order; all else is exact math).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fedpeft.engines.checkpoint import load_checkpoint
+from fedpeft.experiment import build, fingerprint, run
+from fedpeft.methods.base import load_tensors
+
+# The README's recipe, run in a fresh interpreter: nothing of the training process is reused.
+LOADER = r"""
+import json, sys
+from pathlib import Path
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModel
+
+backbone, batch_file, out_file, *dirs = sys.argv[1:]
+batch = torch.load(batch_file)
+logits = {}
+for d in dirs:
+    d = Path(d)
+    info = json.loads((d / "fedpeft_model.json").read_text())
+    model = PeftModel.from_pretrained(AutoModel.from_pretrained(backbone), d).eval()
+    head = load_file(str(d / "head.safetensors"))
+    with torch.no_grad():
+        states = model(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).float()
+        assert info["pooling"] == "mean"
+        pooled = (states * mask).sum(1) / mask.sum(1)
+        logits[str(d)] = pooled @ head["weight"].T + head["bias"]
+torch.save(logits, out_file)
+"""
+
+LORA_METHODS = ["fedlr", "federa", "pf2lora", "perfedavg", "hetlora", "local"]
+
+
+def load_in_fresh_process(backbone, dirs, batch, tmp_path) -> dict[str, torch.Tensor]:
+    batch_file, out_file = tmp_path / "batch.pt", tmp_path / "logits.pt"
+    torch.save(batch, batch_file)
+    cmd = [sys.executable, "-c", LOADER, str(backbone), str(batch_file), str(out_file), *map(str, dirs)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    return torch.load(out_file)
+
+
+def trained_logits(model, tensors, batch) -> torch.Tensor:
+    load_tensors(model, tensors)
+    model.eval()
+    with torch.no_grad():
+        return model(**batch)
+
+
+@pytest.mark.parametrize("name", LORA_METHODS)
+def test_exports_reproduce_the_trained_models(name, tiny_config, tiny_backbone, tmp_path):
+    cfg = tiny_config(**{
+        "method": {"name": name, "lora": {"r": 4, "alpha": 8}},
+        "export.personal": True, "partition.num_clients": 3,
+    })  # fmt: skip
+    setup = build(cfg)
+    summary = run(cfg, setup=setup)
+    method, model = setup.method, setup.model
+    ckpt = load_checkpoint(cfg.output_dir / "checkpoint.pt", fingerprint(cfg))
+    adapter = cfg.output_dir / "adapter"
+    batch = {"input_ids": setup.global_test.ids[:6, :12]}
+    batch["attention_mask"] = (batch["input_ids"] != 0).long()
+
+    expected, dirs = {}, []
+    if method.shared_names:  # a global model exists: the server's shared tensors
+        assert summary["exported"]["global"] == str(adapter)
+        global_state = method.global_state(ckpt.server)
+        expected[str(adapter)] = trained_logits(model, global_state, batch)
+        dirs.append(adapter)
+    else:  # Local-only has no global model, hence no global export
+        assert not (adapter / "adapter_config.json").exists()
+    for client in setup.clients:  # each client's own model, as it is scored
+        personal = ckpt.personal.get(client.cid) or method.init_client(model, setup.initial, client)
+        received = method.downlink(ckpt.server, client.cid)
+        tensors = method.eval_state(model, received, personal, client)
+        client_dir = adapter / "clients" / str(client.cid)
+        expected[str(client_dir)] = trained_logits(model, tensors, batch)
+        dirs.append(client_dir)
+
+    got = load_in_fresh_process(tiny_backbone, dirs, batch, tmp_path)
+    distinct = {round(float(v.abs().sum()), 4) for v in expected.values()}
+    assert len(distinct) > 1 or name not in ("pf2lora", "local", "hetlora")  # clients' models differ
+    for key, want in expected.items():
+        torch.testing.assert_close(got[key], want, atol=1e-5, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
+        assert json.loads((adapter / "clients" / "0" / "fedpeft_model.json").read_text())["id2label"]
+
+
+@pytest.mark.parametrize("name", ["pf2lora", "hetlora", "fedlr"])
+@pytest.mark.parametrize("head", ["shared", "personal"])
+def test_global_export_holds_no_personal_tensor(name, head, tiny_config):
+    cfg = tiny_config(**{"method": {"name": name, "head": head, "lora": {"r": 4}}})
+    setup = build(cfg)
+    run(cfg, setup=setup)
+    adapter = cfg.output_dir / "adapter"
+    saved = load_file(str(adapter / "adapter_model.safetensors"))
+    files = sorted(p.relative_to(adapter).as_posix() for p in adapter.rglob("*") if p.is_file())
+    # only the global adapter: no per-adapter subdirectory (PF2LoRA's client adapter) and
+    # no head when the head is personal
+    expected = {"adapter_config.json", "adapter_model.safetensors", "fedpeft_model.json"}
+    assert set(files) == expected | ({"head.safetensors"} if head == "shared" else set())
+    # every saved tensor is a shared one (PEFT's key = our name without "backbone." and ".default")
+    peft_key = lambda n: n.removeprefix("backbone.").replace(".default.", ".")  # noqa: E731
+    shared_keys = {peft_key(n) for n in setup.method.shared_names}
+    personal_keys = {peft_key(n) for n in setup.method.personal_names}
+    assert set(saved) <= shared_keys and set(saved).isdisjoint(personal_keys)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["r"] == 4  # the common adapter alone (PF2LoRA: its client rank is not in it)
+
+
+def test_federa_export_is_rank_2r_and_not_the_plain_adapter(tiny_config, tiny_backbone, tmp_path):
+    """The plain ``A, B`` on the pretrained backbone count the principal part twice; the
+    export is the rank-2r form ``[A; A0]``, ``[B, -B0]`` and equals the trained model."""
+    from peft import PeftModel
+    from transformers import AutoModel
+
+    cfg = tiny_config(**{"method": {"name": "federa", "lora": {"r": 4, "alpha": 4}}})
+    setup = build(cfg)
+    run(cfg, setup=setup)
+    adapter = cfg.output_dir / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["lora_alpha"] == 8  # scale alpha'/r' = 1 = beta/r
+    # the plain adapter (what save_pretrained wrote before): far from the trained model
+    plain = PeftModel.from_pretrained(AutoModel.from_pretrained(tiny_backbone), adapter).eval()
+    ids = setup.global_test.ids[:4, :10]
+    mask = torch.ones_like(ids)
+    model = setup.model.eval()
+    with torch.no_grad():
+        trained = model.backbone(input_ids=ids, attention_mask=mask).last_hidden_state
+        exported = plain(input_ids=ids, attention_mask=mask).last_hidden_state
+        for layer in plain.base_model.model.modules():  # keep only the first r components: A, B
+            if hasattr(layer, "lora_A") and "default" in getattr(layer, "lora_A", {}):
+                layer.lora_A["default"].weight[4:] = 0
+        doubled = plain(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(exported, trained, atol=1e-5, rtol=1e-4)
+    assert (doubled - trained).abs().max() > 1e-3
