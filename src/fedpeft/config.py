@@ -134,6 +134,11 @@ class TrainConfig(BaseModel):
     lr: float = Field(5e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     optimizer: Literal["adamw", "sgd"] = "adamw"
+    optimizer_state: Literal["reset", "keep"] = Field(
+        "reset",
+        description="reset: a fresh optimizer every round (Adam's moments restart every I steps); "
+        "keep: each client keeps its optimizer state between its rounds, as personal state (never sent).",
+    )
     max_grad_norm: float | None = Field(1.0, gt=0)
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None: default).")
 
@@ -146,6 +151,18 @@ class EvalConfig(BaseModel):
     every: int = Field(1, ge=1, description="Evaluate every this many rounds (and the last).")
     local: bool = Field(True, description="Also score each client on its local test split.")
     batch_size: int = Field(128, ge=1)
+
+
+class ExportConfig(BaseModel):
+    """What a finished run writes under ``output_dir/adapter``."""
+
+    model_config = Strict
+
+    personal: bool = Field(
+        False,
+        description="Also write each client's own model (global part + its personal part, head "
+        "included) under adapter/clients/<cid>/, each loadable on its own.",
+    )
 
 
 class DeployConfig(BaseModel):
@@ -192,6 +209,7 @@ class ExperimentConfig(BaseModel):
     )
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
+    export: ExportConfig = ExportConfig()
     deploy: DeployConfig = DeployConfig()
     checkpoint: bool = Field(True, description="Save server and client state every round.")
 
