@@ -18,10 +18,11 @@ variation plot of FeDeRA vs FedLR (seed 0) via ``fedpeft report``.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import numpy as np
-from tuning import LR_GRID, tune_method
+from tuning import LR_GRID, tune_method, write_tuned
 
 from fedpeft.config import load_config
 from fedpeft.experiment import run
@@ -99,10 +100,12 @@ def main() -> None:
             best[name], report = tune_method(score, GRIDS.get(name, LR_GRID))
             print(f"  {name}: {report}", flush=True)
         print(f"\nTUNED = {best!r}")
+        write_tuned(args.out / "tuned.json", best)
         return
+    tuned = json.loads(args.tuned.read_text()) if args.tuned else TUNED
     for seed in seeds:
         for name in names:
-            setting = {**DEFAULT_TRAIN, **TUNED.get(name, {})}
+            setting = {**DEFAULT_TRAIN, **tuned.get(name, {})}
             run_one(name, seed, args.rounds, args.out / f"{name}-s{seed}", setting)
 
     runs = {
@@ -121,7 +124,7 @@ def main() -> None:
 
     print(
         f"\nDirichlet alpha = 0.1, 30 clients, 5 per round, seeds {seeds}, lr and optimizer state "
-        f"per method {[(n, TUNED.get(n, DEFAULT_TRAIN)) for n in names]}; "
+        f"per method {[(n, tuned.get(n, DEFAULT_TRAIN)) for n in names]}; "
         f"best final mean accuracy {best:.3f}\n"
     )
     head = " | ".join(f"acc @ {b} rounds" for b in budgets)

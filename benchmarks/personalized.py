@@ -25,11 +25,12 @@ the grid). The SGD step sizes of PF2LoRA and Per-FedAvg were tuned on the same s
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import numpy as np
 import yaml
-from tuning import tune_method
+from tuning import tune_method, write_tuned
 
 from fedpeft.config import load_config
 from fedpeft.experiment import run
@@ -134,9 +135,11 @@ def main() -> None:
             ap.error(f"--set {item!r}: expected KEY=VALUE")
         method_extra[key] = yaml.safe_load(value)
     if args.tune:
-        tune(names, args.rounds, args.out, method_extra)
+        best = tune(names, args.rounds, args.out, method_extra)
+        write_tuned(args.out / "tuned.json", best)
         return
-    run_all(seeds, levels, names, args.rounds, args.out, method_extra)
+    tuned = json.loads(args.tuned.read_text()) if args.tuned else TUNED
+    run_all(seeds, levels, names, args.rounds, args.out, method_extra, tuned)
 
     pers = {
         n: {s: [read_summary(run_dir(args.out, n, s, seed)) for seed in seeds] for s in levels} for n in names

@@ -8,7 +8,9 @@ then ``keep`` at the best rate, and returns the best of those settings.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 LR_GRID = [1e-3, 2e-3, 5e-3]
 
@@ -22,3 +24,10 @@ def tune_method(score: Callable[[dict], float], grid: list[float] = LR_GRID) -> 
     best = max(scores, key=scores.get)
     report = ", ".join(f"{x:g}/{state}: {acc:.3f}" for (x, state), acc in scores.items())
     return {"lr": best[0], "optimizer_state": best[1]}, f"{report} -> lr {best[0]:g}, {best[1]}"
+
+
+def write_tuned(path: Path, best: dict[str, dict]) -> None:
+    """Merge ``best`` into the JSON file ``path`` (tuning runs in parallel, a few methods each)."""
+    done = json.loads(path.read_text()) if path.is_file() else {}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**done, **best}, indent=1))
