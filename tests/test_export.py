@@ -49,7 +49,7 @@ for d in dirs:
 torch.save(logits, out_file)
 """
 
-LORA_METHODS = ["fedlr", "federa", "pf2lora", "perfedavg", "hetlora", "local"]
+LORA_METHODS = ["fedlr", "federa", "pf2lora", "perfedavg", "hetlora", "local", "centralized"]
 
 
 def load_in_fresh_process(backbone, dirs, batch, tmp_path) -> dict[str, torch.Tensor]:
