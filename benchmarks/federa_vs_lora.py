@@ -4,8 +4,9 @@ The WordNet corpus on the bundled MiniLM, Dirichlet alpha = 0.1, several seeds, 
 rounds and local schedule for every method, and (near-)equal trainable parameters for the
 adapter methods: LoRA rank 8 on query/value for FedLR and FeDeRA, both at the paper's
 beta = r (scale 1), Houlsby bottleneck 8 for FedAP. Each method's ``train.lr`` and
-optimizer state are tuned by ``--tune`` on seed 3, which the table does not use (``TUNED``
-holds the result; FedFT's grid is its own, full fine-tuning needing far smaller rates).
+optimizer state are tuned by ``--tune`` on seed 3, which the table does not use (written to
+``benchmarks/tuned/federa_vs_lora.json``; FedFT's grid is its own, full fine-tuning needing
+far smaller rates).
 Prints, as markdown:
 global accuracy (mean ± std over seeds) at a few round budgets, rounds to reach 90 % of
 the best final accuracy, bytes sent and FeDeRA's decomposition time; plus the update
@@ -18,11 +19,10 @@ variation plot of FeDeRA vs FedLR (seed 0) via ``fedpeft report``.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
-from tuning import LR_GRID, tune_method, write_tuned
+from tuning import LR_GRID, TUNED_DIR, read_tuned, tune_method, write_tuned
 
 from fedpeft.config import load_config
 from fedpeft.experiment import run
@@ -37,8 +37,7 @@ METHODS = {
 }
 GRIDS = {"fedft": [2e-5, 5e-5, 1e-4]}  # the others: tuning.LR_GRID
 TUNING_SEED = 3
-# train.lr and train.optimizer_state per method, from --tune (seed 3); see the docs.
-TUNED: dict[str, dict] = {}
+TUNED_FILE = TUNED_DIR / "federa_vs_lora.json"
 DEFAULT_TRAIN = {"lr": 2e-3, "optimizer_state": "reset"}
 
 
@@ -84,6 +83,10 @@ def main() -> None:
     ap.add_argument(
         "--tune", action="store_true", help="tune train.lr and optimizer_state per method (seed 3)"
     )
+    ap.add_argument(
+        "--untuned", action="store_true",
+        help=f"run methods with no tuned setting at lr {DEFAULT_TRAIN['lr']} (not a fair comparison)",
+    )  # fmt: skip
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     names = args.methods.split(",")
@@ -99,14 +102,13 @@ def main() -> None:
 
             best[name], report = tune_method(score, GRIDS.get(name, LR_GRID))
             print(f"  {name}: {report}", flush=True)
-        print(f"\nTUNED = {best!r}")
-        write_tuned(args.out / "tuned.json", best)
+        write_tuned(TUNED_FILE, best)
+        print(f"written: {TUNED_FILE}")
         return
-    tuned = json.loads(args.tuned.read_text()) if args.tuned else TUNED
+    tuned = read_tuned(TUNED_FILE, names, DEFAULT_TRAIN if args.untuned else None)
     for seed in seeds:
         for name in names:
-            setting = {**DEFAULT_TRAIN, **tuned.get(name, {})}
-            run_one(name, seed, args.rounds, args.out / f"{name}-s{seed}", setting)
+            run_one(name, seed, args.rounds, args.out / f"{name}-s{seed}", tuned[name])
 
     runs = {
         n: [(read_records(args.out / f"{n}-s{s}"), read_summary(args.out / f"{n}-s{s}")) for s in seeds]
@@ -124,7 +126,7 @@ def main() -> None:
 
     print(
         f"\nDirichlet alpha = 0.1, 30 clients, 5 per round, seeds {seeds}, lr and optimizer state "
-        f"per method {[(n, tuned.get(n, DEFAULT_TRAIN)) for n in names]}; "
+        f"per method {[(n, tuned[n]) for n in names]}; "
         f"best final mean accuracy {best:.3f}\n"
     )
     head = " | ".join(f"acc @ {b} rounds" for b in budgets)

@@ -16,7 +16,8 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-from personalized import run_all, run_dir
+from personalized import DEFAULT_TRAIN, TUNED_FILE, run_all, run_dir
+from tuning import read_tuned
 
 from fedpeft.report.results import read_records
 
@@ -35,13 +36,14 @@ def main() -> None:
     ap.add_argument("--s", type=float, default=0.9)
     ap.add_argument("--out", type=Path, default=Path("runs/hetlora-pruning"))
     args = ap.parse_args()
-    print(f"HETLoRA, s = {args.s}, seed {args.seed}\n")
+    train = {"hetlora": read_tuned(TUNED_FILE, ["hetlora"], DEFAULT_TRAIN)["hetlora"]}
+    print(f"HETLoRA, s = {args.s}, seed {args.seed}, train {train['hetlora']}\n")
     columns = ["pruning", "mean rank after round 1", "after the last", "prunes after round 1", "own adapter"]
     print("| " + " | ".join([*columns, "truncated global"]) + " |")
     print("|---|---|---|---|---|---|")
     for label, extra in SETTINGS.items():
         out = args.out / label.split(" (")[0].replace(" ", "-")
-        run_all([args.seed], [args.s], ["hetlora"], 8, out, extra)
+        run_all([args.seed], [args.s], ["hetlora"], 8, out, extra, train)
         records = read_records(run_dir(out, "hetlora", args.s, args.seed))
         ranks = [[v["rank"] for v in r["client_readout"].values()] for r in records]
         prunes, last = 0, {}

@@ -17,20 +17,20 @@ Fair footing: the same clients (all 8 scored, every round), the same rounds and 
 steps, the same examples per step (``perfedavg-eq``: Per-FedAvg with ``split_batch``; the
 paper's ``perfedavg`` reads twice the examples and is listed for reference), and for each
 method its own ``train.lr`` and ``train.optimizer_state``, tuned by ``--tune`` on seed 2
-at s = 0.9, which the table does not use (``TUNED`` holds the result; ``--tune`` prints
-the grid). The SGD step sizes of PF2LoRA and Per-FedAvg were tuned on the same seed
-(docs/personalized.md).
+at s = 0.9, which the table does not use, for each head setting (``--tune`` prints the
+grid and writes ``benchmarks/tuned/personalized.json``; the ablation ``pf2lora-nobilevel``
+runs at PF2LoRA's setting). The SGD step sizes of PF2LoRA and Per-FedAvg were tuned on
+the same seed (docs/personalized.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
 import yaml
-from tuning import tune_method, write_tuned
+from tuning import TUNED_DIR, read_tuned, tune_method, write_tuned
 
 from fedpeft.config import load_config
 from fedpeft.experiment import run
@@ -50,9 +50,15 @@ METHODS = {
 
 
 TUNING_SEED, TUNING_S = 2, 0.9
-# train.lr and train.optimizer_state per method, from --tune (seed 2, s = 0.9); see the docs.
-TUNED: dict[str, dict] = {}
+TUNED_FILE = TUNED_DIR / "personalized.json"
+TUNED_AS = {"pf2lora-nobilevel": "pf2lora"}  # an ablation runs at its method's setting
 DEFAULT_TRAIN = {"lr": 0.002, "optimizer_state": "reset"}
+
+
+def tuned_key(name: str, head: str) -> str:
+    """The key of a method's tuned setting in ``TUNED_FILE``: one per head setting."""
+    name = TUNED_AS.get(name, name)
+    return name if head == "shared" else f"{name}@{head}-head"
 
 
 def run_all(
@@ -62,15 +68,16 @@ def run_all(
     rounds: int,
     out: Path,
     method_extra: dict,
-    train: dict[str, dict] | None = None,
+    train: dict[str, dict],
 ) -> None:
+    """Run (or pick up) every (seed, s, method); ``train[name]``: its lr and optimizer state."""
     for seed in seeds:
         for s in levels:
             for name in names:
                 target = run_dir(out, name, s, seed)
                 if (target / "summary.json").is_file():
                     continue  # resumable
-                setting = {**DEFAULT_TRAIN, **TUNED.get(name, {}), **(train or {}).get(name, {})}
+                setting = train[name]
                 cfg = load_config(None, {
                     "name": name,
                     "seed": seed,
@@ -100,9 +107,8 @@ def tune(names: list[str], rounds: int, out: Path, method_extra: dict) -> dict[s
             run_all([TUNING_SEED], [TUNING_S], [name], rounds, sub, method_extra, {name: setting})
             return read_summary(run_dir(sub, name, TUNING_S, TUNING_SEED))["final_local"]["accuracy_mean"]
 
-        best[name], report = tune_method(score)
+        best[tuned_key(name, method_extra["head"])], report = tune_method(score)
         print(f"  {name}: {report}", flush=True)
-    print(f"\nTUNED = {best!r}")
     return best
 
 
@@ -116,6 +122,10 @@ def main() -> None:
         "--tune", action="store_true", help="tune train.lr and optimizer_state per method (seed 2)"
     )
     ap.add_argument("--out", type=Path, default=Path("runs/personalized"))
+    ap.add_argument(
+        "--untuned", action="store_true",
+        help=f"run methods with no tuned setting at lr {DEFAULT_TRAIN['lr']} (not a fair comparison)",
+    )  # fmt: skip
     ap.add_argument(
         "--head", choices=["shared", "personal"], default="shared",
         help="the classification head: averaged like the adapters, or kept on each client",
@@ -135,11 +145,15 @@ def main() -> None:
             ap.error(f"--set {item!r}: expected KEY=VALUE")
         method_extra[key] = yaml.safe_load(value)
     if args.tune:
-        best = tune(names, args.rounds, args.out, method_extra)
-        write_tuned(args.out / "tuned.json", best)
+        tuned = [n for n in names if n not in TUNED_AS]
+        write_tuned(TUNED_FILE, tune(tuned, args.rounds, args.out / f"tune-{args.head}-head", method_extra))
+        print(f"written: {TUNED_FILE}")
         return
-    tuned = json.loads(args.tuned.read_text()) if args.tuned else TUNED
-    run_all(seeds, levels, names, args.rounds, args.out, method_extra, tuned)
+    keys = {n: tuned_key(n, args.head) for n in names}
+    settings = read_tuned(TUNED_FILE, sorted(set(keys.values())), DEFAULT_TRAIN if args.untuned else None)
+    run_all(
+        seeds, levels, names, args.rounds, args.out, method_extra, {n: settings[k] for n, k in keys.items()}
+    )
 
     pers = {
         n: {s: [read_summary(run_dir(args.out, n, s, seed)) for seed in seeds] for s in levels} for n in names

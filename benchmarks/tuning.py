@@ -4,6 +4,10 @@ A fair table gives every method its own learning rate, tuned on a seed the table
 not use (the PF2LoRA paper grid-searches each method's rate). ``tune_method`` scores
 each rate of ``grid`` with a fresh optimizer every round (``optimizer_state: reset``),
 then ``keep`` at the best rate, and returns the best of those settings.
+
+The chosen settings live in ``benchmarks/tuned/<benchmark>.json`` (committed, so a table
+can be re-run without re-tuning); a benchmark refuses to run a method that has none
+there unless it is told to use the defaults.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 LR_GRID = [1e-3, 2e-3, 5e-3]
+TUNED_DIR = Path(__file__).parent / "tuned"
 
 
 def tune_method(score: Callable[[dict], float], grid: list[float] = LR_GRID) -> tuple[dict, str]:
@@ -23,11 +28,28 @@ def tune_method(score: Callable[[dict], float], grid: list[float] = LR_GRID) -> 
     scores[(lr, "keep")] = score({"lr": lr, "optimizer_state": "keep"})
     best = max(scores, key=scores.get)
     report = ", ".join(f"{x:g}/{state}: {acc:.3f}" for (x, state), acc in scores.items())
-    return {"lr": best[0], "optimizer_state": best[1]}, f"{report} -> lr {best[0]:g}, {best[1]}"
+    return {
+        "lr": best[0],
+        "optimizer_state": best[1],
+        "grid": report,
+    }, f"{report} -> lr {best[0]:g}, {best[1]}"
 
 
 def write_tuned(path: Path, best: dict[str, dict]) -> None:
     """Merge ``best`` into the JSON file ``path`` (tuning runs in parallel, a few methods each)."""
     done = json.loads(path.read_text()) if path.is_file() else {}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**done, **best}, indent=1))
+    path.write_text(json.dumps({**done, **best}, indent=1, sort_keys=True) + "\n")
+
+
+def read_tuned(path: Path, keys: list[str], untuned: dict | None = None) -> dict[str, dict]:
+    """The ``train`` overrides (lr, optimizer_state) tuned for each of ``keys``. A key with
+    none is an error naming the file, unless ``untuned`` (the defaults to use instead) is given."""
+    done = json.loads(path.read_text()) if path.is_file() else {}
+    missing = [k for k in keys if k not in done]
+    if missing and untuned is None:
+        raise SystemExit(f"{path}: no tuned setting for {missing}; run the benchmark with --tune first "
+                         "(or --untuned to use the defaults, which is not a fair comparison)")  # fmt: skip
+    return {
+        k: {x: v for x, v in done[k].items() if x != "grid"} if k in done else dict(untuned) for k in keys
+    }

@@ -158,3 +158,98 @@ def test_numeric_labels_keep_numeric_order(tmp_path):
     labels = np.concatenate([corpus.train_labels, corpus.test_labels])
     for text, label in zip(texts, labels, strict=True):  # row i has label [0, 1, 2, 10, 11][i % 5]
         assert corpus.class_names[label] == str([0, 1, 2, 10, 11][int(text[1:]) % 5])
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_separate_test_file_maps_labels_onto_the_training_classes(tmp_path):
+    # Prepare: the test file uses the labels in another order and only some of them
+    train = _write_jsonl(
+        tmp_path / "train.jsonl", [{"text": f"t{i}", "label": "abc"[i % 3]} for i in range(30)]
+    )
+    test = _write_jsonl(tmp_path / "test.jsonl", [{"text": "x", "label": "c"}, {"text": "y", "label": "a"}])
+
+    # Execute
+    corpus = load_corpus(DataConfig(source="file", path=train, test_path=test), seed=0)
+
+    # Assert: all 30 rows train (no held-out share), the test rows keep their own labels
+    assert corpus.class_names == ["a", "b", "c"]
+    assert len(corpus.train_texts) == 30
+    assert corpus.test_texts == ["x", "y"]
+    assert corpus.test_labels.tolist() == [2, 0]
+
+
+def test_test_label_unseen_in_training_names_the_file_and_row(tmp_path):
+    # Prepare
+    train = _write_jsonl(tmp_path / "train.jsonl", [{"text": f"t{i}", "label": i % 2} for i in range(10)])
+    rows = [{"text": "x", "label": 1}, {"text": "y", "label": 0}, {"text": "z", "label": 7}]
+    test = _write_jsonl(tmp_path / "test.jsonl", rows)
+
+    # Execute / Assert
+    with pytest.raises(DataError, match=r"test\.jsonl: data row 2 \(0-based\): label '7' never occurs"):
+        load_corpus(DataConfig(source="file", path=train, test_path=test), seed=0)
+
+
+def test_unseen_test_labels_dropped_on_request_with_a_count(tmp_path, caplog):
+    # Prepare
+    train = _write_jsonl(tmp_path / "train.jsonl", [{"text": f"t{i}", "label": i % 2} for i in range(10)])
+    rows = [
+        {"text": "x", "label": 1},
+        {"text": "y", "label": 5},
+        {"text": "z", "label": 0},
+        {"text": "w", "label": 5},
+    ]
+    test = _write_jsonl(tmp_path / "test.jsonl", rows)
+    cfg = DataConfig(source="file", path=train, test_path=test, unseen_test_labels="drop")
+
+    # Execute
+    with caplog.at_level("WARNING"):
+        corpus = load_corpus(cfg, seed=0)
+
+    # Assert
+    assert corpus.class_names == ["0", "1"]
+    assert corpus.test_texts == ["x", "z"]
+    assert corpus.test_labels.tolist() == [1, 0]
+    assert "test.jsonl: dropped 2 of 4 test rows" in caplog.text
+
+
+def test_test_file_rows_are_checked_like_training_rows(tmp_path):
+    # Prepare
+    train = _write_jsonl(tmp_path / "train.jsonl", [{"text": f"t{i}", "label": i % 2} for i in range(10)])
+    test = _write_jsonl(tmp_path / "test.jsonl", [{"text": "x", "label": 1}, {"text": "", "label": 0}])
+
+    # Execute / Assert
+    with pytest.raises(DataError, match=r"test\.jsonl: data row 1 \(0-based\): column 'text' is empty"):
+        load_corpus(DataConfig(source="file", path=train, test_path=test), seed=0)
+
+
+def test_test_path_config_errors_name_the_key(tmp_path):
+    from pydantic import ValidationError
+
+    train = _write_jsonl(tmp_path / "train.jsonl", [{"text": "t", "label": 0}])
+    with pytest.raises(ValidationError, match="data.test_path: no such file"):
+        DataConfig(source="file", path=train, test_path=tmp_path / "missing.csv")
+    with pytest.raises(ValidationError, match="data.test_path is for data.source 'file'"):
+        DataConfig(source="wordnet", test_path=train)
+
+
+def test_hub_test_split_labels_map_onto_training_classes(monkeypatch):
+    """A hub test split without class names: its labels map onto the training split's
+    (before, a label only in the test split silently became a class of its own)."""
+    import datasets
+
+    splits = {"train": {"text": ["a", "b", "c"], "label": ["pos", "neg", "pos"]},
+              "test": {"text": ["d", "e"], "label": ["neg", "neutral"]}}  # fmt: skip
+    monkeypatch.setattr(
+        datasets, "load_dataset", lambda hub_id, config, split: datasets.Dataset.from_dict(splits[split])
+    )
+    cfg = DataConfig(source="hub", hub_id="someone/reviews", test_split="test")
+
+    with pytest.raises(DataError, match=r"someone/reviews\[test\]: data row 1 \(0-based\): label 'neutral'"):
+        load_corpus(cfg, 0)
+    corpus = load_corpus(cfg.model_copy(update={"unseen_test_labels": "drop"}), 0)
+    assert corpus.class_names == ["neg", "pos"]
+    assert corpus.test_labels.tolist() == [0]

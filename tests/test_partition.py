@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from fedpeft.data.partition import (
+    DIRICHLET_MODES,
     PartitionError,
     label_histograms,
     mean_pairwise_js,
@@ -198,6 +199,123 @@ def test_dirichlet_rejects_too_few_samples_for_min_size() -> None:
     # Execute / Assert
     with pytest.raises(PartitionError, match="num_clients=10"):
         partition_dirichlet(labels, 10, 1.0, np.random.default_rng(0), min_size=10)
+
+
+# --------------------------------------------------------------------------- #
+# Dirichlet modes (partition.dirichlet_mode)
+# --------------------------------------------------------------------------- #
+
+# Imbalanced classes (class c has 40 + 30 c examples), so the modes' size rules show.
+SKEWED = np.random.default_rng(3).permutation(np.repeat(np.arange(8), 40 + 30 * np.arange(8)))
+
+
+@pytest.mark.parametrize("mode", DIRICHLET_MODES)
+@pytest.mark.parametrize("alpha", [0.05, 1.0, 100.0])
+def test_every_dirichlet_mode_is_a_seeded_partition(mode: str, alpha: float) -> None:
+    # Execute
+    first = partition_dirichlet(SKEWED, 12, alpha, np.random.default_rng(4), min_size=5, mode=mode)
+    again = partition_dirichlet(SKEWED, 12, alpha, np.random.default_rng(4), min_size=5, mode=mode)
+
+    # Assert
+    assert_is_partition(first, len(SKEWED))
+    assert min(len(part) for part in first) >= 5
+    assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+def test_per_class_capped_feeds_no_client_above_the_mean_size() -> None:
+    # Prepare: classes are dealt in label order, so the highest label a client holds is
+    # the last class it was given; before that it must have been under the mean size N / M.
+    mean_size = len(SKEWED) / 10
+
+    # Execute
+    for seed in range(5):
+        parts = partition_dirichlet(SKEWED, 10, 0.1, np.random.default_rng(seed), min_size=0,
+                                    max_retries=0, mode="per_class_capped")  # fmt: skip
+
+        # Assert
+        for part in parts:
+            held = SKEWED[part]
+            if held.size:
+                assert np.sum(held != held.max()) < mean_size
+
+
+def test_per_class_capped_balances_sizes_that_per_class_leaves_free() -> None:
+    # Prepare: many small classes, so that the cap has classes left to withhold
+    labels = np.random.default_rng(1).permutation(np.repeat(np.arange(40), 50))
+
+    # Execute
+    def size_spread(mode: str) -> float:
+        parts = [partition_dirichlet(labels, 10, 0.1, np.random.default_rng(seed), min_size=0,
+                                     max_retries=0, mode=mode) for seed in range(10)]  # fmt: skip
+        return float(np.mean([np.std([len(p) for p in draw]) for draw in parts]))
+
+    # Assert
+    assert size_spread("per_class_capped") < 0.7 * size_spread("per_class")
+
+
+def test_per_client_gives_equal_sizes() -> None:
+    # Execute
+    parts = partition_dirichlet(SKEWED, 13, 0.3, np.random.default_rng(0), mode="per_client")
+
+    # Assert
+    sizes = [len(part) for part in parts]
+    assert max(sizes) - min(sizes) <= 1
+    assert_is_partition(parts, len(SKEWED))
+
+
+def test_per_client_mix_follows_the_class_shares_at_large_alpha() -> None:
+    # Prepare: Dir(alpha * m) has mean m, the dataset's class shares, and shrinks to it as
+    # alpha grows, so every client's histogram approaches the global one (not uniform).
+    labels = np.random.default_rng(0).permutation(np.repeat(np.arange(8), 400 + 300 * np.arange(8)))
+    shares = np.bincount(labels) / len(labels)
+
+    # Execute
+    parts = partition_dirichlet(labels, 4, 1e4, np.random.default_rng(0), mode="per_client")
+
+    # Assert
+    hist = label_histograms(labels, parts, 8)
+    np.testing.assert_allclose(hist / hist.sum(axis=1, keepdims=True), np.tile(shares, (4, 1)), atol=0.03)
+
+
+def test_per_client_tiny_alpha_gives_few_class_clients() -> None:
+    # Prepare: 20 classes of 300, 10 clients of 600. At alpha -> 0 a client's mix is one
+    # class; when it runs out, a fresh mix picks another, so a client holds about two.
+    labels = np.random.default_rng(0).permutation(np.repeat(np.arange(20), 300))
+
+    # Execute
+    tiny = partition_dirichlet(labels, 10, 1e-4, np.random.default_rng(1), mode="per_client")
+    huge = partition_dirichlet(labels, 10, 1e4, np.random.default_rng(1), mode="per_client")
+
+    # Assert
+    classes_held = lambda parts: (label_histograms(labels, parts, 20) > 0).sum(axis=1)  # noqa: E731
+    assert np.median(classes_held(tiny)) <= 3
+    assert np.median(classes_held(huge)) == 20
+    assert_is_partition(tiny, len(labels))
+
+
+def test_dirichlet_default_mode_is_unchanged() -> None:
+    # Prepare: the per_class draw as it was before the modes (one Dir(alpha 1_M) per class,
+    # in label order, cut by cumulative proportions), reimplemented here.
+    rng = np.random.default_rng(9)
+    expected: list[list[int]] = [[] for _ in range(6)]
+    for cls in range(NUM_CLASSES):
+        idx = rng.permutation(np.flatnonzero(cls == LABELS))
+        cuts = (np.cumsum(rng.dirichlet(np.full(6, 0.5)))[:-1] * len(idx)).astype(np.int64)
+        for client, chunk in enumerate(np.split(idx, cuts)):
+            expected[client] += chunk.tolist()
+
+    # Execute
+    parts = partition_dirichlet(LABELS, 6, 0.5, np.random.default_rng(9), min_size=0)
+
+    # Assert
+    for part, want in zip(parts, expected, strict=True):
+        np.testing.assert_array_equal(part, np.sort(want))
+
+
+def test_unknown_dirichlet_mode_is_refused() -> None:
+    # Execute / Assert
+    with pytest.raises(PartitionError, match="per_client"):
+        partition_dirichlet(LABELS, 5, 1.0, RNG, mode="per_sample")
 
 
 # --------------------------------------------------------------------------- #

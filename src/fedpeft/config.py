@@ -37,13 +37,25 @@ class DataConfig(BaseModel):
         "file: a local CSV/JSONL/Parquet file; hub: a Hugging Face dataset id.",
     )
     path: Path | None = Field(None, description="Local data file (source: file).")
+    test_path: Path | None = Field(
+        None,
+        description="A separate local test file with the same columns (source: file); its labels are "
+        "mapped onto the training file's classes. Without it a seeded share of data.path is held out.",
+    )
+    unseen_test_labels: Literal["error", "drop"] = Field(
+        "error",
+        description="A test row (data.test_path, or the hub's test_split) whose label never occurs in "
+        "training: error names the file and row; drop leaves such rows out and reports how many.",
+    )
     hub_id: str | None = Field(None, description="Dataset id for datasets.load_dataset (source: hub).")
     hub_config: str | None = Field(None, description="Dataset configuration name (source: hub).")
     train_split: str = "train"
     test_split: str | None = Field(
         None, description="The dataset's own test split; if unset a seeded share is held out."
     )
-    test_fraction: float = Field(0.2, gt=0, lt=1, description="Held-out share when no test split.")
+    test_fraction: float = Field(
+        0.2, gt=0, lt=1, description="Held-out share when there is no test split or test file."
+    )
     text_column: str = "text"
     label_column: str = "label"
     group_column: str | None = Field(None, description="Column for the natural partition.")
@@ -63,6 +75,11 @@ class DataConfig(BaseModel):
                 raise ValueError("data.path is required when data.source is 'file'")
             if not self.path.is_file():
                 raise ValueError(f"data.path: no such file: {self.path}")
+        if self.test_path is not None:
+            if self.source != "file":
+                raise ValueError("data.test_path is for data.source 'file' (the hub has data.test_split)")
+            if not self.test_path.is_file():
+                raise ValueError(f"data.test_path: no such file: {self.test_path}")
         if self.source == "wordnet" and self.group_column not in (None, "pos"):
             raise ValueError("data.group_column: the WordNet corpus has one group column, 'pos'")
         if self.source == "hub" and not self.hub_id:
@@ -78,6 +95,13 @@ class PartitionConfig(BaseModel):
     scheme: Literal["iid", "dirichlet", "similarity", "natural"] = "dirichlet"
     num_clients: int = Field(30, ge=1, description="M, the number of clients.")
     alpha: float = Field(0.5, gt=0, description="Dirichlet concentration (scheme: dirichlet).")
+    dirichlet_mode: Literal["per_class", "per_class_capped", "per_client"] = Field(
+        "per_class",
+        description="What the Dirichlet draws (scheme: dirichlet): per_class, each class's split over "
+        "clients; per_class_capped, the same but clients above the mean size get no more (FedNLP, "
+        "followed by C2A); per_client, each client's class mix Dir(alpha * class shares) at equal "
+        "client sizes (FeDeRA, App. A.3).",
+    )
     similarity: float = Field(
         0.5, ge=0, le=1, description="SCAFFOLD heterogeneity s; 0 is iid, 1 label-sorted."
     )

@@ -50,7 +50,9 @@ def make_split(cfg: ExperimentConfig, corpus: Corpus) -> Split:
         if pc.scheme == "iid":
             parts = P.partition_iid(len(labels), pc.num_clients, rng)
         elif pc.scheme == "dirichlet":
-            parts = P.partition_dirichlet(labels, pc.num_clients, pc.alpha, rng, min_size=pc.min_size)
+            parts = P.partition_dirichlet(
+                labels, pc.num_clients, pc.alpha, rng, min_size=pc.min_size, mode=pc.dirichlet_mode
+            )
         elif pc.scheme == "similarity":
             parts = P.partition_similarity(labels, pc.num_clients, pc.similarity, rng)
         else:

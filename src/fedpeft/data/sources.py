@@ -8,6 +8,7 @@ column or the row at fault.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,8 @@ from fedpeft.data.wordnet import LEXNAMES, read_glosses
 
 if TYPE_CHECKING:
     from fedpeft.config import DataConfig
+
+log = logging.getLogger(__name__)
 
 
 class DataError(ValueError):
@@ -77,8 +80,10 @@ def load_hub(cfg: DataConfig, split: str) -> tuple[Columns, list[str] | None]:
     return ds.to_dict(), names
 
 
-def _check_columns(table: Columns, origin: str, cfg: DataConfig) -> None:
-    wanted = [cfg.text_column, cfg.label_column] + ([cfg.group_column] if cfg.group_column else [])
+def _check_columns(table: Columns, origin: str, cfg: DataConfig, groups: bool = True) -> None:
+    """The text, label (and, for training data, group) columns exist and every row has
+    text and a label."""
+    wanted = [cfg.text_column, cfg.label_column] + ([cfg.group_column] if cfg.group_column and groups else [])
     for col in wanted:
         if col not in table:
             raise DataError(f"{origin}: no column {col!r} (columns: {sorted(table)})")
@@ -134,11 +139,14 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
     elif cfg.source == "file":
         assert cfg.path is not None
         table, origin = read_table(cfg.path), str(cfg.path)
+        if cfg.test_path is not None:
+            test, test_origin = read_table(cfg.test_path), str(cfg.test_path)
     else:
         table, names = load_hub(cfg, cfg.train_split)
         origin = f"{cfg.hub_id}[{cfg.train_split}]"
         if cfg.test_split:
             test, _ = load_hub(cfg, cfg.test_split)
+            test_origin = f"{cfg.hub_id}[{cfg.test_split}]"
     if cfg.source != "wordnet":
         _check_columns(table, origin, cfg)
     rng = np.random.default_rng(seed)
@@ -146,19 +154,21 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
         ("text", "label") if cfg.source == "wordnet" else (cfg.text_column, cfg.label_column)
     )
     n = len(table[text_col])
-    if test is None:  # a seeded held-out share
+    known_ids = names is not None
+    if test is None:  # a seeded held-out share: the classes are those of the whole table
         order = rng.permutation(n)
         n_test = max(1, int(round(cfg.test_fraction * n)))
         test_idx, train_idx = np.sort(order[:n_test]), np.sort(order[n_test:])
         test = {k: [v[i] for i in test_idx] for k, v in table.items()}
         table = {k: [v[i] for i in train_idx] for k, v in table.items()}
         test_origin = f"{origin} (held-out share)"
-    else:
-        test_origin = f"{cfg.hub_id}[{cfg.test_split}]"
-        _check_columns(test, test_origin, cfg)
-    known_ids = names is not None
-    if names is None:
-        names = class_names_of(table[label_col] + test[label_col])
+        if names is None:
+            names = class_names_of(table[label_col] + test[label_col])
+    else:  # a test set of its own: its labels map onto the training classes
+        _check_columns(test, test_origin, cfg, groups=False)
+        if names is None:
+            names = class_names_of(table[label_col])
+            test = _known_labels_only(test, label_col, names, test_origin, cfg.unseen_test_labels)
     train_labels = _encode_labels(table[label_col], names, origin, known_ids)
     test_labels = _encode_labels(test[label_col], names, test_origin, known_ids)
     keep = _subsample(len(train_labels), cfg.max_samples, rng)
@@ -173,6 +183,34 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
         class_names=names,
         train_groups=groups,
     )
+
+
+def _known_labels_only(test: Columns, label_col: str, names: list[str], origin: str, unseen: str) -> Columns:
+    """The test rows whose label is one of the training classes ``names``. A row with
+    another label is an error naming ``origin`` and the row (``unseen: error``), or is left
+    out, with the count logged (``unseen: drop``)."""
+    known = set(names)
+    keep = [_label_key(v) in known for v in test[label_col]]
+    if all(keep):
+        return test
+    row = keep.index(False)
+    if unseen == "error":
+        raise DataError(
+            f"{origin}: data row {row} (0-based): label {_label_key(test[label_col][row])!r} never occurs in "
+            f"the training data ({len(names)} classes, e.g. {names[:3]}); set data.unseen_test_labels: drop "
+            "to leave such rows out"
+        )
+    dropped = len(keep) - sum(keep)
+    if dropped == len(keep):
+        raise DataError(
+            f"{origin}: none of its {len(keep)} rows has a label that occurs in the training data"
+        )
+    unseen_labels = sorted({_label_key(v) for v, k in zip(test[label_col], keep, strict=True) if not k})
+    log.warning(
+        "%s: dropped %d of %d test rows whose label never occurs in the training data (%s)",
+        origin, dropped, len(keep), ", ".join(unseen_labels[:5]) + (" ..." if len(unseen_labels) > 5 else ""),
+    )  # fmt: skip
+    return {k: [x for x, k_ in zip(v, keep, strict=True) if k_] for k, v in test.items()}
 
 
 def _subsample(n: int, cap: int | None, rng: np.random.Generator) -> np.ndarray:
