@@ -13,7 +13,8 @@ the best final accuracy, bytes sent and FeDeRA's decomposition time; plus the up
 variation plot of FeDeRA vs FedLR (seed 0) via ``fedpeft report``.
 
     .venv/bin/python benchmarks/federa_vs_lora.py --tune [--methods ...]    # on seed 3
-    .venv/bin/python benchmarks/federa_vs_lora.py [--seeds 0,1,2] [--rounds 12] [--out runs/federa]
+    .venv/bin/python benchmarks/federa_vs_lora.py [--seeds 0,1,2] [--rounds 12]
+        [--out benchmarks/results/federa]
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-from tuning import LR_GRID, TUNED_DIR, read_tuned, tune_method, write_tuned
+from tuning import LR_GRID, TUNED_DIR, read_tuned, run_or_reuse, tune_method, write_tuned
 
 from fedpeft.config import load_config
-from fedpeft.experiment import run
 from fedpeft.report.results import read_records, read_summary
 
 METHODS = {
@@ -42,9 +42,7 @@ DEFAULT_TRAIN = {"lr": 2e-3, "optimizer_state": "reset"}
 
 
 def run_one(name: str, seed: int, rounds: int, out: Path, setting: dict) -> dict:
-    """One run (skipped when finished earlier: the benchmark resumes where it stopped)."""
-    if (out / "summary.json").is_file():
-        return read_summary(out)
+    """One run (taken from ``out`` when finished there earlier: ``tuning.run_or_reuse``)."""
     cfg = load_config(
         None,
         {
@@ -59,7 +57,7 @@ def run_one(name: str, seed: int, rounds: int, out: Path, setting: dict) -> dict
             "eval.local": False,
         },
     )
-    summary = run(cfg, resume=(out / "checkpoint.pt").is_file())
+    summary = run_or_reuse(cfg)
     print(f"[{name} seed {seed} {setting}] final acc {summary['final_global']['accuracy']:.4f}", flush=True)
     return summary
 
@@ -79,7 +77,7 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--out", type=Path, default=Path("runs/federa"))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/federa"))
     ap.add_argument(
         "--tune", action="store_true", help="tune train.lr and optimizer_state per method (seed 3)"
     )

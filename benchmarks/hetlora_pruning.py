@@ -7,7 +7,7 @@ clients all in every round, 8 rounds x 5 steps), HETLoRA with ranks drawn in [2,
 after the first and the last round, how many prunes happened, and the personalised
 accuracy of the clients' own adapters beside that of the truncated global adapter.
 
-    .venv/bin/python benchmarks/hetlora_pruning.py [--seed 0] [--out runs/hetlora-pruning]
+    .venv/bin/python benchmarks/hetlora_pruning.py [--seed 0] [--out benchmarks/results/hetlora-pruning]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--s", type=float, default=0.9)
-    ap.add_argument("--out", type=Path, default=Path("runs/hetlora-pruning"))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/hetlora-pruning"))
     args = ap.parse_args()
     train = {"hetlora": read_tuned(TUNED_FILE, ["hetlora"], DEFAULT_TRAIN)["hetlora"]}
     print(f"HETLoRA, s = {args.s}, seed {args.seed}, train {train['hetlora']}\n")

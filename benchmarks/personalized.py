@@ -11,7 +11,7 @@ switched off (``bilevel: false``, the paper's ablation).
 
     .venv/bin/python benchmarks/personalized.py --tune [--head shared|personal]   # on seed 2, s = 0.9
     .venv/bin/python benchmarks/personalized.py [--seeds 0,1,3] [--s 0.6,0.9,1.0] [--head shared|personal]
-        [--methods local,...] [--set KEY=VALUE ...] [--out runs/personalized]
+        [--methods local,...] [--set KEY=VALUE ...] [--out benchmarks/results/personalized]
 
 Fair footing: the same clients (all 8 scored, every round), the same rounds and local
 steps, the same examples per step (``perfedavg-eq``: Per-FedAvg with ``split_batch``; the
@@ -30,10 +30,9 @@ from pathlib import Path
 
 import numpy as np
 import yaml
-from tuning import TUNED_DIR, read_tuned, tune_method, write_tuned
+from tuning import TUNED_DIR, read_tuned, run_or_reuse, tune_method, write_tuned
 
 from fedpeft.config import load_config
-from fedpeft.experiment import run
 from fedpeft.report.results import read_records, read_summary
 
 LORA = {"r": 8, "alpha": 16}
@@ -75,8 +74,6 @@ def run_all(
         for s in levels:
             for name in names:
                 target = run_dir(out, name, s, seed)
-                if (target / "summary.json").is_file():
-                    continue  # resumable
                 setting = train[name]
                 cfg = load_config(None, {
                     "name": name,
@@ -90,7 +87,7 @@ def run_all(
                               **setting},
                     "eval.every": rounds,
                 })  # fmt: skip
-                summary = run(cfg, resume=(target / "checkpoint.pt").is_file())  # pick up a cut-off run
+                summary = run_or_reuse(cfg)
                 acc = summary["final_local"]["accuracy_mean"]
                 print(f"[s={s} {name} seed {seed} {setting}] personalised {acc:.4f}", flush=True)
 
@@ -121,7 +118,7 @@ def main() -> None:
     ap.add_argument(
         "--tune", action="store_true", help="tune train.lr and optimizer_state per method (seed 2)"
     )
-    ap.add_argument("--out", type=Path, default=Path("runs/personalized"))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/personalized"))
     ap.add_argument(
         "--untuned", action="store_true",
         help=f"run methods with no tuned setting at lr {DEFAULT_TRAIN['lr']} (not a fair comparison)",

@@ -16,6 +16,12 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import yaml
+
+from fedpeft.config import ExperimentConfig, parse_config
+from fedpeft.experiment import fingerprint, run
+from fedpeft.report.results import read_summary
+
 LR_GRID = [1e-3, 2e-3, 5e-3]
 TUNED_DIR = Path(__file__).parent / "tuned"
 
@@ -53,3 +59,17 @@ def read_tuned(path: Path, keys: list[str], untuned: dict | None = None) -> dict
     return {
         k: {x: v for x, v in done[k].items() if x != "grid"} if k in done else dict(untuned) for k in keys
     }
+
+
+def run_or_reuse(cfg: ExperimentConfig) -> dict:
+    """The summary of ``cfg``'s run: the recorded one when ``cfg.output_dir`` holds a
+    finished run of this very config (a benchmark resumes where it stopped, also on
+    another machine), else a fresh run (picking up a cut-off one from its checkpoint). A
+    finished run of another config is an error: its figures must not stand in for these."""
+    out = cfg.output_dir
+    if (out / "summary.json").is_file():
+        recorded = parse_config(yaml.safe_load((out / "config.yaml").read_text()), str(out / "config.yaml"))
+        if fingerprint(recorded) != fingerprint(cfg):
+            raise SystemExit(f"{out}: holds a finished run of another config; remove it or use another --out")
+        return read_summary(out)
+    return run(cfg, resume=(out / "checkpoint.pt").is_file())
