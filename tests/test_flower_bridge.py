@@ -51,10 +51,19 @@ def serve(grid: FakeGrid, resume: bool = False) -> None:
     apps.server_app(grid, Context(7, 0, {}, RecordDict(), {**grid.run_config, "resume": resume}))
 
 
-@pytest.mark.parametrize("method", [{"name": "fedlr"}, PF2, {"name": "federa"}])
-def test_same_metrics_as_in_process(tiny_config, tmp_path, method):
-    flower_cfg = tiny_config(method=method, output_dir=str(tmp_path / "flower"))
-    local_cfg = tiny_config(method=method, output_dir=str(tmp_path / "inproc"))
+HET = {"name": "hetlora", "lora": {"r": 4}, "r_min": 1}
+KEEP = {"train.optimizer_state": "keep"}
+
+
+CASES = [({"name": "fedlr"}, {}), (PF2, {}), ({"name": "federa"}, {}), (HET, KEEP), (PF2, KEEP)]
+
+
+@pytest.mark.parametrize(("method", "over"), CASES)
+def test_same_metrics_as_in_process(tiny_config, tmp_path, method, over):
+    """HETLoRA: client ranks below r_max pass the server's update check; with ``keep`` each
+    node's optimizer state carries over its rounds as in-process."""
+    flower_cfg = tiny_config(method=method, output_dir=str(tmp_path / "flower"), **over)
+    local_cfg = tiny_config(method=method, output_dir=str(tmp_path / "inproc"), **over)
     run(local_cfg)
     grid = deploy(flower_cfg, tmp_path)
     serve(grid)
@@ -76,23 +85,31 @@ def test_same_metrics_as_in_process(tiny_config, tmp_path, method):
         assert join > 0 and join % (flower_cfg.partition.num_clients - len(trained)) == 0
         assert rb["bytes_up"] > rb["payload_bytes_up"]  # Flower's framing on top of the tensors
     assert read_summary(flower_cfg.output_dir)["engine"] == "flower"
+    assert all(r["dropped"] == {} for r in b if "dropped" in r)  # no update refused
 
 
-def test_personal_state_stays_on_the_nodes(tiny_config, tmp_path):
-    cfg = tiny_config(method=PF2, output_dir=str(tmp_path / "flower"))
+@pytest.mark.parametrize(("method", "over"), [(PF2, {}), (PF2, KEEP), (HET, KEEP)])
+def test_personal_state_stays_on_the_nodes(tiny_config, tmp_path, method, over):
+    """Personal parameters, kept optimizer state (``opt.*``) and HETLoRA's own adapter
+    (``own.*``) never appear in a message; each node keeps them on its own disk."""
+    cfg = tiny_config(method=method, output_dir=str(tmp_path / "flower"), **over)
     grid = deploy(cfg, tmp_path)
     serve(grid)
     node = next(iter(apps._nodes.values()))
     personal, shared = set(node.method.personal_names), set(node.method.shared_names)
-    assert personal and shared
+    assert shared
     for m in grid.sent + grid.replies:
         names = {k for rec in m.content.array_records.values() for k in rec}
         assert not names & personal
+        assert not any(n.startswith(("opt.", "own.")) for n in names)
     uplinks = [set(m.content["uplink"]) for m in grid.replies if "uplink" in m.content]
     assert uplinks and all(u == shared for u in uplinks)
     # each trained node keeps its own snapshots on its own disk
     saved = torch.load(tmp_path / "node0" / "client-0-personal.pt", weights_only=True)["value"]
-    assert set(next(iter(saved.values()))) == personal
+    kept = set(next(iter(saved.values())))
+    assert {n for n in kept if not n.startswith(("opt.", "own."))} == personal
+    if over:
+        assert any(n.startswith("opt.") for n in kept)
 
 
 def test_crashed_silent_and_vanished_clients_are_dropped_and_recorded(tiny_config, tmp_path):

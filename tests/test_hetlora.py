@@ -146,3 +146,39 @@ def test_client_is_scored_with_its_own_adapter(tiny_config):
     run(cfg2)
     swapped = read_records(cfg2.output_dir)[-1]
     assert swapped["local"] == record["local_global"] and swapped["local_own"] == record["local"]
+
+
+def test_client_that_never_trained_is_scored_with_the_truncated_global_adapter(tiny_config):
+    """Before its first round a client has no adapter of its own: it holds what it receives
+    (as a FedLR client holds the global model), not the initial adapter and an untrained head."""
+    from fedpeft.methods.hetlora import OWN
+
+    setup = build(tiny_config(**{"method": {"name": "hetlora", "lora": {"r": 4}, "r_min": 1}}))
+    method, model, client = setup.method, setup.model, setup.clients[0]
+    server = method.init_server(model)
+    server.tensors = {n: t + 0.5 for n, t in server.tensors.items()}  # a trained-looking global state
+    personal = method.init_client(model, setup.initial, client)
+    received = method.downlink(server, client.cid)
+
+    scored = method.eval_state(model, received, personal, client)
+
+    assert not any(n.startswith(OWN) for n in personal)
+    expected = pad(received, 4)
+    assert set(scored) == set(expected)
+    for n, t in expected.items():
+        assert torch.equal(scored[n], t), n
+
+
+def test_smaller_rank_update_passes_the_server_shape_check(tiny_config):
+    """Over Flower every update is checked against the shared state's shapes: HETLoRA's
+    rank-r_i update is zero-padded to r_max for the check (it was refused before)."""
+    from fedpeft.flower.codec import ReplyError, check_tensors
+
+    setup = build(tiny_config(**{"method": {"name": "hetlora", "lora": {"r": 4}, "r_min": 1}}))
+    method = setup.method
+    like = method.init_server(setup.model).tensors
+    update = truncate(like, 2)
+    assert rank_of(update) == 2
+    check_tensors(method.uplink_as_shared(update), like, "update")
+    with pytest.raises(ReplyError, match="lora_A"):
+        check_tensors(update, like, "update")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fedpeft.experiment import run
+from fedpeft.experiment import build, run
 from fedpeft.methods.perfedavg import maml_grads
 from fedpeft.report.results import read_records
 
@@ -83,3 +83,35 @@ def test_split_batch_gives_equal_examples_per_step(split, tiny_config, monkeypat
     cfg = tiny_config(**{"method": {"name": "perfedavg", "split_batch": split}, "train.rounds": 1})
     run(cfg)
     assert sizes and set(sizes) == ({(4, 4)} if split else {(8, 8)})
+
+
+def test_split_batch_never_halves_a_one_row_batch(tiny_config, monkeypatch):
+    """A pass over n = 1 (mod B) examples ends in a one-row batch, whose halves would be
+    empty and 1 row (a NaN loss): it is skipped, every step gets two non-empty halves."""
+    cfg = tiny_config(**{"method": {"name": "perfedavg", "split_batch": True}, "train.batch_size": 4})
+    setup = build(cfg)
+    client = setup.clients[0]
+    client.train = client.train.subset(torch.arange(9))  # batches of 4 + 4 + 1 per pass
+    pairs = list(setup.method.batch_pairs(client, 7, torch.Generator().manual_seed(0)))
+    assert len(pairs) == 7
+    assert all(len(a["labels"]) == len(b["labels"]) == 2 for a, b in pairs)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_adaptation_before_testing_uses_a_training_steps_inner_batch(split, tiny_config, monkeypatch):
+    """The one step before testing is as large as training's inner step: a batch of B,
+    or half of one with ``split_batch``."""
+    from fedpeft.methods import perfedavg
+
+    setup = build(tiny_config(**{"method": {"name": "perfedavg", "split_batch": split}}))
+    method, model, client = setup.method, setup.model, setup.clients[0]
+    rows = []
+    real = perfedavg.make_batch
+
+    def spy(data, index):
+        rows.append(len(index))
+        return real(data, index)
+
+    monkeypatch.setattr(perfedavg, "make_batch", spy)
+    method.eval_state(model, method.init_server(model).tensors, {}, client)
+    assert rows == [4 if split else 8]

@@ -222,8 +222,9 @@ class FlowerServer:
             cid = cid_of[node]
             up += codec.wire_bytes(reply)
             try:
-                uplink = codec.check_tensors(
-                    codec.from_record(reply.content["uplink"]), self.uplink_like, f"client {cid} update"
+                uplink = codec.from_record(reply.content["uplink"])
+                codec.check_tensors(
+                    self.method.uplink_as_shared(uplink), self.uplink_like, f"client {cid} update"
                 )
             except (codec.ReplyError, KeyError) as err:
                 dropped[cid] = f"refused: {err}"

@@ -285,6 +285,11 @@ class Method:
         states = [r.uplink for r in results]
         return ServerState(weighted_mean(states, [r.num_examples for r in results]), server.extras)
 
+    def uplink_as_shared(self, uplink: Tensors) -> Tensors:
+        """A client's update in the names and shapes of the shared state, which a networked
+        server checks every update against (HETLoRA zero-pads a smaller rank); default: as is."""
+        return uplink
+
     def global_state(self, server: ServerState) -> Tensors | None:
         """The tensors of the one global model, or None when there is none."""
         return server.tensors if not self.personal_names else None

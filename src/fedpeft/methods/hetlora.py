@@ -41,8 +41,9 @@ readings where the text is silent: one prune step per round at most, and the LoR
 keeps its last locally trained adapter and head (after pruning) in its personal state
 (``own.*``, never sent) and is scored with it (``personal_model: own``); the global
 adapter truncated to its rank is scored beside it and reported as ``local_global``
-(``personal_model: global`` swaps the two). A client that has not trained yet holds the
-initial adapter at its initial rank. Zero-padded rank
+(``personal_model: global`` swaps the two). A client that has not trained yet has no
+adapter of its own and is scored with what it receives, the global adapter truncated to
+its rank (as a client of FedLR that has not trained holds the global model). Zero-padded rank
 components stay exactly zero during local training (their gradients vanish because
 both their ``A`` row and ``B`` column are zero), so a client trains exactly rank ``r_i``.
 The current ranks are server state (``rank.<client>`` in its extras), updated from the
@@ -231,17 +232,12 @@ class HETLoRA(FedAvgPeft):
         cfg = self.cfg
         return pruned_rank(pairs(tensors), rank, cfg.gamma, cfg.r_min, cfg.prune_ratio, cfg.prune_rule)
 
+    def uplink_as_shared(self, uplink: Tensors) -> Tensors:
+        """A client's update zero-padded to ``r_max``: the shapes of the server's state."""
+        return pad(uplink, self.cfg.lora.r) if rank_of(uplink) <= self.cfg.lora.r else uplink
+
     def readout(self, result: FitResult) -> dict[str, float]:
         return {"rank": float(rank_of(result.uplink))}
-
-    def init_client(self, model, initial: Tensors, client: ClientData) -> Tensors:
-        """Personal parameters (a personal head) and the client's own model: the initial
-        adapter at the client's initial rank (and the initial head)."""
-        own = pad(
-            truncate({n: initial[n] for n in self.shared_names}, self.initial_rank(client.cid)),
-            self.cfg.lora.r,
-        )
-        return {**super().init_client(model, initial, client), **{OWN + n: t for n, t in own.items()}}
 
     def fit(
         self, model, received: Tensors, personal: Tensors, client: ClientData, generator: torch.Generator
@@ -266,10 +262,11 @@ class HETLoRA(FedAvgPeft):
             metrics={"loss": total / steps, "steps": float(steps), "rank": float(new_rank)},
         )
 
-    def own_state(self, personal: Tensors) -> Tensors:
-        """The client's own model: its last trained adapter (and head) plus personal parameters."""
+    def own_state(self, received: Tensors, personal: Tensors) -> Tensors:
+        """The client's own model: its last trained adapter (and head) plus personal
+        parameters; before it first trains, the truncated global adapter it received."""
         own = {n.removeprefix(OWN): t for n, t in personal.items() if n.startswith(OWN)}
-        return {**own, **self.params_of(personal)}
+        return {**own, **self.params_of(personal)} if own else self.truncated_global(received, personal)
 
     def truncated_global(self, received: Tensors, personal: Tensors) -> Tensors:
         return {**pad(received, self.cfg.lora.r), **self.params_of(personal)}
@@ -277,13 +274,13 @@ class HETLoRA(FedAvgPeft):
     def eval_state(self, model, received: Tensors, personal: Tensors, client: ClientData) -> Tensors:
         """The client's own adapter (``personal_model: own``) or the truncated global one."""
         if self.cfg.personal_model == "own":
-            return self.own_state(personal)
+            return self.own_state(received, personal)
         return self.truncated_global(received, personal)
 
     def extra_eval_states(self, model, received: Tensors, personal: Tensors, client: ClientData) -> dict:
         if self.cfg.personal_model == "own":
             return {"global": self.truncated_global(received, personal)}
-        return {"own": self.own_state(personal)}
+        return {"own": self.own_state(received, personal)}
 
 
 OWN = "own."  # personal keys of the client's own (last locally trained) model

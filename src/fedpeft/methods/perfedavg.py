@@ -119,25 +119,34 @@ class PerFedAvg(FedAvgPeft):
     def batch_pairs(self, client: ClientData, steps: int, generator: torch.Generator):
         """``(D1, D2)`` for each step: two batches of ``train.batch_size`` (the paper's
         Per-FedAvg), or with ``split_batch`` the two halves of one batch, so that a step
-        sees as many examples as another method's step."""
+        sees as many examples as another method's step. A one-row batch (the end of a
+        pass over ``n = 1 mod batch_size`` examples) cannot be halved and is skipped."""
         size = self.train.batch_size
         if not self.cfg.split_batch:
             batches = take_steps(client.train, size, 2 * steps, generator)
             for _ in range(steps):
                 yield next(batches), next(batches)
             return
-        if size < 2:
-            raise ValueError("method.split_batch needs train.batch_size >= 2")
-        for batch in take_steps(client.train, size, steps, generator):
+        if len(client.train) < 2:
+            raise ValueError(
+                f"method.split_batch: client {client.cid} has {len(client.train)} example(s), needs 2"
+            )
+        batches = (b for b in take_steps(client.train, size, 2 * steps, generator) if len(b["labels"]) >= 2)
+        for _ in range(steps):
+            batch = next(batches)
             half = len(batch["labels"]) // 2
             yield {k: v[:half] for k, v in batch.items()}, {k: v[half:] for k, v in batch.items()}
+
+    def adapt_size(self) -> int:
+        """Rows of the adaptation step: those of a training step's inner batch ``D1``."""
+        return self.train.batch_size // 2 if self.cfg.split_batch else self.train.batch_size
 
     def eval_state(self, model, received: Tensors, personal: Tensors, client: ClientData) -> Tensors:
         """One adaptation step on a batch of the client's training data (seeded by the
         client id, so evaluation is reproducible), then the adapted tensors."""
         load_tensors(model, {**received, **self.params_of(personal)})
         rows = torch.randperm(len(client.train), generator=torch.Generator().manual_seed(client.cid))
-        batch = make_batch(client.train, rows[: self.train.batch_size])
+        batch = make_batch(client.train, rows[: self.adapt_size()])
         params = self._trainable(model)
         model.eval()  # adapt without dropout noise
         loss = self._loss_at(model)({}, batch)
