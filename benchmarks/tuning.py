@@ -2,8 +2,9 @@
 
 A fair table gives every method its own learning rate, tuned on a seed the table does
 not use (the PF2LoRA paper grid-searches each method's rate). ``tune_method`` scores
-each rate of ``grid`` with a fresh optimizer every round (``optimizer_state: reset``),
-then ``keep`` at the best rate, and returns the best of those settings.
+each rate of a grid with a fresh optimizer every round (``optimizer_state: reset``),
+extending the grid while its best rate is at an end, then ``keep`` at the best rate,
+and returns the best of those settings.
 
 The chosen settings live in ``benchmarks/tuned/<benchmark>.json`` (committed, so a table
 can be re-run without re-tuning); a benchmark refuses to run a method that has none
@@ -26,19 +27,29 @@ LR_GRID = [1e-3, 2e-3, 5e-3]
 TUNED_DIR = Path(__file__).parent / "tuned"
 
 
-def tune_method(score: Callable[[dict], float], grid: list[float] = LR_GRID) -> tuple[dict, str]:
+def tune_method(
+    score: Callable[[dict], float], grid: list[float] = LR_GRID, extend: int = 2
+) -> tuple[dict, str]:
     """``(best setting, one-line report)``; ``score(setting)`` runs the method with
-    ``train`` overrides ``setting`` on the tuning seed and returns the score to maximise."""
-    scores = {(lr, "reset"): score({"lr": lr, "optimizer_state": "reset"}) for lr in grid}
-    lr = max(grid, key=lambda x: scores[(x, "reset")])
+    ``train`` overrides ``setting`` on the tuning seed and returns the score to maximise.
+
+    Every rate of ``grid`` is scored with ``optimizer_state: reset``; while the best sits
+    at an end of the grid, the grid grows by a factor of 2 past that end (``extend``
+    times at most), so the rate chosen is bracketed. Then ``keep`` at the best rate."""
+    rates = sorted(grid)
+    scores = {(lr, "reset"): score({"lr": lr, "optimizer_state": "reset"}) for lr in rates}
+    for _ in range(extend):
+        best = max(rates, key=lambda x: scores[(x, "reset")])
+        if best not in (rates[0], rates[-1]):
+            break
+        new = best * 2 if best == rates[-1] else best / 2
+        rates = sorted([*rates, new])
+        scores[(new, "reset")] = score({"lr": new, "optimizer_state": "reset"})
+    lr = max(rates, key=lambda x: scores[(x, "reset")])
     scores[(lr, "keep")] = score({"lr": lr, "optimizer_state": "keep"})
-    best = max(scores, key=scores.get)
-    report = ", ".join(f"{x:g}/{state}: {acc:.3f}" for (x, state), acc in scores.items())
-    return {
-        "lr": best[0],
-        "optimizer_state": best[1],
-        "grid": report,
-    }, f"{report} -> lr {best[0]:g}, {best[1]}"
+    best_lr, state = max(scores, key=scores.get)
+    report = ", ".join(f"{x:g}/{st}: {acc:.3f}" for (x, st), acc in sorted(scores.items()))
+    return {"lr": best_lr, "optimizer_state": state, "grid": report}, f"{report} -> lr {best_lr:g}, {state}"
 
 
 def write_tuned(path: Path, best: dict[str, dict]) -> None:

@@ -97,3 +97,20 @@ def test_resume_needs_checkpoints(tiny_config, tmp_path):
     cfg = tiny_config(output_dir=str(tmp_path / "nock"), checkpoint=False)
     with pytest.raises(C.ResumeError, match="checkpoint: false"):
         run(cfg, resume=True)
+
+
+def test_fingerprint_ignores_options_left_at_their_defaults(tiny_config):
+    """A run written before an option existed (its config.yaml lacks the key) has the same
+    fingerprint as the same config now, so it still resumes; a changed setting does not."""
+    import yaml
+
+    from fedpeft.config import dump_config, parse_config
+
+    cfg = tiny_config()
+    older = yaml.safe_load(dump_config(cfg))
+    del older["partition"]["dirichlet_mode"], older["data"]["test_path"]  # options added later
+    assert fingerprint(parse_config(older)) == fingerprint(cfg)
+    assert fingerprint(tiny_config(**{"partition.dirichlet_mode": "per_client"})) != fingerprint(cfg)
+    assert fingerprint(tiny_config(**{"method": {"name": "federa"}})) != fingerprint(
+        tiny_config(**{"method": {"name": "fedlr"}})
+    )

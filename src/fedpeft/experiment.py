@@ -7,6 +7,7 @@ This is the recipe layer (the engines and methods are the building blocks); the 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import shutil
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedpeft.config import ExperimentConfig, ExportConfig, dump_config
+from fedpeft.config import ExperimentConfig, dump_config
 from fedpeft.data import partition as P
 from fedpeft.data.sources import Corpus, load_corpus
 from fedpeft.data.task import Encoded, encode
@@ -68,9 +69,12 @@ def make_split(cfg: ExperimentConfig, corpus: Corpus) -> Split:
 
 
 def fingerprint(cfg: ExperimentConfig) -> str:
-    """A hash of everything that determines the results (output_dir excluded)."""
-    data = cfg.model_copy(update={"output_dir": Path("."), "export": ExportConfig()})
-    return hashlib.sha256(dump_config(data).encode()).hexdigest()[:16]
+    """A hash of everything that determines the results (output_dir and export excluded):
+    the settings that differ from their defaults, and the method's name. An option that a
+    later fedpeft adds, with a default, leaves it unchanged, so older runs still resume."""
+    data = cfg.model_dump(mode="json", exclude_defaults=True, exclude={"output_dir", "export"})
+    data["method"] = {**data.get("method", {}), "name": cfg.method.name}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def param_counts(model: TaskModel, method: Method) -> dict[str, int]:
