@@ -55,7 +55,7 @@ HET = {"name": "hetlora", "lora": {"r": 4}, "r_min": 1}
 KEEP = {"train.optimizer_state": "keep"}
 
 
-CASES = [({"name": "fedlr"}, {}), (PF2, {}), ({"name": "federa"}, {}), (HET, KEEP), (PF2, KEEP)]
+CASES = [({"name": "fedlr"}, {}), (PF2, {}), ({"name": "federa"}, {}), (HET, KEEP)]
 
 
 @pytest.mark.parametrize(("method", "over"), CASES)
