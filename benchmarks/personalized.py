@@ -11,6 +11,7 @@ switched off (``bilevel: false``, the paper's ablation).
 
     .venv/bin/python benchmarks/personalized.py --tune [--head shared|personal]   # on seed 2, s = 0.9
     .venv/bin/python benchmarks/personalized.py [--seeds 0,1,3] [--s 0.6,0.9,1.0] [--head shared|personal]
+        [--tuned-head shared|personal]
         [--methods local,...] [--set KEY=VALUE ...] [--out benchmarks/results/personalized]
 
 Fair footing: the same clients (all 8 scored, every round), the same rounds and local
@@ -19,8 +20,10 @@ paper's ``perfedavg`` reads twice the examples and is listed for reference), and
 method its own ``train.lr`` and ``train.optimizer_state``, tuned by ``--tune`` on seed 2
 at s = 0.9, which the table does not use, for each head setting (``--tune`` prints the
 grid and writes ``benchmarks/tuned/personalized.json``; the ablation ``pf2lora-nobilevel``
-runs at PF2LoRA's setting, the reference ``perfedavg`` at ``perfedavg-eq``'s). The SGD
-step sizes of PF2LoRA and Per-FedAvg were tuned on the same seed (docs/personalized.md).
+runs at PF2LoRA's setting, the reference ``perfedavg`` at ``perfedavg-eq``'s;
+``--tuned-head shared`` runs a personal-head table at the shared-head settings, saying so
+in its header). The SGD step sizes of PF2LoRA and Per-FedAvg were tuned on the same seed
+(docs/personalized.md).
 """
 
 from __future__ import annotations
@@ -130,6 +133,10 @@ def main() -> None:
         help="the classification head: averaged like the adapters, or kept on each client",
     )  # fmt: skip
     ap.add_argument(
+        "--tuned-head", choices=["shared", "personal"], default=None,
+        help="run at the settings tuned for this head setting (default: --head's own)",
+    )  # fmt: skip
+    ap.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="a method setting for every method run (for tuning; give it its own --out), e.g. inner_lr=0.1",
     )  # fmt: skip
@@ -148,7 +155,7 @@ def main() -> None:
         write_tuned(TUNED_FILE, tune(tuned, args.rounds, args.out / f"tune-{args.head}-head", method_extra))
         print(f"written: {TUNED_FILE}")
         return
-    keys = {n: tuned_key(n, args.head) for n in names}
+    keys = {n: tuned_key(n, args.tuned_head or args.head) for n in names}
     settings = read_tuned(TUNED_FILE, sorted(set(keys.values())), DEFAULT_TRAIN if args.untuned else None)
     run_all(
         seeds, levels, names, args.rounds, args.out, method_extra, {n: settings[k] for n, k in keys.items()}
@@ -157,7 +164,10 @@ def main() -> None:
     pers = {
         n: {s: [read_summary(run_dir(args.out, n, s, seed)) for seed in seeds] for s in levels} for n in names
     }
-    print(f"\n8 clients, all per round, {args.rounds} rounds x 5 steps, {args.head} head, seeds {seeds}\n")
+    head = args.head
+    if args.tuned_head not in (None, args.head):
+        head += f" (at {args.tuned_head}-head settings)"
+    print(f"\n8 clients, all per round, {args.rounds} rounds x 5 steps, {head} head, seeds {seeds}\n")
     print_table(pers)
     print_claim(pers)
     plot(pers, args.out / "personalized.png", f"{args.head} head, seeds {seeds}")
