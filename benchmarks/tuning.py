@@ -35,7 +35,9 @@ def tune_method(
 
     Every rate of ``grid`` is scored with ``optimizer_state: reset``; while the best sits
     at an end of the grid, the grid grows by a factor of 2 past that end (``extend``
-    times at most), so the rate chosen is bracketed. Then ``keep`` at the best rate."""
+    times at most), so the rate chosen is bracketed unless it is still at an end after
+    the last extension (the report then shows it at the grid's end). Then ``keep`` at
+    the best rate."""
     rates = sorted(grid)
     scores = {(lr, "reset"): score({"lr": lr, "optimizer_state": "reset"}) for lr in rates}
     for _ in range(extend):
