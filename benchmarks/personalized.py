@@ -55,7 +55,7 @@ TUNING_SEED, TUNING_S = 2, 0.9
 TUNED_FILE = TUNED_DIR / "personalized.json"
 # An ablation runs at its method's setting; the paper's Per-FedAvg (two batches per step,
 # listed for reference) at that of Per-FedAvg with the same examples per step.
-TUNED_AS = {"pf2lora-nobilevel": "pf2lora", "perfedavg": "perfedavg-eq"}
+TUNED_AS = {"pf2lora-nobilevel": "pf2lora"}
 DEFAULT_TRAIN = {"lr": 0.002, "optimizer_state": "reset"}
 
 

@@ -165,6 +165,17 @@ class TrainConfig(BaseModel):
     )
     max_grad_norm: float | None = Field(1.0, gt=0)
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None: default).")
+    device: str = Field(
+        "auto",
+        pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$",
+        description="Where models and batches live: auto (a GPU when there is one, else the CPU), "
+        "cpu, cuda, cuda:N or mps. Not part of the run's identity: a run resumes on another device.",
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32",
+        description="Autocast precision of the forward pass; parameters and optimizer state stay "
+        "float32 (fp16 adds loss scaling).",
+    )
 
 
 class EvalConfig(BaseModel):

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedpeft.config import ExperimentConfig, dump_config
+from fedpeft.config import ConfigError, ExperimentConfig, TrainConfig, dump_config
 from fedpeft.data import partition as P
 from fedpeft.data.sources import Corpus, load_corpus
 from fedpeft.data.task import Encoded, encode
@@ -28,6 +28,7 @@ from fedpeft.methods import build_method
 from fedpeft.methods.base import ClientData, Method, ServerState, Tensors, load_tensors, read_tensors
 from fedpeft.metrics.variation import lora_variations
 from fedpeft.models.backbone import TaskModel, build_model
+from fedpeft.models.device import autocast_dtype, resolve_device
 from fedpeft.report import results as R
 
 
@@ -69,10 +70,12 @@ def make_split(cfg: ExperimentConfig, corpus: Corpus) -> Split:
 
 
 def fingerprint(cfg: ExperimentConfig) -> str:
-    """A hash of everything that determines the results (output_dir and export excluded):
-    the settings that differ from their defaults, and the method's name. An option that a
-    later fedpeft adds, with a default, leaves it unchanged, so older runs still resume."""
-    data = cfg.model_dump(mode="json", exclude_defaults=True, exclude={"output_dir", "export"})
+    """A hash of everything that determines the results (output_dir, export and
+    train.device excluded: a run may resume on another device): the settings that differ
+    from their defaults, and the method's name. An option that a later fedpeft adds, with
+    a default, leaves it unchanged, so older runs still resume."""
+    exclude = {"output_dir": True, "export": True, "train": {"device"}}
+    data = cfg.model_dump(mode="json", exclude_defaults=True, exclude=exclude)
     data["method"] = {**data.get("method", {}), "name": cfg.method.name}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -112,11 +115,13 @@ def build(cfg: ExperimentConfig, model: TaskModel | None = None, tokenizer=None)
         model, tokenizer = build_model(cfg.model, corpus.num_classes, cfg.seed)
     pool = encode(corpus.train_texts, corpus.train_labels, tokenizer, cfg.data.max_length)
     global_test = encode(corpus.test_texts, corpus.test_labels, tokenizer, cfg.data.max_length)
+    method, initial = attach_method(cfg, model)
+    device = place(model, cfg.train)
+    pool, global_test = pool.to(device), global_test.to(device)
     clients = [
         ClientData(i, pool.subset(tr), pool.subset(te))
         for i, (tr, te) in enumerate(zip(split.train, split.test, strict=True))
     ]
-    method, initial = attach_method(cfg, model)
     return Setup(cfg, corpus, split, model, method, clients, global_test, initial)
 
 
@@ -125,10 +130,24 @@ def attach_method(cfg: ExperimentConfig, model: TaskModel) -> tuple[Method, Tens
     that builds the same config holds the same initial adapters); returns the method and
     the trainable tensors right after preparation."""
     method = build_method(cfg.method, cfg.train, cfg.seed)
+    if cfg.train.precision == "fp16" and not method.fp16:
+        raise ConfigError(
+            f"train.precision: fp16 needs loss scaling, which method {method.name} (it takes its own "
+            "gradients) does not have; use bf16 (float32's range, no scaling needed) or fp32"
+        )
     torch.manual_seed(cfg.seed + 1)  # adapter / LoRA initialisation
     method.prepare(model)
     initial = read_tensors(model, [n for n, p in model.named_parameters() if p.requires_grad])
     return method, initial
+
+
+def place(model: TaskModel, train: TrainConfig) -> torch.device:
+    """Move ``model`` (prepared: its adapters added) to ``train.device`` and set its
+    autocast precision; returns the device, where the clients' data must go too."""
+    device = resolve_device(train.device)
+    model.to(device)
+    model.precision = autocast_dtype(train.precision)
+    return device
 
 
 def pooled_schedule(setup: Setup) -> tuple[list[ClientData], int]:
@@ -239,7 +258,8 @@ def run(
     t_run = time.perf_counter()
     records = engine.run(resume=resume)
     t_end = time.perf_counter()
-    extra = {"time_setup": t_run - t_setup, "time_total": t_end - t_setup}
+    device = str(next(setup.model.parameters()).device)
+    extra = {"time_setup": t_run - t_setup, "time_total": t_end - t_setup, "device": device}
     client_models = lambda client: engine.client_model(engine.server, client)[0]  # noqa: E731
     return finish(setup, records, engine.server, hist, extra, client_models)
 

@@ -26,8 +26,12 @@ class Encoded:
         return len(self.labels)
 
     def subset(self, rows: np.ndarray | torch.Tensor) -> Encoded:
-        rows = torch.as_tensor(rows, dtype=torch.long)
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.ids.device)
         return Encoded(self.ids[rows], self.lengths[rows], self.labels[rows])
+
+    def to(self, device: torch.device | str) -> Encoded:
+        """The same examples on ``device`` (batches are then cut there)."""
+        return Encoded(self.ids.to(device), self.lengths.to(device), self.labels.to(device))
 
     @staticmethod
     def concat(parts: list[Encoded]) -> Encoded:
@@ -57,7 +61,7 @@ def make_batch(data: Encoded, rows: torch.Tensor) -> dict[str, torch.Tensor]:
     """Rows of ``data`` as model inputs, padded only to the longest row in the batch."""
     lengths = data.lengths[rows]
     width = int(lengths.max())
-    mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)  # (B, width)
+    mask = torch.arange(width, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)  # (B, width)
     return {
         "input_ids": data.ids[rows, :width],
         "attention_mask": mask.long(),

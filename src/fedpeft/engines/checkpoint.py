@@ -51,7 +51,7 @@ def load_checkpoint(path: Path, fingerprint: str) -> Checkpoint:
     if not path.is_file():
         raise ResumeError(f"{path}: no checkpoint to resume from")
     try:
-        payload = torch.load(path, weights_only=True)
+        payload = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as err:  # a truncated or foreign file
         raise ResumeError(f"{path}: unreadable checkpoint: {err}") from err
     if payload["fingerprint"] != fingerprint:

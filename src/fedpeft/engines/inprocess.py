@@ -208,7 +208,7 @@ class InProcessEngine:
         method is scored on the same ones (a client that never trained holds the global
         model and its initial personal state)."""
         bs, out = self.schedule.eval_batch_size, {}
-        labels = self.global_test.labels.numpy()
+        labels = self.global_test.labels.cpu().numpy()
         global_tensors = self.method.global_state(server)
         if global_tensors is not None:
             self.load(global_tensors)
@@ -220,14 +220,14 @@ class InProcessEngine:
             for name, state in extra.items() if local_test else ():
                 self.load(state)
                 extra_local.setdefault(name, []).append(
-                    scores(predict(self.model, client.test, bs), client.test.labels.numpy())
+                    scores(predict(self.model, client.test, bs), client.test.labels.cpu().numpy())
                 )
             self.load(tensors)
             if global_tensors is None:
                 per_client_global.append(scores(predict(self.model, self.global_test, bs), labels))
             if local_test:
                 per_client_local.append(
-                    scores(predict(self.model, client.test, bs), client.test.labels.numpy())
+                    scores(predict(self.model, client.test, bs), client.test.labels.cpu().numpy())
                 )
         out["clients_evaluated"] = len(self.eval_clients)
         if per_client_global:

@@ -27,7 +27,7 @@ from fedpeft.data import partition as P
 from fedpeft.data.sources import load_client_file, load_corpus
 from fedpeft.data.task import Encoded, encode
 from fedpeft.engines.inprocess import derive_seed
-from fedpeft.experiment import attach_method, fingerprint, make_split
+from fedpeft.experiment import attach_method, fingerprint, make_split, place
 from fedpeft.methods.base import ClientData, FitResult, Method, Tensors, load_tensors
 from fedpeft.metrics.classification import predict, scores
 from fedpeft.models.backbone import TaskModel, build_model, load_tokenizer
@@ -96,10 +96,15 @@ class Node:
     def learner(self) -> tuple[TaskModel, Method, Tensors]:
         """The model, the method and the initial trainable tensors, built on first use (a
         roll call needs none of them): the same seeded construction as the in-process
-        engine's, so the same initial adapters; the join message applied if held."""
+        engine's, so the same initial adapters; the join message applied if held. The model
+        and the data go to this node's own ``train.device`` (``auto``: its GPU if it has one)."""
         if self._learner is None:
             model, _ = build_model(self.cfg.model, len(self.class_names), self.cfg.seed)
             method, initial = attach_method(self.cfg, model)
+            device = place(model, self.cfg.train)
+            self.client = ClientData(self.cid, self.client.train.to(device), self.client.test.to(device))
+            if self.global_test is not None:
+                self.global_test = self.global_test.to(device)
             if self._join is not None:
                 method.join(model, self._join)
             self._learner = model, method, initial
@@ -158,7 +163,7 @@ class Node:
     def _load(self, what: str):
         if self.state_dir is None or not self._path(what).is_file():
             return None
-        saved = torch.load(self._path(what), weights_only=True)
+        saved = torch.load(self._path(what), weights_only=True, map_location="cpu")
         return saved["value"] if saved.get("tag") == self.tag else None  # another experiment's: ignore
 
     def _save(self, what: str, value) -> None:
@@ -218,7 +223,7 @@ class Node:
             if len(self.client.test):
                 load_tensors(self.model, state)
                 extra[name] = scores(
-                    predict(self.model, self.client.test, batch_size), self.client.test.labels.numpy()
+                    predict(self.model, self.client.test, batch_size), self.client.test.labels.cpu().numpy()
                 )
         tensors = self.method.eval_state(self.model, received, personal, self.client)
         if set(tensors) != trainable:
@@ -228,10 +233,10 @@ class Node:
         load_tensors(self.model, tensors)
         local = {}
         if len(self.client.test):
-            local = scores(predict(self.model, self.client.test, batch_size), self.client.test.labels.numpy())
+            local = scores(predict(self.model, self.client.test, batch_size), self.client.test.labels.cpu().numpy())
         global_ = {}
         if on_global_test and self.global_test is not None:
             global_ = scores(
-                predict(self.model, self.global_test, batch_size), self.global_test.labels.numpy()
+                predict(self.model, self.global_test, batch_size), self.global_test.labels.cpu().numpy()
             )
         return Evaluation(trained, local, global_, extra)

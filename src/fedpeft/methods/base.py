@@ -35,6 +35,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from fedpeft.data.task import Encoded, take_steps
+from fedpeft.models.device import grad_scaler
 
 if TYPE_CHECKING:
     from fedpeft.config import TrainConfig
@@ -86,9 +87,10 @@ class ServerState:
 
 
 def read_tensors(model: torch.nn.Module, names: list[str]) -> Tensors:
-    """Detached copies of the named parameters."""
+    """Detached CPU copies of the named parameters: what leaves a model (uplinks, personal
+    state, checkpoints) is device-independent."""
     params = dict(model.named_parameters())
-    return {n: params[n].detach().clone() for n in names}
+    return {n: params[n].detach().to("cpu", copy=True) for n in names}
 
 
 @torch.no_grad()
@@ -148,8 +150,9 @@ def make_optimizer(
         for key, value in saved.items():
             if key.startswith(OPT):
                 state_key, name = key.removeprefix(OPT).split(".", 1)
-                if name in named:
-                    opt.state[named[name]][state_key] = value.clone()
+                if name in named:  # Adam's step count stays on the CPU (torch's default)
+                    device = "cpu" if state_key == "step" else named[name].device
+                    opt.state[named[name]][state_key] = value.to(device, copy=True)
     return opt
 
 
@@ -164,7 +167,7 @@ def optimizer_tensors(
     for name, p in named.items():
         for key, value in opt.state.get(p, {}).items():
             if isinstance(value, torch.Tensor):
-                out[f"{OPT}{key}.{name}"] = value.detach().clone()
+                out[f"{OPT}{key}.{name}"] = value.detach().to("cpu", copy=True)
     return out
 
 
@@ -182,15 +185,19 @@ def sgd_steps(
     penalty: Callable[[], torch.Tensor] | None = None,
 ) -> float:
     """Cross-entropy (plus ``penalty()``, e.g. a regulariser) steps of ``opt`` over
-    ``batches``; returns the summed cross-entropy."""
+    ``batches``; returns the summed cross-entropy. In float16 the loss is scaled (a step
+    whose gradients overflow is skipped and the scale halved)."""
     model.train()
     total = 0.0
+    scaler = grad_scaler(params[0].device, getattr(model, "precision", None))
     for batch in batches:
         loss = torch.nn.functional.cross_entropy(model(**batch), batch["labels"])
-        (loss + penalty() if penalty else loss).backward()
+        scaler.scale(loss + penalty() if penalty else loss).backward()
+        scaler.unscale_(opt)
         if max_grad_norm:
             torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         opt.zero_grad(set_to_none=True)
         total += loss.item()
     return total
@@ -248,6 +255,9 @@ class Method:
     pooled: ClassVar[bool] = False
     #: False when nothing crosses a network (pooled training): bytes are recorded as 0.
     communicates: ClassVar[bool] = True
+    #: False for a method that takes gradients itself (``torch.autograd.grad``) rather than
+    #: through :func:`sgd_steps`, whose loss scaling float16 training needs.
+    fp16: ClassVar[bool] = True
 
     def __init__(self, cfg: MethodConfig, train: TrainConfig, seed: int = 0):
         self.cfg = cfg

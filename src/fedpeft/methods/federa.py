@@ -61,8 +61,8 @@ class FeDeRA(FedAvgPeft):
                 a, b = svd_factors(pretrained_weight(layer), layer.r["default"])
                 layer.lora_A["default"].weight.copy_(a)
                 layer.lora_B["default"].weight.copy_(b)
-                initial[f"{name}.lora_A.default.weight"] = a.clone()
-                initial[f"{name}.lora_B.default.weight"] = b.clone()
+                initial[f"{name}.lora_A.default.weight"] = a.to("cpu", copy=True)
+                initial[f"{name}.lora_B.default.weight"] = b.to("cpu", copy=True)
         self.setup_info = {"time_decompose": time.perf_counter() - start}
         extras = {_JOIN + k: v for k, v in initial.items()}
         return ServerState(read_tensors(model, self.shared_names), extras)
@@ -75,9 +75,9 @@ class FeDeRA(FedAvgPeft):
         self.principal = message  # the initial A0, B0, which the export folds back in
         with torch.no_grad():
             for name, layer in lora_layers(model).items():
-                a = message[f"{name}.lora_A.default.weight"]
-                b = message[f"{name}.lora_B.default.weight"]
                 base = layer.get_base_layer()
+                a = message[f"{name}.lora_A.default.weight"].to(base.weight.device)
+                b = message[f"{name}.lora_B.default.weight"].to(base.weight.device)
                 base.weight.copy_(residual(pretrained_weight(layer), a, b, layer.scaling["default"]))
 
     # ----- export: the trained model on the *pretrained* backbone

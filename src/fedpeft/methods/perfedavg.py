@@ -75,6 +75,7 @@ def maml_grads(
 
 class PerFedAvg(FedAvgPeft):
     name = "perfedavg"
+    fp16 = False  # it takes its own (MAML) gradients: no loss scaling
     config_cls = PerFedAvgConfig
     kind = "lora"
 
@@ -152,5 +153,5 @@ class PerFedAvg(FedAvgPeft):
         loss = self._loss_at(model)({}, batch)
         grads = torch.autograd.grad(loss, list(params.values()))
         return {
-            n: (p - self.cfg.inner_lr * g).detach() for (n, p), g in zip(params.items(), grads, strict=True)
+            n: (p - self.cfg.inner_lr * g).detach().cpu() for (n, p), g in zip(params.items(), grads, strict=True)
         }

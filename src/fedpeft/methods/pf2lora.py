@@ -99,6 +99,7 @@ def bilevel_step(
 
 class PF2LoRA(FedAvgPeft):
     name = "pf2lora"
+    fp16 = False  # its own (hyper)gradients: no loss scaling
     config_cls = PF2LoRAConfig
     kind = "lora"
 

@@ -15,7 +15,7 @@ def predict(model: torch.nn.Module, data: Encoded, batch_size: int = 128) -> np.
     out = []
     for start in range(0, len(data), batch_size):
         batch = make_batch(data, torch.arange(start, min(start + batch_size, len(data))))
-        out.append(model(**batch).argmax(-1))
+        out.append(model(**batch).argmax(-1).cpu())
     return torch.cat(out).numpy() if out else np.zeros(0, dtype=np.int64)
 
 

@@ -89,7 +89,10 @@ def set_dropout(module: nn.Module, p: float) -> None:
 
 
 class TaskModel(nn.Module):
-    """Backbone -> pooled representation ``(B, H)`` -> linear head -> logits ``(B, C)``."""
+    """Backbone -> pooled representation ``(B, H)`` -> linear head -> logits ``(B, C)``.
+
+    With ``precision`` set (a dtype; ``fedpeft.models.device``) the forward pass runs under
+    autocast to it, on whichever device the model is; the logits are float32 either way."""
 
     def __init__(self, backbone: nn.Module, num_labels: int, pooling: str = "mean"):
         super().__init__()
@@ -97,6 +100,7 @@ class TaskModel(nn.Module):
         hidden = backbone.config.hidden_size
         self.head = nn.Linear(hidden, num_labels)
         self.pooling = pooling
+        self.precision: torch.dtype | None = None
         for p in self.backbone.parameters():
             p.requires_grad_(False)
 
@@ -111,7 +115,13 @@ class TaskModel(nn.Module):
         return states[torch.arange(states.shape[0]), last]
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **_: object) -> torch.Tensor:
-        return self.head(self.features(input_ids, attention_mask).to(self.head.weight.dtype))
+        device = self.head.weight.device
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        if self.precision is None:
+            return self.head(self.features(input_ids, attention_mask).to(self.head.weight.dtype))
+        with torch.autocast(device.type, dtype=self.precision):
+            logits = self.head(self.features(input_ids, attention_mask))
+        return logits.float()
 
 
 def build_model(cfg: ModelConfig, num_labels: int, seed: int) -> tuple[TaskModel, object]:
