@@ -17,27 +17,26 @@ import statistics
 import time
 
 import torch
+from plain_loop import plain_optimizer, plain_steps
 
 from fedpeft.config import load_config
 from fedpeft.data.task import take_steps
 from fedpeft.engines.inprocess import InProcessEngine, Schedule, derive_seed, sample_clients
 from fedpeft.experiment import build
-from fedpeft.methods.base import make_optimizer, sgd_steps
 
 
 def plain_loop(setup, clients: list[int], steps: int, seed: int, rnd: int) -> None:
     """The same optimizer steps on the same batches, with nothing federated around them:
     one optimizer for the whole loop, no loading or reading of client tensors."""
     model, cfg = setup.model, setup.cfg.train
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer(params, cfg)
+    opt, params = plain_optimizer(model, cfg.lr)
     for cid in clients:
         s = derive_seed(seed, rnd, cid)
         torch.manual_seed(s)
         batches = take_steps(
             setup.clients[cid].train, cfg.batch_size, steps, torch.Generator().manual_seed(s)
         )
-        sgd_steps(model, batches, opt, params, cfg.max_grad_norm)
+        plain_steps(model, batches, opt, params, cfg.max_grad_norm)
 
 
 def main() -> None:

@@ -56,17 +56,16 @@ def job_config(args, out: Path):
 def run_plain(cfg) -> list[float]:
     """The same steps and evaluations as the engine, as one plain loop."""
     import torch
+    from plain_loop import plain_optimizer, plain_steps
 
     from fedpeft.data.task import take_steps
     from fedpeft.engines.inprocess import derive_seed, sample_clients
     from fedpeft.experiment import build
-    from fedpeft.methods.base import make_optimizer, sgd_steps
     from fedpeft.metrics.classification import predict, scores
 
     setup = build(cfg)
     model, train = setup.model, cfg.train
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer(params, train)
+    opt, params = plain_optimizer(model, train.lr)
     times = []
     for rnd in range(1, train.rounds + 1):
         t0 = time.perf_counter()
@@ -75,11 +74,11 @@ def run_plain(cfg) -> list[float]:
             torch.manual_seed(seed)
             batches = take_steps(setup.clients[cid].train, train.batch_size, train.local_steps,
                                  torch.Generator().manual_seed(seed))  # fmt: skip
-            sgd_steps(model, batches, opt, params, train.max_grad_norm)
+            plain_steps(model, batches, opt, params, train.max_grad_norm)
         bs = cfg.eval.batch_size
-        scores(predict(model, setup.global_test, bs), setup.global_test.labels.numpy())
+        scores(predict(model, setup.global_test, bs), setup.global_test.labels.cpu().numpy())
         for client in setup.clients:
-            scores(predict(model, client.test, bs), client.test.labels.numpy())
+            scores(predict(model, client.test, bs), client.test.labels.cpu().numpy())
         times.append(time.perf_counter() - t0)
     return times
 

@@ -16,7 +16,6 @@ from fedpeft.engines import checkpoint as C
 from fedpeft.experiment import build, fingerprint, run
 from fedpeft.models.device import DeviceError, resolve_device
 from fedpeft.report.results import read_records
-
 from tests.test_resume import Killed, _scores
 
 
@@ -51,15 +50,15 @@ def _interrupt_then_resume(tiny_config, tmp_path, first: str, second: str, metho
     broken = tiny_config(**common, **{"train.device": first}, output_dir=str(tmp_path / "broken"))
     run(straight)
     setup = build(broken)
-    real_fit, calls = setup.method.fit, []
+    real_fit_cohort, calls = setup.method.fit_cohort, []
 
-    def dying_fit(*args, **kwargs):
+    def dying_fit_cohort(*args, **kwargs):  # a cohort of one client (train.cohort_size 1)
         calls.append(1)
         if len(calls) == 2 * 2 + 2:  # die on round 3's second client
             raise Killed
-        return real_fit(*args, **kwargs)
+        return real_fit_cohort(*args, **kwargs)
 
-    setup.method.fit = dying_fit
+    setup.method.fit_cohort = dying_fit_cohort
     with pytest.raises(Killed):
         run(broken, setup=setup)
     ckpt = C.load_checkpoint(broken.output_dir / "checkpoint.pt", fingerprint(broken))
@@ -90,8 +89,12 @@ def test_gpu_run_resumes_on_cpu(tiny_config, tmp_path):
 
 
 @pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
-def test_autocast_computes_in_the_precision_and_keeps_float32_masters(tiny_config, tmp_path, precision, dtype):
-    cfg = tiny_config(**{"train.precision": precision, "train.optimizer_state": "keep"}, output_dir=str(tmp_path))
+def test_autocast_computes_in_the_precision_and_keeps_float32_masters(
+    tiny_config, tmp_path, precision, dtype
+):
+    cfg = tiny_config(
+        **{"train.precision": precision, "train.optimizer_state": "keep"}, output_dir=str(tmp_path)
+    )
     setup = build(cfg)
     seen = []
     query = next(m for n, m in setup.model.named_modules() if n.endswith("attention.self.query.base_layer"))

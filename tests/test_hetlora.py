@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fedpeft.experiment import build
-from fedpeft.methods.base import ServerState, tensor_bytes
+from fedpeft.methods.base import Job, ServerState, tensor_bytes
 from fedpeft.methods.hetlora import pad, rank_of, sparsity_weighted_mean, truncate, update_norm
 
 A, B = "m.lora_A.default.weight", "m.lora_B.default.weight"
@@ -55,11 +55,17 @@ def test_client_trains_exactly_its_rank_and_prunes(tiny_config):
         server = ServerState({n: t + 0.1 if ".lora_" in n else t for n, t in server.tensors.items()})
     received = truncate(server.tensors, 2)
     client = setup.clients[0]
-    result = method.fit(model, received, {}, client, torch.Generator().manual_seed(0))
+    trained, finish = [], method.cohort_finish
+
+    def spy(job, params, *args):  # the trained tensors, padded to r_max, before pruning
+        trained.append(params)
+        return finish(job, params, *args)
+
+    method.cohort_finish = spy
+    result = method.fit(model, Job(received, {}, client, 0))
     # components 2..3 were zero-padded and stayed zero while training: rank 2 exactly
-    for name, p in model.named_parameters():
-        if ".lora_A." in name:
-            assert torch.count_nonzero(p[2:]) == 0 and torch.count_nonzero(p[:2]) > 0
+    lora_a = [t for name, t in trained[0].items() if ".lora_A." in name]
+    assert lora_a and all(torch.count_nonzero(a[2:]) == 0 and torch.count_nonzero(a[:2]) > 0 for a in lora_a)
     # prune_ratio 0.99: the tail (component 1 of 2) holds less than 99 % -> pruned to floor(0.5*2)=1
     assert rank_of(result.uplink) == 1
     result.cid = 0
@@ -117,14 +123,14 @@ def test_client_is_scored_with_its_own_adapter(tiny_config):
     setup = build(cfg)
     method, model = setup.method, setup.model
     sent = []
-    real_fit = method.fit
+    real_fit_cohort = method.fit_cohort
 
-    def fit(*args, **kwargs):
-        result = real_fit(*args, **kwargs)
-        sent.append(result)
-        return result
+    def fit_cohort(*args, **kwargs):
+        results = real_fit_cohort(*args, **kwargs)
+        sent.extend(results)
+        return results
 
-    method.fit = fit
+    method.fit_cohort = fit_cohort
     summary = run(cfg, setup=setup)
     ckpt = load_checkpoint(cfg.output_dir / "checkpoint.pt", fingerprint(cfg))
     last = {}

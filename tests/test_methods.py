@@ -33,13 +33,14 @@ CLAIMS = {
 
 def record_fits(method) -> list:
     """The FitResults of every local round ``method`` runs from now on, in order."""
-    results, real_fit = [], method.fit
+    results, real_fit_cohort = [], method.fit_cohort
 
-    def fit(*args, **kwargs):
-        results.append(real_fit(*args, **kwargs))
-        return results[-1]
+    def fit_cohort(model, jobs):
+        out = real_fit_cohort(model, jobs)
+        results.extend(out)
+        return out
 
-    method.fit = fit
+    method.fit_cohort = fit_cohort
     return results
 
 
@@ -65,15 +66,15 @@ def test_conformance(method_name, tiny_config):
 
     # record every message of training: what each client received and what it sent back
     sent_down, sent_up = [], []
-    real_fit = method.fit
+    real_fit_cohort = method.fit_cohort
 
-    def fit(model, received, *args, **kwargs):
-        sent_down.append({n: t.clone() for n, t in received.items()})
-        result = real_fit(model, received, *args, **kwargs)
-        sent_up.append(result.uplink)
-        return result
+    def fit_cohort(model, jobs):
+        sent_down.extend({n: t.clone() for n, t in job.received.items()} for job in jobs)
+        results = real_fit_cohort(model, jobs)
+        sent_up.extend(result.uplink for result in results)
+        return results
 
-    method.fit = fit
+    method.fit_cohort = fit_cohort
     summary = run(cfg, setup=setup)
 
     # trains exactly what it claims, and something
@@ -224,21 +225,16 @@ def test_kept_optimizer_state_carries_over_rounds(name, tiny_config, tmp_path):
         assert not any(n.startswith(PRIVATE) for n in ckpt.server.tensors)
 
 
-def test_optimizer_state_round_trip(tiny_config):
-    from fedpeft.methods.base import make_optimizer, optimizer_tensors, trainable_params
+def test_kept_optimizer_state_is_read_back_exactly(tiny_config):
+    """A client's kept AdamW state (its ``opt.*`` personal entries) is what its next round
+    starts from; with ``reset`` every round starts fresh."""
+    from fedpeft.methods.cohort import OPT, optimizer_init, optimizer_state
 
     cfg = tiny_config(**{"train.optimizer_state": "keep"})
-    model = build(cfg).model
-    named = trainable_params(model)
-    opt = make_optimizer(named, cfg.train)
-    for _ in range(2):
-        loss = sum((p**2).sum() for p in named.values())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    saved = optimizer_tensors(opt, named, cfg.train)
-    restored = make_optimizer(named, cfg.train, saved)
-    for name, p in named.items():
-        for key, value in opt.state[p].items():
-            assert torch.equal(restored.state[p][key], value), (name, key)
-    assert optimizer_tensors(opt, named, cfg.train.model_copy(update={"optimizer_state": "reset"})) == {}
+    params = {"a": torch.randn(3, 2), "b": torch.randn(4)}
+    kept = {f"{OPT}{k}": torch.rand_like(v) + 1 for k, v in optimizer_init(params, cfg.train).items()}
+    state = optimizer_state({**kept, "head.weight": torch.zeros(1)}, params, cfg.train)
+    assert state.keys() == {k.removeprefix(OPT) for k in kept}
+    assert all(torch.equal(state[k.removeprefix(OPT)], v) for k, v in kept.items())
+    fresh = optimizer_state(kept, params, cfg.train.model_copy(update={"optimizer_state": "reset"}))
+    assert all(float(t.abs().sum()) == 0 for t in fresh.values())

@@ -26,7 +26,8 @@ def _problem():
 def test_second_order_gradient_equals_finite_differences_of_the_unrolled_loss():
     params, loss_at, b1, b2 = _problem()
     alpha = 0.3
-    _, (grad,) = maml_grads(loss_at, params, b1, b2, alpha, order=2)
+    _, grads = maml_grads(loss_at, params, b1, b2, alpha, order=2)
+    grad = grads["w"]
 
     def unrolled(w):
         w = w.detach().requires_grad_()
@@ -46,8 +47,8 @@ def test_second_order_gradient_equals_finite_differences_of_the_unrolled_loss():
 def test_first_order_gradient_is_the_gradient_at_the_adapted_point():
     params, loss_at, b1, b2 = _problem()
     alpha = 0.3
-    _, (grad1,) = maml_grads(loss_at, params, b1, b2, alpha, order=1)
-    _, (grad2,) = maml_grads(loss_at, params, b1, b2, alpha, order=2)
+    grad1 = maml_grads(loss_at, params, b1, b2, alpha, order=1)[1]["w"]
+    grad2 = maml_grads(loss_at, params, b1, b2, alpha, order=2)[1]["w"]
     w = params["w"]
     (g,) = torch.autograd.grad(loss_at({}, b1), [w])
     adapted = (w - alpha * g).detach().requires_grad_()
@@ -73,16 +74,19 @@ def test_split_batch_gives_equal_examples_per_step(split, tiny_config, monkeypat
     sizes = []
     real = perfedavg.maml_grads
 
-    def spy(loss_at, params, batch1, batch2, *args):
+    def spy(loss_at, params, batch1, batch2, *args):  # runs under vmap: logical shapes
         sizes.append((len(batch1["labels"]), len(batch2["labels"])))
-        if split:  # the halves are disjoint rows of one batch
-            assert not torch.equal(batch1["input_ids"][:1], batch2["input_ids"][:1])
         return real(loss_at, params, batch1, batch2, *args)
 
     monkeypatch.setattr(perfedavg, "maml_grads", spy)
     cfg = tiny_config(**{"method": {"name": "perfedavg", "split_batch": split}, "train.rounds": 1})
     run(cfg)
     assert sizes and set(sizes) == ({(4, 4)} if split else {(8, 8)})
+    setup = build(cfg)
+    pairs = setup.method.batch_pairs(setup.clients[0], 3, torch.Generator().manual_seed(0))
+    for d1, d2 in pairs:  # two different sets of rows: halves of one batch, or two batches
+        rows1 = {tuple(r.tolist()) for r in d1["input_ids"]}
+        assert not rows1 & {tuple(r.tolist()) for r in d2["input_ids"]}
 
 
 def test_split_batch_never_halves_a_one_row_batch(tiny_config, monkeypatch):

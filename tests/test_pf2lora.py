@@ -38,8 +38,10 @@ def test_hypergradient_matches_finite_differences_and_the_hvp_formula():
         return ((x @ w.T - y) ** 2).mean()
 
     upper, lower, eta = {"A": p["A"], "B": p["B"]}, {"C": p["C"], "D": p["D"]}, 0.05
-    # Execute
-    loss, hyper, stepped = bilevel_step(loss_with, upper, lower, eta)
+    # Execute: the pure function, on detached values (as in a vmapped cohort)
+    detached = lambda d: {n: v.detach() for n, v in d.items()}  # noqa: E731
+    loss, hyper, stepped = bilevel_step(loss_with, detached(upper), detached(lower), eta)
+    hyper = list(hyper.values())
     # Assert 1: central finite differences of the unrolled objective, every coordinate
     F = _unrolled(loss_with, list(upper), lower, eta)
     eps = 1e-6
@@ -95,7 +97,9 @@ def test_hypergradient_on_the_tiny_model_float64(tiny_config):
         return torch.nn.functional.cross_entropy(logits, labels)
 
     with sdpa_kernel(SDPBackend.MATH):
-        _, hyper, _ = bilevel_step(loss_with, upper, lower, lower_lr=0.5)
+        detached = lambda d: {n: v.detach() for n, v in d.items()}  # noqa: E731
+        _, hyper, _ = bilevel_step(loss_with, detached(upper), detached(lower), lower_lr=0.5)
+        hyper = list(hyper.values())
         F = _unrolled(loss_with, list(upper), lower, 0.5)
         direction = [torch.randn_like(v) for v in upper.values()]
         eps = 1e-5

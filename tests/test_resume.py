@@ -32,15 +32,15 @@ def test_resume_equals_uninterrupted(tiny_config, tmp_path, method):
 
     # Kill the second run in the middle of round 3 (after rounds 1-2 were checkpointed).
     setup = build(broken)
-    real_fit, calls = setup.method.fit, []
+    real_fit_cohort, calls = setup.method.fit_cohort, []
 
-    def dying_fit(*args, **kwargs):
+    def dying_fit_cohort(*args, **kwargs):  # a cohort of one client (train.cohort_size 1)
         calls.append(1)
         if len(calls) == 2 * 2 + 2:  # rounds 1-2 = 4 fits; die on round 3's second client
             raise Killed
-        return real_fit(*args, **kwargs)
+        return real_fit_cohort(*args, **kwargs)
 
-    setup.method.fit = dying_fit
+    setup.method.fit_cohort = dying_fit_cohort
     with pytest.raises(Killed):
         run(broken, setup=setup)
     assert [r["round"] for r in read_records(broken.output_dir)] == [1, 2]

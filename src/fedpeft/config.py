@@ -171,6 +171,13 @@ class TrainConfig(BaseModel):
         description="Where models and batches live: auto (a GPU when there is one, else the CPU), "
         "cpu, cuda, cuda:N or mps. Not part of the run's identity: a run resumes on another device.",
     )
+    cohort_size: int = Field(
+        1,
+        ge=1,
+        description="Sampled clients trained at once, stacked on a client axis over the one shared "
+        "backbone (methods whose local step is vectorised; `fedpeft methods` says which). Not part of "
+        "the run's identity: any cohort size gives the same results to float rounding.",
+    )
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32",
         description="Autocast precision of the forward pass; parameters and optimizer state stay "

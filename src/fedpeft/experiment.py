@@ -70,11 +70,12 @@ def make_split(cfg: ExperimentConfig, corpus: Corpus) -> Split:
 
 
 def fingerprint(cfg: ExperimentConfig) -> str:
-    """A hash of everything that determines the results (output_dir, export and
-    train.device excluded: a run may resume on another device): the settings that differ
+    """A hash of everything that determines the results (output_dir, export, and
+    train.device and train.cohort_size, with which a run may resume differently laid out):
+    the settings that differ
     from their defaults, and the method's name. An option that a later fedpeft adds, with
     a default, leaves it unchanged, so older runs still resume."""
-    exclude = {"output_dir": True, "export": True, "train": {"device"}}
+    exclude = {"output_dir": True, "export": True, "train": {"device", "cohort_size"}}
     data = cfg.model_dump(mode="json", exclude_defaults=True, exclude=exclude)
     data["method"] = {**data.get("method", {}), "name": cfg.method.name}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
@@ -181,6 +182,7 @@ def make_engine(setup: Setup, on_round: Callable[[dict], None] | None) -> InProc
         eval_every=cfg.eval.every,
         eval_local=cfg.eval.local,
         eval_batch_size=cfg.eval.batch_size,
+        cohort_size=cfg.train.cohort_size,
     )
     metrics_path = out / "metrics.jsonl"
 

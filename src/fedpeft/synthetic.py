@@ -15,6 +15,7 @@ effective rank of a client's learned update is the number of its singular values
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -131,13 +132,15 @@ def run_pf2lora(
             opt = torch.optim.AdamW(list(upper.values()), lr=upper_lr, weight_decay=0.0)
             for _ in range(interval):
 
-                def loss_with(over, upper=upper, lower=lower, client=client):
-                    q = {**upper, **lower, **over}
+                def loss_with(q, client=client):
                     return _mse(problem, client.x_train, client.y_train, q[B] @ q[A] + q["d"] @ q["c"])
 
-                _, grads, stepped = bilevel_step(loss_with, upper, lower, lower_lr)
-                for p, grad in zip(upper.values(), grads, strict=True):
-                    p.grad = grad
+                detached = {k: v.detach() for k, v in upper.items()}
+                _, grads, stepped = bilevel_step(
+                    loss_with, detached, {k: v.detach() for k, v in lower.items()}, lower_lr
+                )
+                for name, p in upper.items():
+                    p.grad = grads[name]
                 opt.step()
                 with torch.no_grad():
                     for k, v in stepped.items():
@@ -178,7 +181,9 @@ def run_hetlora(
             opt = torch.optim.AdamW(list(local.values()), lr=lr, weight_decay=0.0)
             for _ in range(interval):
                 loss = _mse(problem, client.x_train, client.y_train, local[B] @ local[A])
-                loss = loss + penalty * tail_penalty([(local[A], local[B])], client_ranks[i], gamma)
+                tail = torch.zeros(client_ranks[i], dtype=torch.float64)
+                tail[math.floor(gamma * client_ranks[i]) :] = 1.0
+                loss = loss + penalty * tail_penalty([(local[A], local[B])], tail)
                 opt.zero_grad()
                 loss.backward()
                 opt.step()

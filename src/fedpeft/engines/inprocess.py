@@ -25,6 +25,7 @@ from fedpeft.engines.checkpoint import Checkpoint, load_checkpoint, save_checkpo
 from fedpeft.methods.base import (
     ClientData,
     FitResult,
+    Job,
     Method,
     ServerState,
     Tensors,
@@ -45,6 +46,7 @@ class Schedule:
     eval_every: int = 1
     eval_local: bool = True
     eval_batch_size: int = 128
+    cohort_size: int = 1  # clients trained at once (a vectorised method's local rounds)
 
 
 def derive_seed(*keys: int) -> int:
@@ -146,35 +148,41 @@ class InProcessEngine:
             self._loaded = tuple(tensors.values())
 
     # ------------------------------------------------------------ one round
-    def fit_client(self, server: ServerState, rnd: int, cid: int) -> tuple[FitResult, int]:
-        """Client ``cid``'s local round; returns its result and the bytes it received."""
+    def job(self, server: ServerState, rnd: int, cid: int) -> tuple[Job, int]:
+        """Client ``cid``'s local round to run, and the bytes it receives for it."""
         received = self.method.downlink(server, cid)
         down = tensor_bytes(received)
         if cid not in self.joined:  # first contact: the method's one-time join message too
             down += tensor_bytes(self.method.join_message(server))
             self.joined.add(cid)
-        seed = derive_seed(self.schedule.seed, rnd, cid)
-        torch.manual_seed(seed)  # dropout and any other global-RNG draw
-        self._loaded = ()  # fit loads its own tensors
         client = self.clients[cid]
-        personal = self.personal_of(client)
-        result = self.method.fit(self.model, received, personal, client, torch.Generator().manual_seed(seed))
-        result.cid = cid
-        self.personal[cid] = result.personal
-        return result, down
+        return Job(
+            received, self.personal_of(client), client, derive_seed(self.schedule.seed, rnd, cid)
+        ), down
 
     def fit_round(self, server: ServerState, rnd: int) -> tuple[list[FitResult], dict]:
+        """The sampled clients' local rounds, in cohorts of up to ``cohort_size`` clients
+        trained at once; a client's round does not depend on its cohort."""
         s = self.schedule
         sampled = sample_clients(s.seed, rnd, len(self.clients), s.clients_per_round)
-        results, down, fit_times, readouts = [], 0, [], {}
+        jobs, down = [], 0
         for cid in sampled:
-            t0 = time.perf_counter()
-            result, received_bytes = self.fit_client(server, rnd, cid)
-            fit_times.append(time.perf_counter() - t0)
-            results.append(result)
+            job, received_bytes = self.job(server, rnd, cid)
+            jobs.append(job)
             down += received_bytes
+        results, fit_times, readouts = [], [], {}
+        self._loaded = ()  # a fit may load its own tensors
+        for start in range(0, len(jobs), s.cohort_size):
+            cohort = jobs[start : start + s.cohort_size]
+            t0 = time.perf_counter()
+            for job, result in zip(cohort, self.method.fit_cohort(self.model, cohort), strict=True):
+                result.cid = job.client.cid
+                self.personal[result.cid] = result.personal
+                results.append(result)
+            fit_times.append(time.perf_counter() - t0)
+        for result in results:
             if readout := self.method.readout(result):
-                readouts[str(cid)] = readout
+                readouts[str(result.cid)] = readout
         up = sum(tensor_bytes(r.uplink) for r in results)
         if not self.method.communicates:  # pooled training: nothing crossed a network
             down = up = 0
@@ -187,7 +195,7 @@ class InProcessEngine:
             "fit": {k: float(np.mean([r.metrics[k] for r in results if k in r.metrics])) for k in names},
             "bytes_down": down,
             "bytes_up": up,
-            # the slowest client: what a round takes when clients train in parallel
+            # the slowest cohort: what a round takes when cohorts train in parallel
             "time_fit_max": max(fit_times),
             **({"client_readout": readouts} if readouts else {}),
         }

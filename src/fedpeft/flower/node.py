@@ -28,7 +28,7 @@ from fedpeft.data.sources import load_client_file, load_corpus
 from fedpeft.data.task import Encoded, encode
 from fedpeft.engines.inprocess import derive_seed
 from fedpeft.experiment import attach_method, fingerprint, make_split, place
-from fedpeft.methods.base import ClientData, FitResult, Method, Tensors, load_tensors
+from fedpeft.methods.base import ClientData, FitResult, Job, Method, Tensors, load_tensors
 from fedpeft.metrics.classification import predict, scores
 from fedpeft.models.backbone import TaskModel, build_model, load_tokenizer
 
@@ -199,9 +199,7 @@ class Node:
         personal = self.personal_before(rnd)
         if personal is None:
             personal = self.method.init_client(self.model, self.initial, self.client)
-        result = self.method.fit(
-            self.model, received, personal, self.client, torch.Generator().manual_seed(seed)
-        )
+        result = self.method.fit(self.model, Job(received, personal, self.client, seed))
         result.cid = self.cid
         self.snapshots = {r: t for r, t in self.snapshots.items() if r < rnd}
         self.snapshots[rnd] = result.personal
@@ -233,7 +231,8 @@ class Node:
         load_tensors(self.model, tensors)
         local = {}
         if len(self.client.test):
-            local = scores(predict(self.model, self.client.test, batch_size), self.client.test.labels.cpu().numpy())
+            labels = self.client.test.labels.cpu().numpy()
+            local = scores(predict(self.model, self.client.test, batch_size), labels)
         global_ = {}
         if on_global_test and self.global_test is not None:
             global_ = scores(

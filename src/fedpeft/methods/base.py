@@ -25,8 +25,7 @@ state is the mean of the returned ones weighted by ``|D_i|``.
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
@@ -35,7 +34,18 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from fedpeft.data.task import Encoded, take_steps
-from fedpeft.models.device import grad_scaler
+from fedpeft.methods.cohort import (
+    OPT,
+    GradientFn,
+    Job,
+    Start,
+    StepInput,
+    backprop,
+    model_loss,
+    model_scale,
+    optimizer_state,
+    run_cohort,
+)
 
 if TYPE_CHECKING:
     from fedpeft.config import TrainConfig
@@ -132,115 +142,9 @@ def local_steps(n: int, cfg: TrainConfig) -> int:
     return cfg.local_steps or cfg.local_epochs * math.ceil(n / cfg.batch_size)
 
 
-OPT = "opt."  # personal keys of a kept optimizer state: opt.<state key>.<parameter name>
-
-
-def make_optimizer(
-    named: dict[str, torch.Tensor], cfg: TrainConfig, saved: Tensors | None = None
-) -> torch.optim.Optimizer:
-    """``train.optimizer`` over the named parameters; with ``train.optimizer_state: keep``
-    its state is restored from the ``opt.*`` entries of ``saved`` (a client's personal
-    state), where there are any."""
-    params = list(named.values())
-    if cfg.optimizer == "sgd":
-        opt = torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    else:
-        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if cfg.optimizer_state == "keep" and saved:
-        for key, value in saved.items():
-            if key.startswith(OPT):
-                state_key, name = key.removeprefix(OPT).split(".", 1)
-                if name in named:  # Adam's step count stays on the CPU (torch's default)
-                    device = "cpu" if state_key == "step" else named[name].device
-                    opt.state[named[name]][state_key] = value.to(device, copy=True)
-    return opt
-
-
-def optimizer_tensors(
-    opt: torch.optim.Optimizer, named: dict[str, torch.Tensor], cfg: TrainConfig
-) -> Tensors:
-    """The optimizer's per-parameter state as ``opt.<key>.<name>`` tensors when
-    ``train.optimizer_state`` is ``keep`` (else nothing: a fresh optimizer next round)."""
-    if cfg.optimizer_state != "keep":
-        return {}
-    out = {}
-    for name, p in named.items():
-        for key, value in opt.state.get(p, {}).items():
-            if isinstance(value, torch.Tensor):
-                out[f"{OPT}{key}.{name}"] = value.detach().to("cpu", copy=True)
-    return out
-
-
 def trainable_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """The parameters that require grad, by name."""
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
-
-
-def sgd_steps(
-    model: TaskModel,
-    batches: Iterable[dict[str, torch.Tensor]],
-    opt: torch.optim.Optimizer,
-    params: list[torch.nn.Parameter],
-    max_grad_norm: float | None,
-    penalty: Callable[[], torch.Tensor] | None = None,
-) -> float:
-    """Cross-entropy (plus ``penalty()``, e.g. a regulariser) steps of ``opt`` over
-    ``batches``; returns the summed cross-entropy. In float16 the loss is scaled (a step
-    whose gradients overflow is skipped and the scale halved)."""
-    model.train()
-    total = 0.0
-    scaler = grad_scaler(params[0].device, getattr(model, "precision", None))
-    for batch in batches:
-        loss = torch.nn.functional.cross_entropy(model(**batch), batch["labels"])
-        scaler.scale(loss + penalty() if penalty else loss).backward()
-        scaler.unscale_(opt)
-        if max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-        total += loss.item()
-    return total
-
-
-def step_with(
-    opt: torch.optim.Optimizer,
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    max_grad_norm: float | None,
-) -> None:
-    """One optimizer step with gradients computed elsewhere (a hypergradient, a MAML gradient)."""
-    for p, g in zip(params, grads, strict=True):
-        p.grad = g
-    if max_grad_norm:
-        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-
-
-def train_local(
-    model: TaskModel,
-    data: Encoded,
-    cfg: TrainConfig,
-    generator: torch.Generator,
-    saved: Tensors | None = None,
-) -> tuple[dict[str, float], Tensors]:
-    """Plain supervised local training of every parameter that requires grad; returns the
-    figures and the optimizer state to keep (empty unless ``train.optimizer_state: keep``).
-    ``saved``: the client's personal state, holding a kept optimizer state if any."""
-    named = trainable_params(model)
-    params = list(named.values())
-    steps = local_steps(len(data), cfg)
-    batches = take_steps(data, cfg.batch_size, steps, generator)
-    opt = make_optimizer(named, cfg, saved)
-    start = time.perf_counter()
-    total = sgd_steps(model, batches, opt, params, cfg.max_grad_norm)
-    metrics = {
-        "loss": total / steps,
-        "steps": float(steps),
-        "time_step": (time.perf_counter() - start) / steps,
-    }
-    return metrics, optimizer_tensors(opt, named, cfg)
 
 
 # ---------------------------------------------------------------- the interface
@@ -256,8 +160,12 @@ class Method:
     #: False when nothing crosses a network (pooled training): bytes are recorded as 0.
     communicates: ClassVar[bool] = True
     #: False for a method that takes gradients itself (``torch.autograd.grad``) rather than
-    #: through :func:`sgd_steps`, whose loss scaling float16 training needs.
+    #: through the loss-scaled backprop of its local step, which float16 training needs.
     fp16: ClassVar[bool] = True
+    #: True when the local round is :meth:`step_gradients` & co (pure functions the engine
+    #: vmaps over a cohort of clients); False for an imperative :meth:`fit`, which trains
+    #: one client at a time.
+    vectorised: ClassVar[bool] = True
 
     def __init__(self, cfg: MethodConfig, train: TrainConfig, seed: int = 0):
         self.cfg = cfg
@@ -317,20 +225,53 @@ class Method:
         """A client's personal state before it first trains (default: the initial values)."""
         return {n: initial[n].clone() for n in self.personal_names}
 
-    def fit(
-        self,
-        model: TaskModel,
-        received: Tensors,
-        personal: Tensors,
-        client: ClientData,
-        generator: torch.Generator,
-    ) -> FitResult:
-        load_tensors(model, {**received, **self.params_of(personal)})
-        metrics, opt_state = train_local(model, client.train, self.train, generator, personal)
+    def fit(self, model: TaskModel, job: Job) -> FitResult:
+        """One client's local round: a cohort of one (a non-vectorised method overrides this)."""
+        return self.fit_cohort(model, [job])[0]
+
+    def fit_cohort(self, model: TaskModel, jobs: list[Job]) -> list[FitResult]:
+        """The local rounds of a cohort of clients: trained at once (``cohort.run_cohort``)
+        when the method is vectorised, else one after another, each with the global RNG
+        seeded for it."""
+        if self.vectorised:
+            return run_cohort(model, self, jobs)
+        results = []
+        for job in jobs:
+            torch.manual_seed(job.seed)  # dropout and any other global-RNG draw
+            results.append(self.fit(model, job))
+        return results
+
+    # ----- the local round as pure functions (vectorised methods)
+    def cohort_start(self, model: TaskModel, job: Job) -> Start:
+        """A client's tensors entering its round (everything it trains: what it received
+        and its personal parameters), its optimizer state and its number of steps."""
+        params = {**job.received, **self.params_of(job.personal)}
+        opt = optimizer_state(job.personal, {n: params[n] for n in self.optimised_names()}, self.train)
+        return Start(params, opt, {}, local_steps(len(job.client.train), self.train))
+
+    def optimised_names(self) -> list[str]:
+        """The tensors ``train.optimizer`` steps (default: every trainable one)."""
+        return [*self.shared_names, *self.personal_names]
+
+    def step_inputs(self, client: ClientData, steps: int, generator: torch.Generator) -> Iterator[StepInput]:
+        """Each step's batches: one shuffled batch of ``train.batch_size`` per step."""
+        return ((batch,) for batch in take_steps(client.train, self.train.batch_size, steps, generator))
+
+    def step_gradients(self, model: TaskModel) -> GradientFn:
+        """``(params, consts, batches) -> (loss, grads, replaced)``, one client's gradients
+        at a step as a pure function: by default backprop of the cross-entropy on the
+        step's batch, scaled by :data:`LOSS_SCALE` in float16."""
+        loss = model_loss(model)
+        return backprop(lambda params, consts, batches: loss(params, batches[0]), model_scale(model))
+
+    def cohort_finish(self, job: Job, params: Tensors, opt: Tensors, metrics: dict[str, float]) -> FitResult:
+        """A client's result from its trained tensors and optimizer state (kept with
+        ``train.optimizer_state: keep``)."""
+        kept = {OPT + k: v for k, v in opt.items()} if self.train.optimizer_state == "keep" else {}
         return FitResult(
-            uplink=read_tensors(model, self.shared_names),
-            personal={**read_tensors(model, self.personal_names), **opt_state},
-            num_examples=len(client.train),
+            uplink={n: params[n] for n in self.shared_names},
+            personal={**{n: params[n] for n in self.personal_names}, **kept},
+            num_examples=len(job.client.train),
             metrics=metrics,
         )
 

@@ -59,23 +59,17 @@ import numpy as np
 import torch
 from pydantic import Field, model_validator
 
-from fedpeft.data.task import take_steps
 from fedpeft.methods.base import (
-    OPT,
     ClientData,
     FitResult,
+    Job,
     MethodConfig,
     ServerState,
     Tensors,
-    load_tensors,
     local_steps,
-    make_optimizer,
-    optimizer_tensors,
-    read_tensors,
-    sgd_steps,
-    trainable_params,
     weighted_mean,
 )
+from fedpeft.methods.cohort import OPT, GradientFn, Start, backprop, model_loss, model_scale, optimizer_state
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.peft import LoraSpec
 
@@ -149,10 +143,13 @@ def update_norm(tensors: Tensors) -> float:
     return math.sqrt(sum(float((b @ a).pow(2).sum()) for a, b in pairs(tensors)))
 
 
-def tail_penalty(mods: list[tuple[torch.Tensor, torch.Tensor]], rank: int, gamma: float) -> torch.Tensor:
-    """``sum ||B[:, q:rank]||_F ||A[q:rank, :]||_F`` over ``(A, B)`` pairs, ``q = floor(gamma rank)``."""
-    q = math.floor(gamma * rank)
-    return sum(b[:, q:rank].norm() * a[q:rank].norm() for a, b in mods)
+def tail_penalty(mods: list[tuple[torch.Tensor, torch.Tensor]], tail: torch.Tensor) -> torch.Tensor:
+    """``sum ||B[:, T]||_F ||A[T, :]||_F`` over ``(A, B)`` pairs, ``T`` the components where the
+    0/1 mask ``tail`` is 1 (a mask rather than a slice, so that clients of different ranks
+    vmap together; the norm of zeros has gradient 0)."""
+    return sum(
+        torch.linalg.vector_norm(b * tail) * torch.linalg.vector_norm(a * tail[:, None]) for a, b in mods
+    )
 
 
 def component_energies(mods: list[tuple[torch.Tensor, torch.Tensor]], rank: int) -> list[float]:
@@ -219,14 +216,55 @@ class HETLoRA(FedAvgPeft):
             extras[f"rank.{r.cid}"] = torch.tensor(rank_of(r.uplink))
         return ServerState(tensors, extras)
 
-    # ----- client
-    def penalty(self, model, rank: int):
-        """``lambda * sum ||B[:, q:r]|| ||A[q:r, :]||`` over the adapted modules, q = floor(gamma r)."""
-        params = dict(model.named_parameters())
-        mods = [(params[n], params[n.replace(".lora_A.", ".lora_B.")]) for n in self.shared_names if is_a(n)]
-        if self.cfg.penalty == 0 or math.floor(self.cfg.gamma * rank) == rank:
-            return None
-        return lambda: self.cfg.penalty * tail_penalty(mods, rank, self.cfg.gamma)
+    # ----- client: the local step as pure functions (vectorised over a cohort by the engine)
+    def tail_mask(self, rank: int) -> torch.Tensor:
+        """``(r_max,)``: 1 on the components ``q..rank-1`` the penalty pushes down
+        (``q = floor(gamma rank)``), 0 elsewhere (all 0 when there is no penalty)."""
+        mask = torch.zeros(self.cfg.lora.r)
+        if self.cfg.penalty > 0:
+            mask[math.floor(self.cfg.gamma * rank) : rank] = 1.0
+        return mask
+
+    def cohort_start(self, model, job: Job) -> Start:
+        """The received adapter zero-padded to ``r_max`` (padded components have zero
+        gradients, so they stay zero: the client trains rank ``r_i`` exactly), and the
+        client's tail mask as a constant of its step."""
+        rank, r_max = rank_of(job.received), self.cfg.lora.r
+        params = {**pad(job.received, r_max), **self.params_of(job.personal)}
+        opt = optimizer_state(mask_components(job.personal, rank), params, self.train)
+        steps = local_steps(len(job.client.train), self.train)
+        return Start(params, opt, {"tail": self.tail_mask(rank)}, steps)
+
+    def step_gradients(self, model) -> GradientFn:
+        """Backprop of the cross-entropy plus ``lambda * sum ||B[:, tail]|| ||A[tail, :]||``."""
+        loss, names, lam = model_loss(model), [n for n in self.shared_names if is_a(n)], self.cfg.penalty
+
+        def penalised(params: Tensors, consts: Tensors, batches) -> torch.Tensor:
+            tail = consts["tail"]
+            mods = [(params[n], params[n.replace(".lora_A.", ".lora_B.")]) for n in names]
+            return loss(params, batches[0]) + lam * tail_penalty(mods, tail)
+
+        return backprop(penalised, model_scale(model))
+
+    def cohort_finish(self, job: Job, params: Tensors, opt: Tensors, metrics: dict[str, float]) -> FitResult:
+        """Self-pruning, then the (possibly smaller) adapter up; the client keeps it as its
+        own model, and its kept optimizer state masked to the new rank."""
+        rank, r_max = rank_of(job.received), self.cfg.lora.r
+        trained = {n: params[n] for n in self.shared_names}
+        new_rank = self.pruned_rank(trained, rank)
+        uplink = truncate(trained, new_rank)
+        own = {OWN + n: t for n, t in pad(uplink, r_max).items()}
+        kept = {OPT + k: v for k, v in opt.items()} if self.train.optimizer_state == "keep" else {}
+        return FitResult(
+            uplink=uplink,
+            personal={
+                **{n: params[n] for n in self.personal_names},
+                **own,
+                **mask_components(kept, new_rank),
+            },
+            num_examples=len(job.client.train),
+            metrics={**metrics, "rank": float(new_rank)},
+        )
 
     def pruned_rank(self, tensors: Tensors, rank: int) -> int:
         cfg = self.cfg
@@ -246,29 +284,6 @@ class HETLoRA(FedAvgPeft):
 
     def readout(self, result: FitResult) -> dict[str, float]:
         return {"rank": float(rank_of(result.uplink))}
-
-    def fit(
-        self, model, received: Tensors, personal: Tensors, client: ClientData, generator: torch.Generator
-    ) -> FitResult:
-        rank, r_max = rank_of(received), self.cfg.lora.r
-        load_tensors(model, {**pad(received, r_max), **self.params_of(personal)})
-        named = trainable_params(model)
-        params = list(named.values())
-        steps = local_steps(len(client.train), self.train)
-        batches = take_steps(client.train, self.train.batch_size, steps, generator)
-        opt = make_optimizer(named, self.train, mask_components(personal, rank))
-        total = sgd_steps(model, batches, opt, params, self.train.max_grad_norm, self.penalty(model, rank))
-        trained = read_tensors(model, self.shared_names)
-        new_rank = self.pruned_rank(trained, rank)
-        uplink = truncate(trained, new_rank)
-        own = {OWN + n: t for n, t in pad(uplink, r_max).items()}
-        opt_state = mask_components(optimizer_tensors(opt, named, self.train), new_rank)
-        return FitResult(
-            uplink=uplink,
-            personal={**read_tensors(model, self.personal_names), **own, **opt_state},
-            num_examples=len(client.train),
-            metrics={"loss": total / steps, "steps": float(steps), "rank": float(new_rank)},
-        )
 
     def own_state(self, received: Tensors, personal: Tensors) -> Tensors:
         """The client's own model: its last trained adapter (and head) plus personal

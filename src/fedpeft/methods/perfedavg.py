@@ -18,27 +18,16 @@ training data, then tests. The global model's score is reported beside it, unada
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 from pydantic import Field
-from torch.func import functional_call
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.func import functional_call, grad, grad_and_value
 
 from fedpeft.data.task import make_batch, take_steps
-from fedpeft.methods.base import (
-    ClientData,
-    FitResult,
-    MethodConfig,
-    Tensors,
-    load_tensors,
-    local_steps,
-    make_optimizer,
-    optimizer_tensors,
-    read_tensors,
-    step_with,
-)
+from fedpeft.methods.base import ClientData, MethodConfig, Tensors, load_tensors
+from fedpeft.methods.cohort import GradientFn, model_loss
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.peft import LoraSpec
 
@@ -58,19 +47,27 @@ class PerFedAvgConfig(MethodConfig):
 
 
 def maml_grads(
-    loss_at, params: Tensors, batch1: dict, batch2: dict, inner_lr: float, order: int
-) -> tuple[float, list]:
-    """Outer gradient of ``L(theta - inner_lr * grad L(theta; batch1); batch2)`` for each
-    tensor of ``params``; ``loss_at(over, batch)`` is the loss with ``over`` substituted."""
-    inner = loss_at({}, batch1)
-    g = torch.autograd.grad(inner, list(params.values()), create_graph=order == 2)
-    adapted = {k: v - inner_lr * gi for (k, v), gi in zip(params.items(), g, strict=True)}
-    if order == 1:  # treat theta' as a leaf: grad L(theta'; D2)
-        adapted = {k: v.detach().requires_grad_() for k, v in adapted.items()}
-        outer = loss_at(adapted, batch2)
-        return float(outer.detach()), list(torch.autograd.grad(outer, list(adapted.values())))
-    outer = loss_at(adapted, batch2)
-    return float(outer.detach()), list(torch.autograd.grad(outer, list(params.values())))
+    loss: Callable[[Tensors, dict], torch.Tensor],
+    params: Tensors,
+    batch1: dict,
+    batch2: dict,
+    inner_lr: float,
+    order: int,
+) -> tuple[torch.Tensor, Tensors]:
+    """The outer loss ``L(theta'; batch2)``, ``theta' = theta - inner_lr * grad L(theta;
+    batch1)``, and its gradient with respect to each tensor of ``params``, as a pure
+    function (``torch.func``, so it vmaps over clients). ``order: 1`` treats ``theta'`` as
+    a leaf, giving ``grad L(theta'; batch2)``; ``order: 2`` differentiates through the
+    inner step. ``loss(tensors, batch)`` is the batch loss with ``tensors`` in place."""
+
+    def outer(theta: Tensors) -> torch.Tensor:
+        g = grad(lambda t: loss(t, batch1))(theta)
+        if order == 1:
+            g = {n: t.detach() for n, t in g.items()}
+        return loss({n: t - inner_lr * g[n] for n, t in theta.items()}, batch2)
+
+    grads, value = grad_and_value(outer)(params)
+    return value, grads
 
 
 class PerFedAvg(FedAvgPeft):
@@ -92,30 +89,19 @@ class PerFedAvg(FedAvgPeft):
 
         return loss_at
 
-    def fit(
-        self, model, received: Tensors, personal: Tensors, client: ClientData, generator: torch.Generator
-    ) -> FitResult:
-        load_tensors(model, {**received, **self.params_of(personal)})
-        params = self._trainable(model)
-        opt = make_optimizer(params, self.train, personal)
-        model.train()
-        steps = local_steps(len(client.train), self.train)
-        loss_at, total, start = self._loss_at(model), 0.0, time.perf_counter()
-        for batch1, batch2 in self.batch_pairs(client, steps, generator):
-            with sdpa_kernel(SDPBackend.MATH):  # double backward for order 2
-                loss, grads = maml_grads(loss_at, params, batch1, batch2, self.cfg.inner_lr, self.cfg.order)
-            step_with(opt, list(params.values()), grads, self.train.max_grad_norm)
-            total += loss
-        t_steps = time.perf_counter() - start
-        return FitResult(
-            uplink=read_tensors(model, self.shared_names),
-            personal={
-                **read_tensors(model, self.personal_names),
-                **optimizer_tensors(opt, params, self.train),
-            },
-            num_examples=len(client.train),
-            metrics={"loss": total / steps, "steps": float(steps), "time_step": t_steps / steps},
-        )
+    # ----- the local step, as pure functions (vectorised over a cohort by the engine)
+    def step_inputs(self, client: ClientData, steps: int, generator: torch.Generator):
+        return self.batch_pairs(client, steps, generator)
+
+    def step_gradients(self, model) -> GradientFn:
+        """The MAML gradient of the step's ``(D1, D2)`` (:func:`maml_grads`)."""
+        loss, cfg = model_loss(model), self.cfg
+
+        def gradients(params: Tensors, consts: Tensors, batches):
+            value, grads = maml_grads(loss, params, *batches, cfg.inner_lr, cfg.order)
+            return value, grads, {}
+
+        return gradients
 
     def batch_pairs(self, client: ClientData, steps: int, generator: torch.Generator):
         """``(D1, D2)`` for each step: two batches of ``train.batch_size`` (the paper's
@@ -153,5 +139,6 @@ class PerFedAvg(FedAvgPeft):
         loss = self._loss_at(model)({}, batch)
         grads = torch.autograd.grad(loss, list(params.values()))
         return {
-            n: (p - self.cfg.inner_lr * g).detach().cpu() for (n, p), g in zip(params.items(), grads, strict=True)
+            n: (p - self.cfg.inner_lr * g).detach().cpu()
+            for (n, p), g in zip(params.items(), grads, strict=True)
         }

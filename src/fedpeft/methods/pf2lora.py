@@ -28,29 +28,15 @@ round, or is kept by the client with ``train.optimizer_state: keep``.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Literal
 
 import torch
 from pydantic import Field
-from torch.func import functional_call
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.func import grad, grad_and_value
 
-from fedpeft.data.task import take_steps
-from fedpeft.methods.base import (
-    ClientData,
-    FitResult,
-    MethodConfig,
-    ServerState,
-    Tensors,
-    load_tensors,
-    local_steps,
-    make_optimizer,
-    optimizer_tensors,
-    read_tensors,
-    step_with,
-)
+from fedpeft.methods.base import FitResult, MethodConfig, ServerState, Tensors
+from fedpeft.methods.cohort import GradientFn, model_loss
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.peft import LoraSpec
 from fedpeft.peft.lora import lora_layers
@@ -72,29 +58,31 @@ class PF2LoRAConfig(MethodConfig):
     )
 
 
-Loss = Callable[[Tensors], torch.Tensor]  # loss with some parameters replaced by the given tensors
-
-
 def bilevel_step(
-    loss_with: Loss, upper: Tensors, lower: Tensors, lower_lr: float, bilevel: bool = True
-) -> tuple[float, list[torch.Tensor], Tensors]:
-    """The batch loss, gradients for the upper-level tensors and the lower level's new values.
+    loss: Callable[[Tensors], torch.Tensor],
+    upper: Tensors,
+    lower: Tensors,
+    lower_lr: float,
+    bilevel: bool = True,
+) -> tuple[torch.Tensor, Tensors, Tensors]:
+    """One bilevel step as a pure function (``torch.func``, so it vmaps over clients):
+    the batch loss ``f(upper, lower)``, the hypergradient of
+    ``f(upper, lower - lower_lr * grad_lower f(upper, lower))`` with respect to each upper
+    tensor (through the lower step: one Hessian-vector product), and the stepped lower
+    tensors. ``loss(tensors)`` is the batch loss with ``tensors`` in place of the model's.
+    ``bilevel=False`` (the ablation): plain gradients of ``f`` for both levels."""
+    if not bilevel:
+        grads, value = grad_and_value(loss)({**upper, **lower})
+        stepped = {n: t - lower_lr * grads[n] for n, t in lower.items()}
+        return value, {n: grads[n] for n in upper}, stepped
 
-    ``upper``/``lower`` map names to the leaf tensors being trained; ``loss_with(over)``
-    is the batch loss with the tensors in ``over`` substituted. Returns the
-    hypergradient of ``f(upper, lower - lower_lr * grad_lower f)`` with respect to each
-    upper tensor (in ``upper``'s order) and the stepped lower tensors (detached).
-    """
-    loss = loss_with({})
-    if not bilevel:  # ablation: plain gradients of one loss for both levels
-        grads = torch.autograd.grad(loss, [*upper.values(), *lower.values()])
-        n = len(upper)
-        stepped = {k: (v - lower_lr * g).detach() for (k, v), g in zip(lower.items(), grads[n:], strict=True)}
-        return float(loss.detach()), list(grads[:n]), stepped
-    g_low = torch.autograd.grad(loss, list(lower.values()), create_graph=True)
-    stepped = {k: v - lower_lr * g for (k, v), g in zip(lower.items(), g_low, strict=True)}
-    hyper = torch.autograd.grad(loss_with(stepped), list(upper.values()))
-    return float(loss.detach()), list(hyper), {k: v.detach() for k, v in stepped.items()}
+    def after_lower_step(up: Tensors) -> tuple[torch.Tensor, tuple[torch.Tensor, Tensors]]:
+        g_low, value = grad_and_value(lambda low: loss({**up, **low}))(lower)  # depends on up
+        stepped = {n: t - lower_lr * g_low[n] for n, t in lower.items()}
+        return loss({**up, **stepped}), (value, stepped)
+
+    hyper, (value, stepped) = grad(after_lower_step, has_aux=True)(upper)
+    return value, hyper, stepped
 
 
 class PF2LoRA(FedAvgPeft):
@@ -142,43 +130,27 @@ class PF2LoRA(FedAvgPeft):
             return None
         return {**server.tensors, **self.zero_client}
 
-    def fit(
-        self, model, received: Tensors, personal: Tensors, client: ClientData, generator: torch.Generator
-    ) -> FitResult:
-        load_tensors(model, {**received, **self.params_of(personal)})
-        params = dict(model.named_parameters())
-        upper = {n: params[n] for n in self.shared_names}
-        lower = {n: params[n] for n in self.personal_names if f".{CLIENT}." in n}
-        upper.update({n: params[n] for n in self.personal_names if n not in lower})  # a personal head
-        opt = make_optimizer(upper, self.train, personal)
-        model.train()
-        total, steps, t_hyper = 0.0, local_steps(len(client.train), self.train), 0.0
-        for batch in take_steps(client.train, self.train.batch_size, steps, generator):
-            inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    # ----- the local step, as pure functions (vectorised over a cohort by the engine)
+    def lower_names(self) -> list[str]:
+        """The client adapter ``(C_i, D_i)``: the lower level, stepped by plain SGD."""
+        return [n for n in self.personal_names if f".{CLIENT}." in n]
 
-            def loss_with(over: Tensors, inputs=inputs, labels=batch["labels"]) -> torch.Tensor:
-                logits = functional_call(model, over, (), inputs) if over else model(**inputs)
-                return torch.nn.functional.cross_entropy(logits, labels)
+    def optimised_names(self) -> list[str]:
+        """The upper level, which AdamW trains: the common adapter, the head (shared or personal)."""
+        lower = set(self.lower_names())
+        return [n for n in [*self.shared_names, *self.personal_names] if n not in lower]
 
-            start = time.perf_counter()
-            # The Hessian-vector product needs double backward, which only SDPA's math kernel has.
-            with sdpa_kernel(SDPBackend.MATH):
-                loss, grads, stepped = bilevel_step(
-                    loss_with, upper, lower, self.cfg.lower_lr, self.cfg.bilevel
-                )
-            t_hyper += time.perf_counter() - start
-            step_with(opt, list(upper.values()), grads, self.train.max_grad_norm)
-            load_tensors(model, stepped)
-            total += loss
-        return FitResult(
-            uplink=read_tensors(model, self.shared_names),
-            personal={
-                **read_tensors(model, self.personal_names),
-                **optimizer_tensors(opt, upper, self.train),
-            },
-            num_examples=len(client.train),
-            metrics={"loss": total / steps, "steps": float(steps), "time_step": t_hyper / steps},
-        )
+    def step_gradients(self, model) -> GradientFn:
+        """The upper level's hypergradient and the lower level's SGD step (:func:`bilevel_step`)."""
+        loss, lower_names = model_loss(model), self.lower_names()
+        eta, bilevel = self.cfg.lower_lr, self.cfg.bilevel
+
+        def gradients(params: Tensors, consts: Tensors, batches):
+            upper = {n: t for n, t in params.items() if n not in lower_names}
+            lower = {n: params[n] for n in lower_names}
+            return bilevel_step(lambda p: loss(p, batches[0]), upper, lower, eta, bilevel)
+
+        return gradients
 
 
 def total_updates(shared: Tensors, personal: Tensors, scales: dict[str, float]) -> dict[str, torch.Tensor]:

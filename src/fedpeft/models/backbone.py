@@ -92,7 +92,11 @@ class TaskModel(nn.Module):
     """Backbone -> pooled representation ``(B, H)`` -> linear head -> logits ``(B, C)``.
 
     With ``precision`` set (a dtype; ``fedpeft.models.device``) the forward pass runs under
-    autocast to it, on whichever device the model is; the logits are float32 either way."""
+    autocast to it, on whichever device the model is; the logits are float32 either way.
+
+    The backbone gets its attention mask prepared, ``(B, 1, L, L)`` additive (causal for
+    a decoder): Hugging Face uses such a mask as it is, where its own mask code would
+    branch on the mask's values, which ``torch.func.vmap`` (client cohorts) cannot trace."""
 
     def __init__(self, backbone: nn.Module, num_labels: int, pooling: str = "mean"):
         super().__init__()
@@ -101,11 +105,26 @@ class TaskModel(nn.Module):
         self.head = nn.Linear(hidden, num_labels)
         self.pooling = pooling
         self.precision: torch.dtype | None = None
+        self.causal = attends_causally(backbone)
         for p in self.backbone.parameters():
             p.requires_grad_(False)
 
+    def attention_bias(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """``(B, L)`` 0/1 -> ``(B, 1, L, L)``: 0 where a query may attend a key, a large
+        negative number where not (a padded key; for a decoder also a later one). Half the
+        dtype's minimum, so that adding a score cannot overflow to -inf (a query that may
+        attend nothing, a padded row, then gets finite states, which pooling drops)."""
+        dtype = self.precision or torch.float32
+        width = attention_mask.shape[-1]
+        keep = attention_mask[:, None, None, :].bool().expand(-1, 1, width, width)
+        if self.causal:
+            keep = keep & torch.ones(width, width, dtype=torch.bool, device=keep.device).tril()
+        bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
+        return bias.masked_fill(~keep, torch.finfo(dtype).min / 2)
+
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        states = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        bias = self.attention_bias(attention_mask)
+        states = self.backbone(input_ids=input_ids, attention_mask=bias).last_hidden_state
         mask = attention_mask.unsqueeze(-1).to(states.dtype)  # (B, L, 1)
         if self.pooling == "mean":
             return (states * mask).sum(1) / mask.sum(1).clamp_min(1.0)
@@ -122,6 +141,18 @@ class TaskModel(nn.Module):
         with torch.autocast(device.type, dtype=self.precision):
             logits = self.head(self.features(input_ids, attention_mask))
         return logits.float()
+
+
+@torch.no_grad()
+def attends_causally(backbone: nn.Module) -> bool:
+    """Whether ``backbone`` is a decoder, found by asking it: changing the second token
+    leaves the first token's state alone exactly when attention is causal."""
+    was_training = backbone.training
+    backbone.eval()
+    ids = torch.tensor([[1, 2], [1, 3]], device=next(backbone.parameters()).device)
+    states = backbone(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+    backbone.train(was_training)
+    return bool(torch.allclose(states[0, 0], states[1, 0]))
 
 
 def build_model(cfg: ModelConfig, num_labels: int, seed: int) -> tuple[TaskModel, object]:

@@ -8,7 +8,7 @@ a CPU and a Flower node picks its own device whatever the server's.
 Precision is autocast over the model's forward pass: the parameters (the "master"
 tensors the optimizer updates) stay float32, matrix products run in bfloat16 or float16,
 and the logits come back float32. float16 needs loss scaling against gradient underflow
-(:func:`grad_scaler`); bfloat16 has float32's exponent range and needs none.
+(``fedpeft.methods.cohort.LOSS_SCALE``); bfloat16 has float32's exponent range and needs none.
 """
 
 from __future__ import annotations
@@ -51,10 +51,3 @@ def resolve_device(spec: str) -> torch.device:
 def autocast_dtype(precision: str) -> torch.dtype | None:
     """The autocast dtype of ``train.precision`` (None: plain float32)."""
     return PRECISIONS[precision]
-
-
-def grad_scaler(device: torch.device, dtype: torch.dtype | None) -> torch.amp.GradScaler:
-    """A loss scaler for float16 (a pass-through otherwise). It starts at 2^8 rather than
-    torch's 2^16: it lives for one client's round, and each overflow at too high a scale
-    costs a skipped step."""
-    return torch.amp.GradScaler(device.type, init_scale=2.0**8, enabled=dtype == torch.float16)

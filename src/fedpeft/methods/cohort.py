@@ -1,0 +1,304 @@
+"""A client's local round as pure functions, run for a whole cohort of clients at once.
+
+A federated simulation is many small, independent trainings. Instead of training the
+sampled clients one after another, a cohort of ``C`` clients trains in one batched
+computation: every client's trainable tensors are stacked on a leading client axis,
+``(C, ...)``, and one local step of all of them is ``torch.func.vmap`` of a pure function
+
+    step(params, opt_state, consts, batches) -> (params, opt_state, loss)
+
+over ``functional_call`` of the one shared model (its frozen weights broadcast, never
+copied). The step is the method's gradients (:meth:`Method.step_gradients`: plain
+backprop by default; a hypergradient or a MAML gradient where a method says so),
+gradient clipping and a functional AdamW or SGD that matches ``torch.optim`` step for
+step. A one-client round (``Method.fit``, and every Flower node) is a cohort of one,
+so there is a single definition of each method's local training.
+
+Clients of a cohort differ in data: each step's batches are padded to the cohort's
+widest and longest (padded rows weigh 0 in the loss, padded tokens are masked), and a
+client that has taken all its steps is inactive: its tensors and optimizer state do
+not move. So a cohort gives every client the same round it would have alone, up to the
+float rounding of padded reductions (see ``tests/test_cohort.py`` for the tolerance).
+
+Randomness: each client's batches come from its own seeded generator, as alone. A model
+with active dropout cannot give the same draws batched and alone, so it trains its
+clients in cohorts of one (each with the global RNG seeded for it, as before).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch.func import functional_call, grad_and_value, vmap
+
+if TYPE_CHECKING:
+    from fedpeft.config import TrainConfig
+    from fedpeft.methods.base import ClientData, FitResult, Method, Tensors
+
+Batch = dict[str, torch.Tensor]
+#: One local step's input for one client: one batch, or more (Per-FedAvg's D1, D2).
+StepInput = tuple[Batch, ...]
+#: ``(params, consts, batches) -> (loss, gradients of the optimised tensors, other tensors'
+#: new values)``; the optimised tensors are those the gradients name.
+GradientFn = Callable[["Tensors", "Tensors", StepInput], tuple[torch.Tensor, "Tensors", "Tensors"]]
+
+OPT = "opt."  # personal keys of a kept optimizer state: opt.<state key>.<parameter name>
+BETAS, EPS = (0.9, 0.999), 1e-8  # torch.optim.AdamW's defaults, which fedpeft has always used
+#: float16's loss scale: static (a dynamic scaler only grows after thousands of steps, more
+#: than a round has); a step whose gradients overflow is skipped (:func:`local_step`).
+LOSS_SCALE = 2.0**8
+
+
+@dataclass
+class Job:
+    """One client's local round: what it received, what it kept, its data and its seed."""
+
+    received: Tensors
+    personal: Tensors
+    client: ClientData
+    seed: int
+
+    def generator(self) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed)
+
+
+@dataclass
+class Start:
+    """A client's state entering the round: the tensors it trains, its optimizer state,
+    constants of its step (HETLoRA's rank mask) and the number of steps it takes."""
+
+    params: Tensors
+    opt: Tensors
+    consts: Tensors
+    steps: int
+
+
+# ---------------------------------------------------------------- the functional optimizer
+
+
+def optimizer_init(params: Tensors, cfg: TrainConfig) -> Tensors:
+    """A fresh optimizer state for ``params``, keyed ``<state key>.<name>`` as torch's
+    (AdamW: ``step`` (a float32 scalar), ``exp_avg``, ``exp_avg_sq``; SGD: none)."""
+    if cfg.optimizer == "sgd":
+        return {}
+    out = {}
+    for name, p in params.items():
+        out[f"step.{name}"] = torch.zeros((), dtype=torch.float32)
+        out[f"exp_avg.{name}"] = torch.zeros_like(p)
+        out[f"exp_avg_sq.{name}"] = torch.zeros_like(p)
+    return out
+
+
+def optimizer_state(personal: Tensors, params: Tensors, cfg: TrainConfig) -> Tensors:
+    """The optimizer state a client starts its round with: the one it kept (``opt.*``
+    entries of its personal state, with ``train.optimizer_state: keep``), else fresh."""
+    fresh = optimizer_init(params, cfg)
+    if cfg.optimizer_state != "keep":
+        return fresh
+    kept = {k.removeprefix(OPT): v for k, v in personal.items() if k.startswith(OPT)}
+    return {k: kept.get(k, v) for k, v in fresh.items()}
+
+
+def clip_gradients(grads: Tensors, max_norm: float | None) -> Tensors:
+    """``torch.nn.utils.clip_grad_norm_`` as a pure function: every gradient times
+    ``min(1, max_norm / (||g|| + 1e-6))``, ``||g||`` the norm of all of them together."""
+    if not max_norm or not grads:
+        return grads
+    total = torch.stack([g.float().square().sum() for g in grads.values()]).sum().sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    return {n: g * coef.to(g.dtype) for n, g in grads.items()}
+
+
+def optimizer_step(
+    params: Tensors, grads: Tensors, state: Tensors, cfg: TrainConfig
+) -> tuple[Tensors, Tensors]:
+    """One step of ``train.optimizer`` on the tensors ``grads`` names, as a pure function:
+    AdamW exactly as ``torch.optim.AdamW`` (decoupled weight decay, bias-corrected
+    moments), or SGD (weight decay added to the gradient, no momentum)."""
+    lr, wd = cfg.lr, cfg.weight_decay
+    new_params, new_state = {}, dict(state)
+    for name, g in grads.items():
+        p = params[name]
+        if cfg.optimizer == "sgd":
+            new_params[name] = p - lr * (g + wd * p)
+            continue
+        step = state[f"step.{name}"] + 1
+        m = state[f"exp_avg.{name}"].lerp(g, 1 - BETAS[0])
+        v = state[f"exp_avg_sq.{name}"] * BETAS[1] + (1 - BETAS[1]) * g * g
+        bias1, bias2 = 1 - BETAS[0] ** step, 1 - BETAS[1] ** step
+        denom = v.sqrt() / bias2.sqrt() + EPS
+        new_params[name] = p * (1 - lr * wd) - (lr / bias1) * m / denom
+        new_state.update({f"step.{name}": step, f"exp_avg.{name}": m, f"exp_avg_sq.{name}": v})
+    return new_params, new_state
+
+
+# ---------------------------------------------------------------- losses and gradients
+
+
+def weighted_cross_entropy(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """Mean cross-entropy over a batch's real rows (padded rows have weight 0)."""
+    losses = torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
+    weight = batch["weight"]
+    return (losses * weight).sum() / weight.sum().clamp_min(1.0)
+
+
+def model_loss(model: torch.nn.Module) -> Callable[[Tensors, Batch], torch.Tensor]:
+    """``loss(params, batch)``: the model's cross-entropy with ``params`` in place of its
+    own trainable tensors (the frozen ones are the model's, shared)."""
+
+    def loss(params: Tensors, batch: Batch) -> torch.Tensor:
+        logits = functional_call(model, params, (batch["input_ids"], batch["attention_mask"]))
+        return weighted_cross_entropy(logits, batch)
+
+    return loss
+
+
+def model_scale(model: torch.nn.Module) -> float:
+    """The loss scale of ``model``'s precision: :data:`LOSS_SCALE` in float16, else 1."""
+    return LOSS_SCALE if getattr(model, "precision", None) == torch.float16 else 1.0
+
+
+def backprop(loss: Callable[[Tensors, Tensors, StepInput], torch.Tensor], scale: float = 1.0) -> GradientFn:
+    """The gradient of ``loss(params, consts, batches)`` with respect to every tensor of
+    ``params`` (none replaced otherwise); taken of ``scale * loss`` and divided back, so
+    that float16 gradients do not underflow."""
+
+    def scaled(params: Tensors, consts: Tensors, batches: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
+        value = loss(params, consts, batches)
+        return value * scale, value
+
+    def gradients(params: Tensors, consts: Tensors, batches: StepInput):
+        grads, (_, value) = grad_and_value(scaled, has_aux=True)(params, consts, batches)
+        return value, {n: g / scale for n, g in grads.items()} if scale != 1.0 else grads, {}
+
+    return gradients
+
+
+# ---------------------------------------------------------------- batches
+
+
+def stack_step(inputs: list[StepInput | None]) -> StepInput:
+    """One step's inputs of every client of the cohort (None: the client has finished)
+    stacked on a leading client axis, each batch of the step padded to the cohort's
+    most rows and longest row. A padded row has weight 0 and no real token."""
+    live = next(i for i in inputs if i is not None)
+    out = []
+    for k in range(len(live)):
+        batches = [i[k] if i is not None else None for i in inputs]
+        rows = max(len(b["labels"]) for b in batches if b is not None)
+        width = max(b["input_ids"].shape[1] for b in batches if b is not None)
+        device = live[k]["input_ids"].device
+        ids = torch.zeros(len(batches), rows, width, dtype=torch.long, device=device)
+        mask = torch.zeros_like(ids)
+        labels = torch.zeros(len(batches), rows, dtype=torch.long, device=device)
+        weight = torch.zeros(len(batches), rows, device=device)
+        for c, b in enumerate(batches):
+            if b is None:
+                continue
+            n, w = b["input_ids"].shape
+            ids[c, :n, :w], mask[c, :n, :w] = b["input_ids"], b["attention_mask"]
+            labels[c, :n], weight[c, :n] = b["labels"], 1.0
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels, "weight": weight})
+    return tuple(out)
+
+
+def stack(states: list[Tensors], device: torch.device) -> Tensors:
+    """Per-client tensor dicts (same names, same shapes) as one dict of ``(C, ...)`` tensors."""
+    return {n: torch.stack([s[n] for s in states]).to(device) for n in states[0]} if states else {}
+
+
+def unstack(stacked: Tensors, count: int) -> list[Tensors]:
+    """The inverse of :func:`stack`, back on the CPU (what leaves a model is device-free)."""
+    cpu = {n: t.detach().to("cpu") for n, t in stacked.items()}
+    return [{n: t[c].clone() for n, t in cpu.items()} for c in range(count)]
+
+
+# ---------------------------------------------------------------- the cohort loop
+
+
+def has_active_dropout(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+
+
+@contextmanager
+def eager_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Hugging Face's plain-matmul attention for the duration: ``vmap`` batches it, while
+    the fused SDPA kernels have no batching rule and would loop over the clients."""
+    config = getattr(getattr(model, "backbone", None), "config", None)
+    if config is None:
+        yield
+        return
+    before = config._attn_implementation
+    config._attn_implementation = "eager"
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[FitResult]:
+    """Every job's local round, trained together (see the module docstring)."""
+    if has_active_dropout(model) and len(jobs) > 1:
+        return [r for job in jobs for r in run_cohort(model, method, [job])]
+    device = next(model.parameters()).device
+    starts = [method.cohort_start(model, job) for job in jobs]
+    streams: list[Iterator[StepInput]] = [
+        method.step_inputs(job.client, s.steps, job.generator()) for job, s in zip(jobs, starts, strict=True)
+    ]
+    params = stack([s.params for s in starts], device)
+    opt = stack([s.opt for s in starts], device)
+    consts = stack([s.consts for s in starts], device)
+    dropout = has_active_dropout(model)
+    if dropout:
+        torch.manual_seed(jobs[0].seed)  # a cohort of one: its own dropout draws, as alone
+    step = vmap(local_step(method, model), randomness="different" if dropout else "error")
+    model.train(dropout)  # eval mode when no dropout is active: the same function, no RNG calls
+    steps = torch.tensor([s.steps for s in starts], device=device)
+    losses = torch.zeros(len(jobs), device=device)
+    start = time.perf_counter()
+    with eager_attention(model):
+        for k in range(int(steps.max())):
+            inputs = [
+                next(stream) if k < s.steps else None for stream, s in zip(streams, starts, strict=True)
+            ]
+            new_params, new_opt, loss = step(params, opt, consts, stack_step(inputs))
+            active = k < steps  # (C,): a finished client's tensors do not move
+            params = {n: _where(active, new_params[n], t) for n, t in params.items()}
+            opt = {n: _where(active, new_opt[n], t) for n, t in opt.items()}
+            losses += torch.where(active, loss.detach().float(), 0.0)
+    time_step = (time.perf_counter() - start) / int(steps.max())
+    results = []
+    for job, s, p, o, total in zip(
+        jobs, starts, unstack(params, len(jobs)), unstack(opt, len(jobs)), losses.tolist(), strict=True
+    ):
+        metrics = {"loss": total / s.steps, "steps": float(s.steps), "time_step": time_step}
+        results.append(method.cohort_finish(job, p, o, metrics))
+    return results
+
+
+def local_step(method: Method, model: torch.nn.Module):
+    """One client's local step as a pure function (what :func:`run_cohort` vmaps)."""
+    gradients, cfg = method.step_gradients(model), method.train
+    skip_overflow = model_scale(model) != 1.0
+
+    def step(params: Tensors, opt: Tensors, consts: Tensors, batches: StepInput):
+        loss, grads, replaced = gradients(params, consts, batches)
+        clipped = clip_gradients(grads, cfg.max_grad_norm)
+        updated, new_opt = optimizer_step(params, clipped, opt, cfg)
+        new_params = {**params, **updated, **replaced}
+        if skip_overflow:  # float16: a step with an overflowed gradient changes nothing
+            finite = torch.stack([torch.isfinite(g).all() for g in grads.values()]).all()
+            new_params = {n: torch.where(finite, t, params[n]) for n, t in new_params.items()}
+            new_opt = {n: torch.where(finite, t, opt[n]) for n, t in new_opt.items()}
+        return new_params, new_opt, loss
+
+    return step
+
+
+def _where(active: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    return torch.where(active.view(-1, *([1] * (new.dim() - 1))), new, old)

@@ -1,0 +1,175 @@
+"""Client cohorts: many clients' local rounds in one vmapped computation.
+
+Tolerance: float32, 1e-5 absolute on the tensors after a round (and 1e-5 relative on
+losses). A cohort pads each step's batches to its widest and longest, so reductions
+run over extra zeros in another order, and batched matrix products may use other
+kernels; neither changes a value by more than float rounding over a few steps.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from fedpeft.data.task import take_steps
+from fedpeft.engines.inprocess import derive_seed
+from fedpeft.experiment import build, run
+from fedpeft.methods.base import Job, load_tensors, trainable_params
+from fedpeft.methods.cohort import clip_gradients, optimizer_init, optimizer_step, stack_step
+from fedpeft.report.results import read_records
+
+VECTORISED = [
+    "fedft",
+    "fedbf",
+    "fedap",
+    "fedlr",
+    "federa",
+    "local",
+    "centralized",
+    "pf2lora",
+    "perfedavg",
+    "hetlora",
+]
+
+
+@pytest.mark.parametrize("optimizer, wd", [("adamw", 0.0), ("adamw", 0.05), ("sgd", 0.01)])
+def test_functional_optimizer_matches_torch(tiny_config, optimizer, wd):
+    cfg = tiny_config(**{"train.optimizer": optimizer, "train.weight_decay": wd, "train.lr": 0.01}).train
+    torch.manual_seed(0)
+    params = {"a": torch.randn(4, 3), "b": torch.randn(5)}
+    live = {n: torch.nn.Parameter(t.clone()) for n, t in params.items()}
+    if optimizer == "sgd":
+        reference = torch.optim.SGD(list(live.values()), lr=cfg.lr, weight_decay=wd)
+    else:
+        reference = torch.optim.AdamW(list(live.values()), lr=cfg.lr, weight_decay=wd)
+    state = optimizer_init(params, cfg)
+    for _ in range(5):
+        grads = {n: torch.randn_like(t) for n, t in params.items()}
+        for n, p in live.items():
+            p.grad = grads[n].clone()
+        reference.step()
+        params, state = optimizer_step(params, grads, state, cfg)
+    for n, p in live.items():
+        torch.testing.assert_close(params[n], p.detach(), atol=1e-6, rtol=1e-6)
+    if optimizer == "adamw":
+        torch.testing.assert_close(state["exp_avg_sq.a"], reference.state[live["a"]]["exp_avg_sq"])
+        assert float(state["step.a"]) == float(reference.state[live["a"]]["step"]) == 5.0
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 100.0])
+def test_clip_gradients_matches_clip_grad_norm(max_norm):
+    torch.manual_seed(1)
+    grads = {"a": torch.randn(3, 3), "b": torch.randn(7)}
+    live = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads.values()]
+    for p, g in zip(live, grads.values(), strict=True):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(live, max_norm)
+    clipped = clip_gradients(grads, max_norm)
+    for p, name in zip(live, grads, strict=True):
+        torch.testing.assert_close(clipped[name], p.grad)
+
+
+def test_stacked_batches_pad_rows_and_tokens():
+    one = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long),
+           "labels": torch.tensor([2])}  # fmt: skip
+    two = {"input_ids": torch.tensor([[8, 0], [9, 4]]), "attention_mask": torch.tensor([[1, 0], [1, 1]]),
+           "labels": torch.tensor([0, 1])}  # fmt: skip
+    (batch,) = stack_step([(one,), (two,), None])
+    assert batch["input_ids"].shape == (3, 2, 3)
+    assert batch["weight"].tolist() == [[1, 0], [1, 1], [0, 0]]
+    assert batch["attention_mask"].tolist() == [[[1, 1, 1], [0, 0, 0]], [[1, 0, 0], [1, 1, 0]], [[0] * 3] * 2]
+    assert batch["labels"].tolist() == [[2, 0], [0, 1], [0, 0]]
+
+
+def _jobs(setup, cids, rnd=1):
+    """Round ``rnd``'s jobs of clients ``cids``: what each receives from a fresh server
+    (HETLoRA: truncated to the client's own rank) and its initial personal state."""
+    method, initial = setup.method, setup.initial
+    server = method.init_server(setup.model)
+    jobs = []
+    for cid in cids:
+        client = setup.clients[cid]
+        personal = method.init_client(setup.model, initial, client)
+        jobs.append(Job(method.downlink(server, cid), personal, client, derive_seed(3, rnd, cid)))
+    return jobs
+
+
+def test_functional_round_equals_autograd_with_torch_adamw(tiny_config):
+    """The vmapped local round of one client is the imperative one: the same batches,
+    autograd, ``clip_grad_norm_`` and ``torch.optim.AdamW``."""
+    setup = build(tiny_config(**{"train.local_steps": 4}))
+    model, method, train = setup.model, setup.method, setup.cfg.train
+    (job,) = _jobs(setup, [1])
+    (result,) = method.fit_cohort(model, [job])
+
+    load_tensors(model, {**job.received, **method.params_of(job.personal)})
+    named = trainable_params(model)
+    opt = torch.optim.AdamW(list(named.values()), lr=train.lr, weight_decay=train.weight_decay)
+    model.eval()  # no dropout here: the same function as train mode
+    for batch in take_steps(job.client.train, train.batch_size, 4, job.generator()):
+        loss = torch.nn.functional.cross_entropy(model(**batch), batch["labels"])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(named.values()), train.max_grad_norm)
+        opt.step()
+        opt.zero_grad()
+    for name, p in named.items():
+        torch.testing.assert_close(result.uplink[name], p.detach(), atol=1e-5, rtol=1e-4)
+    assert result.metrics["steps"] == 4.0
+
+
+@pytest.mark.parametrize("name", VECTORISED)
+def test_cohort_equals_one_at_a_time(tiny_config, name):
+    """Clients of different sizes (so different step counts, in epochs mode) trained as
+    one cohort get the rounds they get alone; a client that finishes early stays put."""
+    cfg = tiny_config(method={"name": name}, **{"train.local_steps": None, "train.local_epochs": 1,
+                                                 "train.optimizer_state": "keep"})  # fmt: skip
+    setup = build(cfg)
+    cids = list(range(len(setup.clients)))
+    if name == "hetlora":  # masked ranks: clients of different ranks in one cohort
+        assert len({setup.method.initial_rank(c) for c in cids}) > 1
+    if name != "centralized":
+        sizes = [len(setup.clients[c].train) for c in cids]
+        assert len({-(-s // cfg.train.batch_size) for s in sizes}) > 1, (
+            "want clients with different step counts"
+        )
+    together = setup.method.fit_cohort(setup.model, _jobs(setup, cids))
+    for cid, joint in zip(cids, together, strict=True):
+        (alone,) = setup.method.fit_cohort(setup.model, _jobs(setup, [cid]))
+        assert joint.metrics["steps"] == alone.metrics["steps"]
+        assert joint.metrics["loss"] == pytest.approx(alone.metrics["loss"], rel=1e-5)
+        for part in ("uplink", "personal"):
+            a, b = getattr(alone, part), getattr(joint, part)
+            assert a.keys() == b.keys()
+            for key in a:
+                # A key bias shifts every score of a query alike, so softmax ignores it: its
+                # exact gradient is 0, and Adam (which divides by the gradient's size) turns
+                # float noise into steps of size lr. Only its bound is the same either way.
+                tol = 2 * cfg.train.lr * joint.metrics["steps"] if "key.bias" in key else 1e-5
+                torch.testing.assert_close(b[key], a[key], atol=tol, rtol=1e-4, msg=f"{name} {cid} {key}")
+
+
+@pytest.mark.parametrize("name", ["fedlr", "local"])
+def test_whole_runs_agree_whatever_the_cohort_size(tiny_config, tmp_path, name):
+    common = {"method": {"name": name}, "train.clients_per_round": 4, "train.rounds": 3}
+    one = tiny_config(**common, **{"train.cohort_size": 1}, output_dir=str(tmp_path / "one"))
+    many = tiny_config(**common, **{"train.cohort_size": 3}, output_dir=str(tmp_path / "many"))
+    run(one), run(many)
+    a, b = read_records(one.output_dir), read_records(many.output_dir)
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["clients"] == rb["clients"] and ra["cum_bytes"] == rb["cum_bytes"]
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
+        assert ra["local"]["accuracy_mean"] == pytest.approx(rb["local"]["accuracy_mean"], abs=1e-9)
+
+
+def test_active_dropout_trains_clients_one_by_one_reproducibly(tiny_config):
+    """With dropout the draws depend on the layout, so a cohort splits into ones (each
+    seeded as alone) and gives exactly the one-at-a-time results."""
+    setup = build(tiny_config(**{"model.dropout": 0.1}))
+    jobs = _jobs(setup, [0, 1, 2])
+    together = setup.method.fit_cohort(setup.model, copy.deepcopy(jobs))
+    alone = [setup.method.fit_cohort(setup.model, [job])[0] for job in jobs]
+    for a, b in zip(alone, together, strict=True):
+        for key in a.uplink:
+            assert torch.equal(a.uplink[key], b.uplink[key])
