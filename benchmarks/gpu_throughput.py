@@ -1,0 +1,267 @@
+"""Client-steps per second: one client at a time, cohorts of clients at once, and N
+processes each holding a model copy; fp32 and bf16; peak memory. All in one run.
+
+A federated simulation is many small trainings. Three ways to run them on one device,
+each over the same synthetic clients (random token ids, 32 x 32-token batches, as the
+issue's measurement) and the same model (FedLR: LoRA r = 8 on query/value + head, on a
+MiniLM-shaped BERT with random weights by default, so nothing is downloaded):
+
+- ``one at a time``: the engine before cohorts: each client's tensors loaded into the one
+  model, autograd and ``torch.optim.AdamW``, client after client;
+- ``cohort C``: fedpeft's cohort path (``Method.fit_cohort``): C clients' tensors stacked
+  and ``vmap``-ed over ``functional_call`` of the one shared model;
+- ``N processes``: N worker processes sharing the device, each with its own model copy
+  training its share of the clients one at a time (how Flower's simulation runs);
+- ``engine round``: a whole round of the in-process engine (sampling, downlink, cohorts
+  of C, aggregation; evaluation excluded), against the raw cohort step rate.
+
+Peak memory: on a GPU ``torch.cuda.max_memory_allocated`` (summed over processes for the
+N-process layout); on the CPU the peak resident memory above the process's baseline,
+sampled every 10 ms (for the N processes: the sum of their whole resident memory).
+Targets (issue 11, on an H100): cohort bf16 >= 30x one at a time and >= 4x the
+8-process layout; an engine round within 1.2x of the raw cohort step rate.
+
+    python benchmarks/gpu_throughput.py [--device auto] [--cohorts 8,32,128,512] [--processes 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plain_loop import plain_steps  # noqa: E402
+
+from fedpeft.config import load_config  # noqa: E402
+from fedpeft.data.task import Encoded, take_steps  # noqa: E402
+from fedpeft.engines.inprocess import InProcessEngine, Schedule  # noqa: E402
+from fedpeft.experiment import place  # noqa: E402
+from fedpeft.methods import build_method  # noqa: E402
+from fedpeft.methods.base import ClientData, Job, load_tensors, read_tensors  # noqa: E402
+from fedpeft.models.backbone import TaskModel  # noqa: E402
+
+CLASSES, VOCAB = 45, 30522
+
+
+def make_model(kind: str, precision: str, device: str, steps: int, batch: int):
+    """The FedLR model on ``device``, its method and its initial trainable tensors."""
+    from transformers import AutoModel, BertConfig, BertModel
+
+    torch.manual_seed(0)
+    if kind == "bundled":
+        from fedpeft.models.backbone import bundled_minilm_dir
+
+        body = AutoModel.from_pretrained(bundled_minilm_dir())
+    else:  # all-MiniLM-L6-v2's shape, random weights
+        shape = BertConfig(vocab_size=VOCAB, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                           intermediate_size=1536, max_position_embeddings=512, hidden_dropout_prob=0.0,
+                           attention_probs_dropout_prob=0.0)  # fmt: skip
+        body = BertModel(shape, add_pooling_layer=False)
+    train = {"lr": 1e-3, "local_steps": steps, "batch_size": batch, "precision": precision, "device": device}
+    cfg = load_config(None, {"method": {"name": "fedlr"}, "train": train})
+    model = TaskModel(body, CLASSES)
+    method = build_method(cfg.method, cfg.train, 0)
+    method.prepare(model)
+    initial = read_tensors(model, [n for n, p in model.named_parameters() if p.requires_grad])
+    return model, method, initial, cfg.train, place(model, cfg.train)
+
+
+def make_clients(count: int, rows: int, width: int, device: torch.device) -> list[ClientData]:
+    g = torch.Generator().manual_seed(1)
+    clients = []
+    for cid in range(count):
+        lengths = torch.randint(width // 2, width + 1, (rows,), generator=g)
+        ids = torch.randint(1000, VOCAB, (rows, width), generator=g)
+        ids[torch.arange(width)[None, :] >= lengths[:, None]] = 0
+        data = Encoded(ids, lengths, torch.randint(0, CLASSES, (rows,), generator=g)).to(device)
+        clients.append(ClientData(cid, data, data.subset(torch.arange(min(rows, 8)))))
+    return clients
+
+
+class PeakMemory:
+    """Peak device memory of a block: CUDA's allocator peak, or sampled resident memory."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peak = device, 0
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return self
+        self.base = self.top = psutil.Process().memory_info().rss
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while not self.done.wait(0.01):
+            self.top = max(self.top, psutil.Process().memory_info().rss)
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self.done.set()
+            self.thread.join()
+            self.peak = self.top - self.base
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def one_at_a_time(model, method, initial, train, clients, device) -> float:
+    """Seconds for every client's round, one after another (autograd + torch.optim)."""
+    sync(device)
+    start = time.perf_counter()
+    for client in clients:
+        load_tensors(model, initial)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=train.lr, weight_decay=0.0)
+        batches = take_steps(
+            client.train, train.batch_size, train.local_steps, torch.Generator().manual_seed(client.cid)
+        )
+        plain_steps(model, batches, opt, params, train.max_grad_norm)
+    sync(device)
+    return time.perf_counter() - start
+
+
+def cohort(model, method, initial, clients, device) -> float:
+    """Seconds for the clients' rounds as one cohort (fedpeft's vmapped path)."""
+    jobs = [Job({n: initial[n] for n in method.shared_names}, {}, c, c.cid) for c in clients]
+    sync(device)
+    start = time.perf_counter()
+    method.fit_cohort(model, jobs)
+    sync(device)
+    return time.perf_counter() - start
+
+
+def engine_round(model, method, initial, clients, size: int, device) -> float:
+    """Seconds for one engine round over all ``clients`` in cohorts of ``size`` (sampling,
+    downlink, training, aggregation; no evaluation)."""
+    schedule = Schedule(rounds=1, clients_per_round=len(clients), seed=0, eval_every=10**9, cohort_size=size)
+    engine = InProcessEngine(model, method, clients, clients[0].test, schedule)
+    server = method.init_server(model)
+    sync(device)
+    start = time.perf_counter()
+    results, _ = engine.fit_round(server, 1)
+    method.aggregate(server, results, 1)
+    sync(device)
+    return time.perf_counter() - start
+
+
+def worker(args, rank: int, share: int, barrier, queue) -> None:
+    """One of N processes: its own model copy, its share of the clients, one at a time."""
+    torch.set_num_threads(max(1, args.threads // args.processes))
+    model, method, initial, train, device = make_model(
+        args.model, args.precision_now, args.device, args.steps, args.batch
+    )
+    clients = make_clients(share, args.rows, args.width, device)
+    one_at_a_time(model, method, initial, train, clients[:1], device)  # warm-up
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    barrier.wait()
+    start = time.time()
+    one_at_a_time(model, method, initial, train, clients, device)
+    peak = (
+        torch.cuda.max_memory_allocated(device)
+        if device.type == "cuda"
+        else psutil.Process().memory_info().rss
+    )
+    queue.put((start, time.time(), peak))
+
+
+def processes(args, precision: str, clients: int) -> tuple[float, int, int]:
+    """Seconds from the common start to the last process's end, the summed peaks, and the
+    clients trained."""
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(args.processes), ctx.Queue()
+    args.precision_now = precision
+    share = max(1, clients // args.processes)
+    procs = [ctx.Process(target=worker, args=(args, r, share, barrier, queue)) for r in range(args.processes)]
+    for p in procs:
+        p.start()
+    out = [queue.get() for _ in procs]
+    for p in procs:
+        p.join()
+    return (
+        max(e for _, e, _ in out) - min(s for s, _, _ in out),
+        sum(m for _, _, m in out),
+        share * args.processes,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--model", choices=["minilm-shape", "bundled"], default="minilm-shape")
+    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument(
+        "--cohorts", default=None, help="cohort sizes (default: 8..512 on a GPU, 1..16 on the CPU)"
+    )
+    ap.add_argument("--processes", type=int, default=8)
+    ap.add_argument("--sequential-clients", type=int, default=None, help="clients timed one at a time")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--width", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = ap.parse_args()
+    args.rows = args.batch * 2
+    gpu = args.device != "cpu" and torch.cuda.is_available()
+    sizes = [int(c) for c in (args.cohorts or ("8,32,128,512" if gpu else "1,4,16")).split(",")]
+    seq_clients = args.sequential_clients or (16 if gpu else 4)
+
+    rows = []
+    for precision in args.precisions.split(","):
+        model, method, initial, train, device = make_model(
+            args.model, precision, args.device, args.steps, args.batch
+        )
+        clients = make_clients(max(sizes + [seq_clients]), args.rows, args.width, device)
+        one_at_a_time(model, method, initial, train, clients[:1], device)  # warm-up
+        with PeakMemory(device) as mem:
+            t = one_at_a_time(model, method, initial, train, clients[:seq_clients], device)
+        base = seq_clients * args.steps / t
+        rows.append(("one at a time", precision, 1, base, 1.0, mem.peak))
+        for size in sizes:
+            cohort(model, method, initial, clients[: min(size, 2)], device)  # warm-up
+            with PeakMemory(device) as mem:
+                t = cohort(model, method, initial, clients[:size], device)
+            rate = size * args.steps / t
+            rows.append((f"cohort {size}", precision, size, rate, rate / base, mem.peak))
+            t_round = engine_round(model, method, initial, clients[:size], size, device)
+            rows.append((f"engine round, cohorts of {size}", precision, size, size * args.steps / t_round,
+                         size * args.steps / t_round / base, None))  # fmt: skip
+            print(f"  {precision} cohort {size}: {rate:.1f} client-steps/s, engine round {t_round / t:.2f}x "
+                  "the raw cohort time", flush=True)  # fmt: skip
+        del model
+        if args.processes > 1:
+            t, peak, n = processes(args, precision, max(sizes))
+            rate = n * args.steps / t
+            rows.append((f"{args.processes} processes, a model copy each", precision, args.processes, rate,
+                         rate / base, peak))  # fmt: skip
+        if gpu:
+            torch.cuda.empty_cache()
+
+    where = torch.cuda.get_device_name() if gpu else f"CPU, {args.threads} threads"
+    print(f"\n{where}; {args.model}, FedLR (LoRA r=8 query/value + head), {args.steps} steps of "
+          f"{args.batch} x {args.width} tokens per client\n")  # fmt: skip
+    print("| layout | precision | clients at once | client-steps/s | x one at a time | peak memory (MiB) |")
+    print("|---|---|---|---|---|---|")
+    for layout, precision, at_once, rate, ratio, peak in rows:
+        mib = "-" if peak is None else f"{peak / 2**20:,.0f}"
+        print(f"| {layout} | {precision} | {at_once} | {rate:,.1f} | {ratio:.2f} | {mib} |")
+
+
+if __name__ == "__main__":
+    main()
