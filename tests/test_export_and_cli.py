@@ -58,10 +58,13 @@ def test_cli_run_partition_report_methods(tiny_config, tmp_path):
     assert "Jensen-Shannon" in res.output
     assert (tmp_path / "p" / "partition_heatmap.png").is_file()
 
-    res = runner.invoke(app, ["methods", str(path)])
+    res = runner.invoke(app, ["methods", str(path)], env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
     for name in ("fedft", "fedbf", "fedap", "fedlr", "local", "centralized"):
         assert name in res.output
+    rows = {line.split("│")[1].strip(): line for line in res.output.splitlines() if line.count("│") > 3}
+    assert "vectorised" in rows["fedlr"] and "vectorised" in rows["pf2lora"]  # cohorts column
+    assert "no (bf16)" in rows["pf2lora"] and "yes" in rows["fedlr"]  # fp16 column
 
 
 def test_cli_bad_config_names_the_key(tmp_path):

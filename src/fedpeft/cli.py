@@ -159,7 +159,7 @@ def methods(config: ConfigArg = None, set_: SetOpt = None) -> None:
     except (ConfigError, ValueError, FileNotFoundError) as err:
         _fail(err)
     table = Table(title=f"methods on {cfg.model.backbone}, {num_classes} classes")
-    for col in ("method", "trainable", "shared (sent)", "personal", "% of model"):
+    for col in ("method", "trainable", "shared (sent)", "personal", "% of model", "cohorts", "fp16"):
         table.add_column(col)
     for name, cls in REGISTRY.items():
         model = copy.deepcopy(base)
@@ -173,6 +173,8 @@ def methods(config: ConfigArg = None, set_: SetOpt = None) -> None:
             f"{c['shared']:,}",
             f"{c['personal']:,}",
             f"{100 * c['trainable'] / c['total']:.2f}",
+            "vectorised" if cls.vectorised else "one at a time",
+            "yes" if cls.fp16 else "no (bf16)",
         )
     console.print(table)
 

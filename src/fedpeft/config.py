@@ -178,6 +178,12 @@ class TrainConfig(BaseModel):
         "backbone (methods whose local step is vectorised; `fedpeft methods` says which). Not part of "
         "the run's identity: any cohort size gives the same results to float rounding.",
     )
+    client_memory_mb: float | None = Field(
+        None,
+        gt=0,
+        description="RAM for clients' personal states (MiB; None: no limit); the least recently used "
+        "spill to output_dir/clients/ and are read back when their client is sampled again.",
+    )
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32",
         description="Autocast precision of the forward pass; parameters and optimizer state stay "

@@ -22,8 +22,9 @@ from fedpeft.config import ConfigError, ExperimentConfig, TrainConfig, dump_conf
 from fedpeft.data import partition as P
 from fedpeft.data.sources import Corpus, load_corpus
 from fedpeft.data.task import Encoded, encode
-from fedpeft.engines.checkpoint import ResumeError
+from fedpeft.engines.checkpoint import STORE_DIR, ResumeError
 from fedpeft.engines.inprocess import InProcessEngine, Schedule
+from fedpeft.engines.store import ClientStore
 from fedpeft.methods import build_method
 from fedpeft.methods.base import ClientData, Method, ServerState, Tensors, load_tensors, read_tensors
 from fedpeft.metrics.variation import lora_variations
@@ -71,11 +72,12 @@ def make_split(cfg: ExperimentConfig, corpus: Corpus) -> Split:
 
 def fingerprint(cfg: ExperimentConfig) -> str:
     """A hash of everything that determines the results (output_dir, export, and
-    train.device and train.cohort_size, with which a run may resume differently laid out):
+    train.device, train.cohort_size and train.client_memory_mb, with which a run may
+    resume differently laid out):
     the settings that differ
     from their defaults, and the method's name. An option that a later fedpeft adds, with
     a default, leaves it unchanged, so older runs still resume."""
-    exclude = {"output_dir": True, "export": True, "train": {"device", "cohort_size"}}
+    exclude = {"output_dir": True, "export": True, "train": {"device", "cohort_size", "client_memory_mb"}}
     data = cfg.model_dump(mode="json", exclude_defaults=True, exclude=exclude)
     data["method"] = {**data.get("method", {}), "name": cfg.method.name}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
@@ -204,7 +206,16 @@ def make_engine(setup: Setup, on_round: Callable[[dict], None] | None) -> InProc
         # metrics.jsonl restarts from the checkpoint's records (or empty): nothing lost, nothing twice
         on_start=lambda done: R.write_records(metrics_path, done),
         analyzers=update_variation_analyzers(setup.method),
+        store=client_store(cfg),
     )
+
+
+def client_store(cfg: ExperimentConfig) -> ClientStore:
+    """The clients' personal states: in memory within ``train.client_memory_mb``, spilled
+    to ``output_dir/clients/``, where checkpoints keep them too."""
+    budget = None if cfg.train.client_memory_mb is None else int(cfg.train.client_memory_mb * 2**20)
+    needs_files = cfg.checkpoint or budget is not None
+    return ClientStore(Path(cfg.output_dir) / STORE_DIR if needs_files else None, budget)
 
 
 def update_variation_analyzers(method: Method) -> dict:

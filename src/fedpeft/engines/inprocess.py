@@ -22,6 +22,7 @@ import torch
 
 from fedpeft.data.task import Encoded
 from fedpeft.engines.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fedpeft.engines.store import ClientStore
 from fedpeft.methods.base import (
     ClientData,
     FitResult,
@@ -101,6 +102,7 @@ class InProcessEngine:
         on_round: Callable[[dict], None] | None = None,
         on_start: Callable[[list[dict]], None] | None = None,
         analyzers: dict[str, Callable[[Tensors, Tensors], dict]] | None = None,
+        store: ClientStore | None = None,
     ):
         self.model, self.method, self.clients = model, method, clients
         self.eval_clients = eval_clients if eval_clients is not None else clients
@@ -119,7 +121,8 @@ class InProcessEngine:
             )
         self.initial: Tensors = read_tensors(model, trainable)
         self.trainable = set(trainable)
-        self.personal: dict[int, Tensors] = {}
+        # every client's personal state (in RAM within a budget, the rest on disk)
+        self.personal: ClientStore = store if store is not None else ClientStore()
         self.joined: set[int] = set()  # clients that have received the join message
         self.setup_info: dict[str, float] = {}
         self.server: ServerState | None = None  # the final state, once run() returns
@@ -249,11 +252,19 @@ class InProcessEngine:
     # ------------------------------------------------------------ the run
     def start(self, resume: bool) -> tuple[ServerState, list[dict]]:
         """The server state and records to continue from; the client join applied to the model."""
+        store = self.personal
         if resume:
-            ckpt = load_checkpoint(self.checkpoint_path, self.fingerprint)
+            ckpt = load_checkpoint(self.checkpoint_path, self.fingerprint, store.budget)
             server, records = ckpt.server, ckpt.records
-            self.personal, self.joined = ckpt.personal, set(ckpt.joined)
+            self.joined = set(ckpt.joined)
+            if isinstance(ckpt.personal, ClientStore):
+                self.personal = ckpt.personal
+            else:  # a checkpoint that holds the states themselves
+                for cid, state in ckpt.personal.items():
+                    store[cid] = state
         else:
+            if store.directory is not None:  # a fresh run: no state of an earlier one
+                self.personal = ClientStore.open(store.directory, {}, store.budget)
             t0 = time.perf_counter()
             server, records = self.method.init_server(self.model), []
             self.setup_info = {"time_init_server": time.perf_counter() - t0, **self.method.setup_info}
