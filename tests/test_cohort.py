@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,7 +18,8 @@ from fedpeft.data.task import take_steps
 from fedpeft.engines.inprocess import derive_seed
 from fedpeft.experiment import build, run
 from fedpeft.methods.base import Job, load_tensors, trainable_params
-from fedpeft.methods.cohort import clip_gradients, optimizer_init, optimizer_step, stack_step
+from fedpeft.methods.cohort import clip_gradients, optimizer_init, optimizer_step, predict_cohort, stack_step
+from fedpeft.metrics.classification import predict
 from fedpeft.report.results import read_records
 
 VECTORISED = [
@@ -173,3 +175,21 @@ def test_active_dropout_trains_clients_one_by_one_reproducibly(tiny_config):
     for a, b in zip(alone, together, strict=True):
         for key in a.uplink:
             assert torch.equal(a.uplink[key], b.uplink[key])
+
+
+def test_vectorised_evaluation_equals_one_model_at_a_time(tiny_config):
+    """Clients' own models scored together (each on its own test split, and all on the
+    global test set) predict what each model predicts alone."""
+    setup = build(tiny_config(method={"name": "local"}))
+    model, clients = setup.model, setup.clients[:3]
+    states = []
+    for i, _ in enumerate(clients):
+        g = torch.Generator().manual_seed(i)
+        states.append({n: t + 0.3 * torch.randn(t.shape, generator=g) for n, t in setup.initial.items()})
+    own = predict_cohort(model, states, [c.test for c in clients], batch_size=16)
+    on_global = predict_cohort(model, states, setup.global_test, batch_size=16)
+    for state, client, p_own, p_global in zip(states, clients, own, on_global, strict=True):
+        load_tensors(model, state)
+        assert np.array_equal(predict(model, client.test, 16), p_own)
+        assert np.array_equal(predict(model, setup.global_test, 16), p_global)
+    assert len({tuple(p) for p in on_global}) > 1  # different models, different predictions

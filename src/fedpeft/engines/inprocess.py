@@ -34,6 +34,7 @@ from fedpeft.methods.base import (
     read_tensors,
     tensor_bytes,
 )
+from fedpeft.methods.cohort import predict_cohort
 from fedpeft.metrics.classification import mean_scores, predict, scores, spread
 
 
@@ -217,29 +218,34 @@ class InProcessEngine:
         """Global-test scores of the global model (or the clients' mean when there is none)
         and every client's scores on its local test split: all clients, so that every
         method is scored on the same ones (a client that never trained holds the global
-        model and its initial personal state)."""
-        bs, out = self.schedule.eval_batch_size, {}
+        model and its initial personal state). Clients' own models are scored in cohorts
+        of ``cohort_size``, their forward passes vmapped."""
+        bs, out, size = self.schedule.eval_batch_size, {}, self.schedule.cohort_size
         labels = self.global_test.labels.cpu().numpy()
         global_tensors = self.method.global_state(server)
         if global_tensors is not None:
             self.load(global_tensors)
             out["global"] = scores(predict(self.model, self.global_test, bs), labels)
         per_client_global, per_client_local, extra_local = [], [], {}
-        for client in self.eval_clients:
-            tensors, extra = self.client_model(server, client)
-            local_test = self.schedule.eval_local and len(client.test)
-            for name, state in extra.items() if local_test else ():
-                self.load(state)
-                extra_local.setdefault(name, []).append(
-                    scores(predict(self.model, client.test, bs), client.test.labels.cpu().numpy())
+        for start in range(0, len(self.eval_clients), size):
+            clients = self.eval_clients[start : start + size]
+            models = [self.client_model(server, client) for client in clients]
+            if global_tensors is None:  # no global model: each client's own on the global test
+                preds = predict_cohort(self.model, [m for m, _ in models], self.global_test, bs)
+                per_client_global += [scores(p, labels) for p in preds]
+            tested = [i for i, c in enumerate(clients) if self.schedule.eval_local and len(c.test)]
+            if not tested:
+                continue
+            data = [clients[i].test for i in tested]
+            truth = [d.labels.cpu().numpy() for d in data]
+            preds = predict_cohort(self.model, [models[i][0] for i in tested], data, bs)
+            per_client_local += [scores(p, t) for p, t in zip(preds, truth, strict=True)]
+            for name in models[tested[0]][1]:
+                preds = predict_cohort(self.model, [models[i][1][name] for i in tested], data, bs)
+                extra_local.setdefault(name, []).extend(
+                    scores(p, t) for p, t in zip(preds, truth, strict=True)
                 )
-            self.load(tensors)
-            if global_tensors is None:
-                per_client_global.append(scores(predict(self.model, self.global_test, bs), labels))
-            if local_test:
-                per_client_local.append(
-                    scores(predict(self.model, client.test, bs), client.test.labels.cpu().numpy())
-                )
+        self._loaded = ()
         out["clients_evaluated"] = len(self.eval_clients)
         if per_client_global:
             out["global"] = mean_scores(per_client_global)

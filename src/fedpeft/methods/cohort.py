@@ -33,8 +33,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch.func import functional_call, grad_and_value, vmap
+
+from fedpeft.data.task import Encoded, make_batch
 
 if TYPE_CHECKING:
     from fedpeft.config import TrainConfig
@@ -302,3 +305,41 @@ def local_step(method: Method, model: torch.nn.Module):
 
 def _where(active: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     return torch.where(active.view(-1, *([1] * (new.dim() - 1))), new, old)
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def predict_cohort(
+    model: torch.nn.Module, states: list[Tensors], data: Encoded | list[Encoded], batch_size: int
+) -> list[np.ndarray]:
+    """Arg-max predictions of each client's model (``states[c]`` in place of the model's
+    trainable tensors) on its own examples (``data[c]``) or, given one :class:`Encoded`,
+    on those same examples for every client; the clients' forward passes run vmapped."""
+    device = next(model.parameters()).device
+    stacked = stack(states, device)
+
+    def forward(params: Tensors, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, params, (ids, mask)).argmax(-1)
+
+    model.eval()
+    out: list[list[torch.Tensor]] = [[] for _ in states]
+    with eager_attention(model):
+        if isinstance(data, Encoded):  # the same batches for every client: broadcast, not copied
+            batched = vmap(forward, in_dims=(0, None, None))
+            for start in range(0, len(data), batch_size):
+                batch = make_batch(data, torch.arange(start, min(start + batch_size, len(data))))
+                preds = batched(stacked, batch["input_ids"], batch["attention_mask"]).cpu()
+                for c in range(len(states)):
+                    out[c].append(preds[c])
+        else:
+            batched = vmap(forward)
+            for start in range(0, max(len(d) for d in data), batch_size):
+                rows = [torch.arange(min(start, len(d)), min(start + batch_size, len(d))) for d in data]
+                inputs = [(make_batch(d, r),) if len(r) else None for d, r in zip(data, rows, strict=True)]
+                (batch,) = stack_step(inputs)
+                preds = batched(stacked, batch["input_ids"], batch["attention_mask"]).cpu()
+                for c, r in enumerate(rows):
+                    out[c].append(preds[c, : len(r)])
+    return [torch.cat(p).numpy() if p else np.zeros(0, dtype=np.int64) for p in out]
