@@ -16,19 +16,61 @@ client at a time, as they are used).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 from collections import OrderedDict
 from collections.abc import Iterator, MutableMapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 Tensors = dict[str, torch.Tensor]
+ALIGN = 16  # bytes
+TRIM_EVERY = 256  # evictions between two hand-backs of freed heap memory
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap memory back to the system (glibc's ``malloc_trim``; elsewhere a no-op).
+    A personal state is many small tensors, freed in least-recently-used order: without
+    this the heap keeps the holes and resident memory drifts above the budget."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def state_bytes(state: Tensors) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
+
+
+@dataclass
+class Packed:
+    """A state in one byte buffer (one allocation per client, not one per tensor: a
+    state is many small tensors, and each costs as much again in allocator overhead)."""
+
+    buffer: torch.Tensor  # uint8
+    layout: tuple[tuple[str, torch.dtype, tuple[int, ...], int, int], ...]  # name, dtype, shape, start, stop
+
+
+_LAYOUTS: dict[tuple, tuple] = {}  # one copy of each layout: clients of a method share theirs
+
+
+def pack(state: Tensors) -> Packed:
+    parts, layout, start = [], [], 0
+    for name, t in state.items():
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        layout.append((name, t.dtype, tuple(t.shape), start, start + raw.numel()))
+        pad = -raw.numel() % ALIGN  # every tensor starts aligned for any dtype's view
+        parts += [raw, torch.zeros(pad, dtype=torch.uint8)]
+        start += raw.numel() + pad
+    layout = _LAYOUTS.setdefault(tuple(layout), tuple(layout))
+    return Packed(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8), layout)
+
+
+def unpack(packed: Packed) -> Tensors:
+    """The state's tensors: views of the packed buffer (the store never writes into it)."""
+    return {name: packed.buffer[a:b].view(dtype).view(shape) for name, dtype, shape, a, b in packed.layout}
 
 
 class ClientStore(MutableMapping[int, Tensors]):
@@ -48,6 +90,7 @@ class ClientStore(MutableMapping[int, Tensors]):
         self.bytes = 0  # of the states in memory
         self.serial = 1 + max((int(f.split(".")[1]) for f in self.files.values() if f), default=0)
         self.spilled = self.loaded = 0  # counts, for benchmarks and tests
+        self.since_trim = 0  # states evicted since memory was last handed back
 
     @classmethod
     def open(cls, directory: Path, index: dict[int, str], budget: int | None = None) -> ClientStore:
@@ -68,14 +111,14 @@ class ClientStore(MutableMapping[int, Tensors]):
     def __getitem__(self, cid: int) -> Tensors:
         if cid in self.memory:
             self.memory.move_to_end(cid)
-            return self.memory[cid]
+            return unpack(self.memory[cid])
         if cid not in self.files:
             raise KeyError(cid)
         name = self.files[cid]
         state = load_file(str(self.directory / name)) if name else {}
         self.loaded += 1
         self._hold(cid, state)
-        return state
+        return unpack(self.memory[cid])
 
     def __setitem__(self, cid: int, state: Tensors) -> None:
         self._drop(cid)
@@ -103,7 +146,7 @@ class ClientStore(MutableMapping[int, Tensors]):
     def commit(self) -> dict[int, str]:
         """Write every state that is only in memory; returns the index a checkpoint holds."""
         for cid in sorted(self.dirty):
-            self._write(cid, self.memory[cid])
+            self._write(cid, unpack(self.memory[cid]))
         self.dirty.clear()
         return dict(self.files)
 
@@ -123,24 +166,30 @@ class ClientStore(MutableMapping[int, Tensors]):
 
     # ----- internals
     def _hold(self, cid: int, state: Tensors) -> None:
-        self.memory[cid] = state
+        packed = self.memory[cid] = pack(state)
         self.memory.move_to_end(cid)
-        self.bytes += state_bytes(state)
+        self.bytes += packed.buffer.numel()
 
     def _drop(self, cid: int) -> None:
-        state = self.memory.pop(cid, None)
-        if state is not None:
-            self.bytes -= state_bytes(state)
+        packed = self.memory.pop(cid, None)
+        if packed is not None:
+            self.bytes -= packed.buffer.numel()
         self.dirty.discard(cid)
 
     def _evict(self) -> None:
         """Spill the least recently used states until the rest fits the budget."""
+        evicted = 0
         while self.budget is not None and self.bytes > self.budget and len(self.memory) > 1:
-            cid, state = next(iter(self.memory.items()))
+            cid, packed = next(iter(self.memory.items()))
             if cid in self.dirty:
-                self._write(cid, state)
+                self._write(cid, unpack(packed))
                 self.spilled += 1
             self._drop(cid)
+            evicted += 1
+        self.since_trim += evicted
+        if self.since_trim >= TRIM_EVERY:
+            release_freed_memory()
+            self.since_trim = 0
 
     def _write(self, cid: int, state: Tensors) -> None:
         """A new file for ``cid``'s state (an empty state needs none: its name is "")."""
