@@ -28,8 +28,9 @@ from fedpeft.data.sources import load_client_file, load_corpus
 from fedpeft.data.task import Encoded, encode
 from fedpeft.engines.inprocess import derive_seed
 from fedpeft.experiment import attach_method, fingerprint, make_split, place
-from fedpeft.methods.base import ClientData, FitResult, Job, Method, Tensors, load_tensors
-from fedpeft.metrics.classification import predict, scores
+from fedpeft.methods.base import ClientData, FitResult, Job, Method, Tensors
+from fedpeft.methods.cohort import predict_cohort
+from fedpeft.metrics.classification import scores
 from fedpeft.models.backbone import TaskModel, build_model, load_tokenizer
 
 KEEP_SNAPSHOTS = 2
@@ -216,26 +217,22 @@ class Node:
         if personal is None:
             personal = self.method.init_client(self.model, self.initial, self.client)
         trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+
+        def score(state: Tensors, data: Encoded) -> dict[str, float]:
+            """The client's model ``state`` on ``data``, computed as in-process (a cohort of one)."""
+            return scores(predict_cohort(self.model, [state], data, batch_size)[0], data.labels.cpu().numpy())
+
         extra = {}
         for name, state in self.method.extra_eval_states(self.model, received, personal, self.client).items():
             if len(self.client.test):
-                load_tensors(self.model, state)
-                extra[name] = scores(
-                    predict(self.model, self.client.test, batch_size), self.client.test.labels.cpu().numpy()
-                )
+                extra[name] = score(state, self.client.test)
         tensors = self.method.eval_state(self.model, received, personal, self.client)
         if set(tensors) != trainable:
             raise RuntimeError(
                 f"method {self.method.name}: eval state lacks {sorted(trainable - set(tensors))[:3]}"
             )
-        load_tensors(self.model, tensors)
-        local = {}
-        if len(self.client.test):
-            labels = self.client.test.labels.cpu().numpy()
-            local = scores(predict(self.model, self.client.test, batch_size), labels)
+        local = score(tensors, self.client.test) if len(self.client.test) else {}
         global_ = {}
         if on_global_test and self.global_test is not None:
-            global_ = scores(
-                predict(self.model, self.global_test, batch_size), self.global_test.labels.cpu().numpy()
-            )
+            global_ = score(tensors, self.global_test)
         return Evaluation(trained, local, global_, extra)
