@@ -193,3 +193,24 @@ def test_vectorised_evaluation_equals_one_model_at_a_time(tiny_config):
         assert np.array_equal(predict(model, client.test, 16), p_own)
         assert np.array_equal(predict(model, setup.global_test, 16), p_global)
     assert len({tuple(p) for p in on_global}) > 1  # different models, different predictions
+
+
+def test_fitting_cohort_size_from_probed_costs():
+    from fedpeft.engines.inprocess import fitting_cohort
+
+    # 10 GiB free, 80 % usable: (8 GiB - 1 GiB fixed) / 0.5 GiB per client = 14 clients
+    gib = 2**30
+    assert fitting_cohort(10 * gib, 1 * gib, 0.5 * gib, limit=100) == 14
+    assert fitting_cohort(10 * gib, 1 * gib, 0.5 * gib, limit=8) == 8  # never more than sampled
+    assert fitting_cohort(1 * gib, 2 * gib, 0.5 * gib, limit=8) == 1  # never fewer than one
+    assert fitting_cohort(1 * gib, 0, 0, limit=8) == 8  # no per-client cost measured
+
+
+def test_auto_cohort_size_is_one_on_a_cpu(tiny_config, tmp_path):
+    cfg = tiny_config(**{"train.cohort_size": "auto", "train.device": "cpu"}, output_dir=str(tmp_path))
+    summary = run(cfg)
+    assert cfg.train.cohort_size == "auto"
+    records = read_records(cfg.output_dir)
+    assert records[0]["setup"]["cohort_size"] == 1.0 and summary["device"] == "cpu"
+    with pytest.raises(Exception, match="cohort_size"):
+        tiny_config(**{"train.cohort_size": 0})

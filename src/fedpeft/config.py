@@ -171,12 +171,12 @@ class TrainConfig(BaseModel):
         description="Where models and batches live: auto (a GPU when there is one, else the CPU), "
         "cpu, cuda, cuda:N or mps. Not part of the run's identity: a run resumes on another device.",
     )
-    cohort_size: int = Field(
-        1,
-        ge=1,
-        description="Sampled clients trained at once, stacked on a client axis over the one shared "
-        "backbone (methods whose local step is vectorised; `fedpeft methods` says which). Not part of "
-        "the run's identity: any cohort size gives the same results to float rounding.",
+    cohort_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto",
+        description="Sampled clients trained (and scored) at once, stacked on a client axis over the one "
+        "shared backbone (methods whose local step is vectorised; `fedpeft methods` says which). auto: on "
+        "a GPU the most that fit its free memory, found by a probe; on a CPU 1 (batching clients gains "
+        "nothing there). Not part of the run's identity: any size gives the same results to float rounding.",
     )
     client_memory_mb: float | None = Field(
         None,

@@ -184,7 +184,7 @@ def make_engine(setup: Setup, on_round: Callable[[dict], None] | None) -> InProc
         eval_every=cfg.eval.every,
         eval_local=cfg.eval.local,
         eval_batch_size=cfg.eval.batch_size,
-        cohort_size=cfg.train.cohort_size,
+        cohort_size=None if cfg.train.cohort_size == "auto" else cfg.train.cohort_size,
     )
     metrics_path = out / "metrics.jsonl"
 

@@ -48,7 +48,7 @@ class Schedule:
     eval_every: int = 1
     eval_local: bool = True
     eval_batch_size: int = 128
-    cohort_size: int = 1  # clients trained at once (a vectorised method's local rounds)
+    cohort_size: int | None = 1  # clients trained at once (None: probe the device's memory)
 
 
 def derive_seed(*keys: int) -> int:
@@ -128,6 +128,7 @@ class InProcessEngine:
         self.setup_info: dict[str, float] = {}
         self.server: ServerState | None = None  # the final state, once run() returns
         self._loaded: tuple[torch.Tensor, ...] = ()
+        self.cohort_size = schedule.cohort_size or 1  # with None, probed when the run starts
 
     # ------------------------------------------------------------ state helpers
     def personal_of(self, client: ClientData) -> Tensors:
@@ -176,8 +177,8 @@ class InProcessEngine:
             down += received_bytes
         results, fit_times, readouts = [], [], {}
         self._loaded = ()  # a fit may load its own tensors
-        for start in range(0, len(jobs), s.cohort_size):
-            cohort = jobs[start : start + s.cohort_size]
+        for start in range(0, len(jobs), self.cohort_size):
+            cohort = jobs[start : start + self.cohort_size]
             t0 = time.perf_counter()
             for job, result in zip(cohort, self.method.fit_cohort(self.model, cohort), strict=True):
                 result.cid = job.client.cid
@@ -220,7 +221,7 @@ class InProcessEngine:
         method is scored on the same ones (a client that never trained holds the global
         model and its initial personal state). Clients' own models are scored in cohorts
         of ``cohort_size``, their forward passes vmapped."""
-        bs, out, size = self.schedule.eval_batch_size, {}, self.schedule.cohort_size
+        bs, out, size = self.schedule.eval_batch_size, {}, self.cohort_size
         labels = self.global_test.labels.cpu().numpy()
         global_tensors = self.method.global_state(server)
         if global_tensors is not None:
@@ -276,6 +277,9 @@ class InProcessEngine:
             self.setup_info = {"time_init_server": time.perf_counter() - t0, **self.method.setup_info}
         # Every client applies the join message to its backbone copy; here they share one copy.
         self.method.join(self.model, self.method.join_message(server))
+        if self.schedule.cohort_size is None:
+            self.cohort_size = probe_cohort_size(self, server)
+            self.setup_info["cohort_size"] = float(self.cohort_size)
         return server, records
 
     def run(self, resume: bool = False) -> list[dict]:
@@ -301,3 +305,55 @@ class InProcessEngine:
             self.on_round(record)
         self.server = server
         return records
+
+
+# ---------------------------------------------------------------- cohort size
+
+
+def fitting_cohort(free: int, fixed: float, per_client: float, limit: int, headroom: float = 0.8) -> int:
+    """The most clients (at most ``limit``, at least 1) whose cohort needs at most
+    ``headroom * free`` bytes, a cohort of ``n`` needing ``fixed + n * per_client``."""
+    if per_client <= 0:
+        return limit
+    return max(1, min(limit, int((headroom * free - fixed) // per_client)))
+
+
+def probe_cohort_size(engine: InProcessEngine, server: ServerState) -> int:
+    """``train.cohort_size: auto``. On a GPU: the peak memory of one local step and of
+    one scoring batch for cohorts of 1 and 4 clients, measured on the largest client's
+    longest rows, gives the cost per client; the cohort is the most clients that fit 80 %
+    of the free memory (at most the clients per round). Elsewhere, or for a method that
+    trains one client at a time: 1 (on a CPU, batching clients gains nothing)."""
+    model, method, s = engine.model, engine.method, engine.schedule
+    device = next(model.parameters()).device
+    if device.type != "cuda" or not method.vectorised or s.clients_per_round == 1:
+        return 1
+    client = max(engine.clients, key=lambda c: len(c.train))
+    longest = torch.argsort(client.train.lengths, descending=True)
+    train_rows = client.train.subset(longest[: method.train.batch_size])
+    probe = ClientData(client.cid, train_rows, client.train.subset(longest[: s.eval_batch_size]))
+    received = method.downlink(server, client.cid)
+    personal = method.init_client(model, engine.initial, probe)
+    state = {**received, **method.params_of(personal)}
+    saved, method.train = method.train, method.train.model_copy(update={"local_steps": 1})
+
+    def peak(run: Callable[[], object]) -> int:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        run()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+
+    try:
+        costs = []
+        for n in (1, 4):
+            fit = peak(lambda n=n: method.fit_cohort(model, [Job(received, personal, probe, 0)] * n))
+            score = peak(lambda n=n: predict_cohort(model, [state] * n, [probe.test] * n, s.eval_batch_size))
+            costs.append(max(fit, score))
+    finally:
+        method.train = saved
+    per_client = (costs[1] - costs[0]) / 3
+    free, _ = torch.cuda.mem_get_info(device)
+    return fitting_cohort(free, costs[0] - per_client, per_client, s.clients_per_round)
