@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest "$@"
+# One worker per core; a test module stays on one worker (the deployment tests share one
+# federation per module).
+exec .venv/bin/python -m pytest -n auto --dist loadscope "$@"

@@ -146,10 +146,17 @@ def attach_method(cfg: ExperimentConfig, model: TaskModel) -> tuple[Method, Tens
 
 def place(model: TaskModel, train: TrainConfig) -> torch.device:
     """Move ``model`` (prepared: its adapters added) to ``train.device`` and set its
-    autocast precision; returns the device, where the clients' data must go too."""
+    autocast precision; returns the device, where the clients' data must go too. In
+    bf16/fp16 the frozen weights are stored in that dtype (nothing updates them, so they
+    need no float32 master copy; half the memory, and a vmapped linear layer with a
+    bias computes in that dtype only when its weights are in it)."""
     device = resolve_device(train.device)
     model.to(device)
     model.precision = autocast_dtype(train.precision)
+    if model.precision is not None:
+        for p in model.parameters():
+            if not p.requires_grad and p.is_floating_point():
+                p.data = p.data.to(model.precision)
     return device
 
 

@@ -5,9 +5,10 @@ clients' data live on the device; what crosses to the server, into a personal st
 into a checkpoint is CPU float32 (``read_tensors``), so a run started on a GPU resumes on
 a CPU and a Flower node picks its own device whatever the server's.
 
-Precision is autocast over the model's forward pass: the parameters (the "master"
-tensors the optimizer updates) stay float32, matrix products run in bfloat16 or float16,
-and the logits come back float32. float16 needs loss scaling against gradient underflow
+Precision is autocast over the model's forward pass: the trainable parameters (the
+"master" tensors the optimizer updates) stay float32, the frozen weights are stored in
+bfloat16 or float16 (nothing updates them), matrix products run in that dtype, and the
+logits come back float32. float16 needs loss scaling against gradient underflow
 (``fedpeft.methods.cohort.LOSS_SCALE``); bfloat16 has float32's exponent range and needs none.
 """
 
