@@ -11,7 +11,8 @@ import torch
 from flwr.app import Context, RecordDict
 
 from fedpeft.config import dump_config
-from fedpeft.experiment import run
+from fedpeft.engines.checkpoint import load_checkpoint
+from fedpeft.experiment import fingerprint, run
 from fedpeft.flower import apps, codec
 from fedpeft.flower.server import DeploymentError
 from fedpeft.report.results import read_records, read_summary
@@ -216,7 +217,8 @@ def test_restarted_node_rejoins_with_its_state(tiny_config, tmp_path, method):
         read_records(local_cfg.output_dir)[-1]["local"]
     )
     # node 0's personal state after the last round is the in-process engine's, bit for bit
-    reference = torch.load(local_cfg.output_dir / "checkpoint.pt", weights_only=True)["personal"][0]
+    ckpt = load_checkpoint(local_cfg.output_dir / "checkpoint.pt", fingerprint(local_cfg))
+    reference = ckpt.personal[0]
     saved = torch.load(tmp_path / "node0" / "client-0-personal.pt", weights_only=True)["value"]
     assert set(saved[3]) == set(reference)
     assert all(torch.equal(saved[3][k], reference[k]) for k in reference)
