@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 from fedpeft.cli import app
 
 
-def test_cli_run_partition_report_methods(tiny_config, tmp_path):
+def test_cli_run_partition_report_methods(tiny_config, tmp_path, monkeypatch):
     cfg = tiny_config()
     path = tmp_path / "exp.yaml"
     from fedpeft.config import dump_config
@@ -58,7 +58,10 @@ def test_cli_run_partition_report_methods(tiny_config, tmp_path):
     assert "Jensen-Shannon" in res.output
     assert (tmp_path / "p" / "partition_heatmap.png").is_file()
 
-    res = runner.invoke(app, ["methods", str(path)], env={"COLUMNS": "200"})
+    from fedpeft import cli
+
+    monkeypatch.setattr(cli.console, "width", 200)  # the whole table, whatever the terminal
+    res = runner.invoke(app, ["methods", str(path)])
     assert res.exit_code == 0, res.output
     for name in ("fedft", "fedbf", "fedap", "fedlr", "local", "centralized"):
         assert name in res.output

@@ -41,7 +41,7 @@ def _config(path: Path | None, sets: list[str] | None) -> ExperimentConfig:
 
 
 def _fail(err: Exception) -> None:
-    console.print(f"[bold red]error:[/] {err}")
+    console.print(f"[bold red]error:[/] {err}", soft_wrap=True)  # paths in one piece, to copy
     raise typer.Exit(2)
 
 
