@@ -17,6 +17,11 @@ A client's personal state may hold such private entries besides its personal
 parameters (``opt.*``; HETLoRA's own adapter under ``own.*``): they never leave the client
 and are never loaded into the model as parameters (:meth:`Method.params_of`).
 
+A client's local round is written as pure functions (:meth:`Method.cohort_start`,
+:meth:`Method.step_inputs`, :meth:`Method.step_gradients`, :meth:`Method.cohort_finish`)
+that the engine runs for a whole cohort of clients at once (``fedpeft.methods.cohort``);
+a method overrides the ones its paper changes.
+
 The defaults below implement FedAvg over the shared tensors (FeDeRA paper, sec. 3.1):
 the server sends its state, clients train ``E`` epochs or ``K`` steps, and the new
 state is the mean of the returned ones weighted by ``|D_i|``.
