@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import shutil
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-import psutil
 import torch
+from gpu_throughput import PeakMemory  # the same peak-memory sampler
 
 from fedpeft.config import load_config
 from fedpeft.data.task import Encoded
@@ -35,22 +34,6 @@ from fedpeft.engines.store import ClientStore
 from fedpeft.experiment import attach_method, place
 from fedpeft.methods.base import ClientData
 from fedpeft.models.backbone import build_model
-
-
-class PeakRss:
-    def __enter__(self):
-        self.peak, self.done = psutil.Process().memory_info().rss, threading.Event()
-        self.thread = threading.Thread(target=self._watch, daemon=True)
-        self.thread.start()
-        return self
-
-    def _watch(self):
-        while not self.done.wait(0.01):
-            self.peak = max(self.peak, psutil.Process().memory_info().rss)
-
-    def __exit__(self, *exc):
-        self.done.set()
-        self.thread.join()
 
 
 def main() -> None:
@@ -92,8 +75,7 @@ def main() -> None:
         schedule = Schedule(rounds=args.rounds, clients_per_round=args.per_round, seed=0, eval_every=10**9)
         store = ClientStore(directory, budget)
         engine = InProcessEngine(model, method, clients, rows, schedule, store=store)
-        base = psutil.Process().memory_info().rss
-        with PeakRss() as rss:
+        with PeakMemory(torch.device("cpu")) as mem:
             t0 = time.perf_counter()
             for cid in range(count):  # every client holds a personal adapter of its own
                 noise = torch.Generator().manual_seed(cid)
@@ -109,7 +91,7 @@ def main() -> None:
                 ckpt = Checkpoint(rnd, "scale", server, store, [], [])
                 save_checkpoint(directory.parent / "checkpoint.pt", ckpt)
                 times.append(time.perf_counter() - t0)
-        beyond = rss.peak - base
+        beyond = mem.peak  # above the resident memory at the start: the backbone and all else
         out.append(
             (count, count * per_client, beyond, store.disk_bytes(), t_populate, sum(times) / len(times))
         )
