@@ -1,0 +1,56 @@
+"""A SuperNode killed mid-round: the round completes without it and it rejoins later.
+
+Its own module (and so, under pytest-xdist's loadscope, its own worker): it waits about
+a minute for the dead node's heartbeats to lapse, which should not queue behind the
+module that compares deployments with in-process runs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from test_flower_deploy import PF2, SMALL
+
+from fedpeft.flower import deploy
+from fedpeft.report.results import read_records
+
+pytestmark = pytest.mark.deploy
+
+
+def test_node_killed_mid_round(tiny_config, tmp_path):
+    """Client 2's SuperNode is killed while round 2 runs: the round completes with the
+    other two and records the drop; a new SuperNode for client 2 rejoins in round 3."""
+    cfg = tiny_config(
+        method=PF2,
+        output_dir=str(tmp_path / "flower"),
+        # a generous timeout: the dead node is dropped once its heartbeats lapse (about a
+        # minute), and a slow machine must not drop the healthy ones
+        **{**SMALL, "train.rounds": 3, "eval.every": 3, "deploy.round_timeout": 300},
+    )
+    with deploy.local_federation(tmp_path / "fed", 3) as fed:
+
+        def saboteur():
+            metrics = cfg.output_dir / "metrics.jsonl"
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline:  # round 1 recorded: round 2's messages are out
+                if metrics.is_file() and metrics.read_text().count("\n") >= 1:
+                    time.sleep(1)
+                    fed.kill_node(2)
+                    fed.start_node(2, state_dir=tmp_path / "fed" / "node-2")  # same disk
+                    return
+                time.sleep(0.2)
+
+        thread = threading.Thread(target=saboteur, daemon=True)
+        thread.start()
+        status = deploy.submit(cfg, fed.address, workdir=tmp_path / "submit", timeout=900, echo=False)
+        thread.join()
+    assert status["status"] == "finished:completed"
+    records = read_records(cfg.output_dir)
+    assert len(records) == 3
+    assert "2" in records[1]["dropped"]
+    assert 2 not in records[1]["clients_returned"]
+    assert records[1]["clients_returned"] == [0, 1]  # the round went on with the others
+    assert 2 in records[2]["clients_returned"]  # the restarted node rejoined
+    assert records[-1]["local"]["accuracy_mean"] >= 0
