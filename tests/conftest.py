@@ -64,3 +64,40 @@ def tiny_config(tiny_backbone, tmp_path):
         return parse_config(data, "tiny")
 
     return make
+
+
+#: A chat template for the tiny decoder (its tokenizer, MiniLM's, has none).
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} [SEP] {% endfor %}"
+    "{% if add_generation_prompt %}assistant : {% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_decoder(tmp_path_factory) -> Path:
+    """A randomly initialised 2-layer Llama (hidden 32) with MiniLM's tokenizer, a chat
+    template and ``[SEP]`` as its end of turn: the causal-LM path in seconds."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from fedpeft.models.backbone import bundled_minilm_dir
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    tok = AutoTokenizer.from_pretrained(bundled_minilm_dir())
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    tok.eos_token = "[SEP]"
+    cfg = LlamaConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

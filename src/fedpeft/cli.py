@@ -14,6 +14,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from rich.table import Table
 
 from fedpeft.config import ConfigError, ExperimentConfig, load_config
+from fedpeft.report.results import headline
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, help=__doc__)
 warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
@@ -90,7 +91,8 @@ def run(
         def on_round(r: dict) -> None:
             nonlocal last_acc
             if r.get("global"):
-                last_acc = f"acc {r['global']['accuracy']:.3f} (round {r['round']})"
+                name = headline(r["global"])
+                last_acc = f"{name} {r['global'][name]:.3f} (round {r['round']})"
             progress.update(
                 task,
                 completed=r["round"],
@@ -179,34 +181,31 @@ def methods(config: ConfigArg = None, set_: SetOpt = None) -> None:
     console.print(table)
 
 
+#: The summary table's score columns per headline score: (title, key of the scores).
+SCORE_COLUMNS = {
+    "accuracy": [("acc", "accuracy"), ("F1", "macro_f1"), ("MCC", "mcc")],
+    "rouge_l": [("ROUGE-L", "rouge_l"), ("BLEU", "bleu"), ("chrF", "chrf"), ("ppl", "perplexity")],
+}
+
+
 def _print_summaries(summaries: list[dict]) -> None:
+    name = summaries[0].get("headline", "accuracy") if summaries else "accuracy"
+    columns = SCORE_COLUMNS[name]
     table = Table(title="results")
-    for col in (
-        "run",
-        "method",
-        "rounds",
-        "acc",
-        "F1",
-        "MCC",
-        "local acc",
-        "best (rnd)",
-        "MB",
-        "train s",
-    ):
+    for col in ("run", "method", "rounds", *(t for t, _ in columns), f"local {columns[0][0]}",
+                "best (rnd)", "MB", "train s"):  # fmt: skip
         table.add_column(col)
     for s in summaries:
         g, loc = s.get("final_global") or {}, s.get("final_local") or {}
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-        local = f"{fmt(loc.get('accuracy_mean'))}±{fmt(loc.get('accuracy_std'))}" if loc else "-"
+        local = f"{fmt(loc.get(f'{name}_mean'))}±{fmt(loc.get(f'{name}_std'))}" if loc else "-"
         table.add_row(
             s["name"],
             s["method"],
             str(s["rounds"]),
-            fmt(g.get("accuracy")),
-            fmt(g.get("macro_f1")),
-            fmt(g.get("mcc")),
+            *(fmt(g.get(key)) for _, key in columns),
             local,
-            f"{fmt(s.get('best_global_accuracy'))} ({s.get('best_round')})",
+            f"{fmt(s.get(f'best_global_{name}'))} ({s.get('best_round')})",
             f"{s['total_bytes'] / 1e6:.2f}",
             f"{s['time_train']:.1f}",
         )
@@ -219,7 +218,10 @@ def report(
     out: Annotated[Path, typer.Option(help="Where to write the comparison plots.")] = Path("runs/report"),
     target: Annotated[
         float | None,
-        typer.Option(help="Target global accuracy for time-to-target (default: the best of these runs)."),
+        typer.Option(
+            help="Target global score (accuracy; ROUGE-L for generation) for time-to-target "
+            "(default: the best of these runs)."
+        ),
     ] = None,
     bandwidth: Annotated[float, typer.Option(help="Client link bandwidth, Mbit/s.")] = 25.0,
     latency: Annotated[float, typer.Option(help="Client link latency per message, ms.")] = 0.0,
@@ -236,14 +238,15 @@ def report(
     except (FileNotFoundError, json.JSONDecodeError) as err:
         _fail(err)
     _print_summaries(summaries)
+    name = summaries[0].get("headline", "accuracy")
     if target is None:
-        target = max((s.get("best_global_accuracy") or 0.0) for s in summaries)
+        target = max((s.get(f"best_global_{name}") or 0.0) for s in summaries)
     link = Link(bandwidth, latency)
-    table = Table(title=f"time to target (accuracy {target:.3f}; link {bandwidth:g} Mbit/s, {latency:g} ms)")
+    table = Table(title=f"time to target ({name} {target:.3f}; link {bandwidth:g} Mbit/s, {latency:g} ms)")
     for col in ("run", "% of target", "round", "MB", "train s", "comm s", "decomp s", "total s"):
         table.add_column(col)
     for label, recs in records.items():
-        for row in time_to_target(recs, target, link):
+        for row in time_to_target(recs, target, link, metric=name):
             cells = ["-"] * 6
             if row["round"] is not None:
                 cells = [

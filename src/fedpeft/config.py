@@ -31,10 +31,22 @@ class DataConfig(BaseModel):
 
     model_config = Strict
 
+    task: Literal["classification", "causal_lm"] = Field(
+        "classification",
+        description="classification: text -> one of the label column's classes; causal_lm: instruction "
+        "tuning of a decoder (prompt -> response, loss on response tokens only), scored by perplexity "
+        "and generation metrics. With source wordnet, causal_lm is definition generation.",
+    )
     source: Literal["wordnet", "file", "hub"] = Field(
         "wordnet",
-        description="wordnet: built-in WordNet glosses -> lexicographer category (45 classes); "
-        "file: a local CSV/JSONL/Parquet file; hub: a Hugging Face dataset id.",
+        description="wordnet: built-in WordNet glosses -> lexicographer category (45 classes), or "
+        "lemma -> definition (task causal_lm); file: a local CSV/JSONL/Parquet file (for causal_lm "
+        "Alpaca-style instruction/input/output or chat `messages` JSONL); hub: a Hugging Face dataset id.",
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="causal_lm: a system message put before every prompt that has none (None: the chat "
+        "template's own default, if any).",
     )
     path: Path | None = Field(None, description="Local data file (source: file).")
     test_path: Path | None = Field(
@@ -57,7 +69,11 @@ class DataConfig(BaseModel):
         0.2, gt=0, lt=1, description="Held-out share when there is no test split or test file."
     )
     text_column: str = "text"
-    label_column: str = "label"
+    label_column: str = Field(
+        "label",
+        description="The class column (classification); for causal_lm an optional domain column that "
+        "partitions clients (without it every example is in one domain).",
+    )
     group_column: str | None = Field(None, description="Column for the natural partition.")
     max_samples: int | None = Field(
         None, gt=0, description="Seeded subsample of the training pool (None: use all)."
@@ -191,6 +207,25 @@ class TrainConfig(BaseModel):
     )
 
 
+class GenerationConfig(BaseModel):
+    """How a causal LM's responses are generated for scoring (Hugging Face ``generate``)."""
+
+    model_config = Strict
+
+    strategy: Literal["greedy", "beam", "sample"] = "greedy"
+    num_beams: int = Field(4, ge=2, description="Beams (strategy: beam).")
+    temperature: float = Field(0.7, gt=0, description="strategy: sample.")
+    top_p: float = Field(0.9, gt=0, le=1, description="Nucleus sampling mass (strategy: sample).")
+    seed: int = Field(0, ge=0, description="Seed of the sampling (strategy: sample).")
+    max_new_tokens: int = Field(32, ge=1)
+    samples: int | None = Field(
+        32,
+        ge=1,
+        description="Examples generated per scored set (the global test set, each client's local test "
+        "split): the first this many; perplexity uses all (None: generate for all).",
+    )
+
+
 class EvalConfig(BaseModel):
     """When and how the model is scored."""
 
@@ -199,6 +234,7 @@ class EvalConfig(BaseModel):
     every: int = Field(1, ge=1, description="Evaluate every this many rounds (and the last).")
     local: bool = Field(True, description="Also score each client on its local test split.")
     batch_size: int = Field(128, ge=1)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig, description="data.task causal_lm.")
 
 
 class ExportConfig(BaseModel):

@@ -21,12 +21,13 @@ import torch
 from fedpeft.config import ConfigError, ExperimentConfig, TrainConfig, dump_config
 from fedpeft.data import partition as P
 from fedpeft.data.sources import Corpus, load_corpus
-from fedpeft.data.task import Encoded, encode
+from fedpeft.data.task import Encoded, encode_corpus
 from fedpeft.engines.checkpoint import STORE_DIR, ResumeError
 from fedpeft.engines.inprocess import InProcessEngine, Schedule
 from fedpeft.engines.store import ClientStore
 from fedpeft.methods import build_method
 from fedpeft.methods.base import ClientData, Method, ServerState, Tensors, load_tensors, read_tensors
+from fedpeft.metrics.scorers import scorer_for
 from fedpeft.metrics.variation import lora_variations
 from fedpeft.models.backbone import TaskModel, build_model
 from fedpeft.models.device import autocast_dtype, resolve_device
@@ -106,6 +107,7 @@ class Setup:
     clients: list[ClientData]
     global_test: Encoded
     initial: Tensors  # the trainable tensors right after prepare(), restored by every run
+    tokenizer: object = None  # what generation decodes with (causal_lm)
 
 
 def build(cfg: ExperimentConfig, model: TaskModel | None = None, tokenizer=None) -> Setup:
@@ -115,9 +117,8 @@ def build(cfg: ExperimentConfig, model: TaskModel | None = None, tokenizer=None)
     corpus = load_corpus(cfg.data, cfg.seed)
     split = make_split(cfg, corpus)
     if model is None:
-        model, tokenizer = build_model(cfg.model, corpus.num_classes, cfg.seed)
-    pool = encode(corpus.train_texts, corpus.train_labels, tokenizer, cfg.data.max_length)
-    global_test = encode(corpus.test_texts, corpus.test_labels, tokenizer, cfg.data.max_length)
+        model, tokenizer = build_model(cfg.model, corpus.num_classes, cfg.seed, cfg.data.task)
+    pool, global_test = encode_corpus(corpus, tokenizer, cfg.data)
     method, initial = attach_method(cfg, model)
     device = place(model, cfg.train)
     pool, global_test = pool.to(device), global_test.to(device)
@@ -125,7 +126,7 @@ def build(cfg: ExperimentConfig, model: TaskModel | None = None, tokenizer=None)
         ClientData(i, pool.subset(tr), pool.subset(te))
         for i, (tr, te) in enumerate(zip(split.train, split.test, strict=True))
     ]
-    return Setup(cfg, corpus, split, model, method, clients, global_test, initial)
+    return Setup(cfg, corpus, split, model, method, clients, global_test, initial, tokenizer)
 
 
 def attach_method(cfg: ExperimentConfig, model: TaskModel) -> tuple[Method, Tensors]:
@@ -214,6 +215,7 @@ def make_engine(setup: Setup, on_round: Callable[[dict], None] | None) -> InProc
         on_start=lambda done: R.write_records(metrics_path, done),
         analyzers=update_variation_analyzers(setup.method),
         store=client_store(cfg),
+        scorer=scorer_for(cfg.data.task, setup.tokenizer, cfg.eval),
     )
 
 

@@ -2,8 +2,10 @@
 
 Whatever the source, the result is a :class:`Corpus`: a training pool (which the
 partition splits across clients) and a global test set, with integer labels and
-their class names. Bad input fails with :class:`DataError`, naming the file, the
-column or the row at fault.
+their class names. For instruction tuning (``data.task: causal_lm``) the "texts" are
+prompts (chat messages), each example has a response, and the labels are domains
+(what a natural or Dirichlet partition splits on). Bad input fails with
+:class:`DataError`, naming the file, the column or the row at fault.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fedpeft.data.instructions import definition_prompt, instruction_columns, read_jsonl_messages
 from fedpeft.data.wordnet import LEXNAMES, read_glosses
 
 if TYPE_CHECKING:
@@ -29,14 +32,16 @@ class DataError(ValueError):
 
 @dataclass
 class Corpus:
-    """A labelled text-classification corpus split into a training pool and a test set."""
+    """A labelled corpus split into a training pool and a test set."""
 
-    train_texts: list[str]
-    train_labels: np.ndarray  # (N,) int64 in [0, num_classes)
-    test_texts: list[str]
+    train_texts: list  # texts; for causal_lm prompts (lists of chat messages)
+    train_labels: np.ndarray  # (N,) int64 in [0, num_classes): classes, or causal_lm domains
+    test_texts: list
     test_labels: np.ndarray  # (N_test,) int64
     class_names: list[str]
     train_groups: np.ndarray | None = None  # (N,) values of data.group_column
+    train_responses: list[str] | None = None  # causal_lm: what the model should answer
+    test_responses: list[str] | None = None
 
     @property
     def num_classes(self) -> int:
@@ -46,11 +51,14 @@ class Corpus:
 Columns = dict[str, list[Any]]
 
 
-def read_table(path: Path) -> Columns:
-    """A CSV, JSONL/JSON or Parquet file as columns."""
+def read_table(path: Path, objects: bool = False) -> Columns:
+    """A CSV, JSONL/JSON or Parquet file as columns. With ``objects`` a JSONL file's
+    values stay Python objects (chat ``messages`` lists)."""
     import pandas as pd
 
     suffix = path.suffix.lower()
+    if objects and suffix == ".jsonl":
+        return read_jsonl_messages(path)
     try:
         if suffix in (".csv", ".tsv"):
             frame = pd.read_csv(path, sep="\t" if suffix == ".tsv" else ",")
@@ -132,27 +140,37 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
     """Read the configured source and split it into training pool and global test set."""
     names: list[str] | None = None
     test: Columns | None = None
+    lm = cfg.task == "causal_lm"
+    text_col, label_col = cfg.text_column, cfg.label_column
     if cfg.source == "wordnet":
         table, origin = read_glosses(cfg.wordnet_dir), str(cfg.wordnet_dir)
         lex_id = {name: i for i, name in enumerate(LEXNAMES)}
         table["label"], names = [lex_id[v] for v in table["label"]], list(LEXNAMES)
+        text_col, label_col = "text", "label"
+        if lm:  # definition generation: lemma and part of speech -> gloss; the lexname is the domain
+            table["response"] = table["text"]
+            table["text"] = [
+                definition_prompt(w, p) for w, p in zip(table["lemma"], table["pos"], strict=True)
+            ]
     elif cfg.source == "file":
         assert cfg.path is not None
-        table, origin = read_table(cfg.path), str(cfg.path)
+        table, origin = read_table(cfg.path, objects=lm), str(cfg.path)
         if cfg.test_path is not None:
-            test, test_origin = read_table(cfg.test_path), str(cfg.test_path)
+            test, test_origin = read_table(cfg.test_path, objects=lm), str(cfg.test_path)
     else:
         table, names = load_hub(cfg, cfg.train_split)
         origin = f"{cfg.hub_id}[{cfg.train_split}]"
         if cfg.test_split:
             test, _ = load_hub(cfg, cfg.test_split)
             test_origin = f"{cfg.hub_id}[{cfg.test_split}]"
-    if cfg.source != "wordnet":
+    if lm and cfg.source != "wordnet":
+        names = None  # domains are read as text
+        table = _instruction_table(table, origin, cfg)
+        test = _instruction_table(test, test_origin, cfg) if test is not None else None
+        text_col, label_col = "text", "label"
+    elif cfg.source != "wordnet":
         _check_columns(table, origin, cfg)
     rng = np.random.default_rng(seed)
-    text_col, label_col = (
-        ("text", "label") if cfg.source == "wordnet" else (cfg.text_column, cfg.label_column)
-    )
     n = len(table[text_col])
     known_ids = names is not None
     if test is None:  # a seeded held-out share: the classes are those of the whole table
@@ -165,10 +183,13 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
         if names is None:
             names = class_names_of(table[label_col] + test[label_col])
     else:  # a test set of its own: its labels map onto the training classes
-        _check_columns(test, test_origin, cfg, groups=False)
+        if not lm:
+            _check_columns(test, test_origin, cfg, groups=False)
         if names is None:
             names = class_names_of(table[label_col])
-            test = _known_labels_only(test, label_col, names, test_origin, cfg.unseen_test_labels)
+            test = _known_labels_only(
+                test, label_col, names, test_origin, "drop" if lm else cfg.unseen_test_labels
+            )
     train_labels = _encode_labels(table[label_col], names, origin, known_ids)
     test_labels = _encode_labels(test[label_col], names, test_origin, known_ids)
     keep = _subsample(len(train_labels), cfg.max_samples, rng)
@@ -182,7 +203,33 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
         test_labels=test_labels[keep_test],
         class_names=names,
         train_groups=groups,
+        train_responses=[table["response"][i] for i in keep] if lm else None,
+        test_responses=[test["response"][i] for i in keep_test] if lm else None,
     )
+
+
+def _instruction_table(table: Columns, origin: str, cfg: DataConfig) -> Columns:
+    """An instruction file or dataset (Alpaca-style or chat ``messages``) as columns
+    ``text`` (the prompt's messages), ``response`` and ``label`` (the domain: the
+    ``data.label_column`` values when the table has that column, else one domain, ``all``;
+    a label column named in the config must exist), plus the group column if any."""
+    prompts, responses = instruction_columns(table, origin)
+    explicit = "label_column" in cfg.model_fields_set
+    if cfg.label_column in table:
+        domains = table[cfg.label_column]
+        for row, d in enumerate(domains):
+            if d is None or (isinstance(d, float) and np.isnan(d)):
+                raise DataError(f"{origin}: data row {row} (0-based): column {cfg.label_column!r} is missing")
+    elif explicit:
+        raise DataError(f"{origin}: no column {cfg.label_column!r} (columns: {sorted(table)})")
+    else:
+        domains = ["all"] * len(prompts)
+    out = {"text": prompts, "response": responses, "label": list(domains)}
+    if cfg.group_column:
+        if cfg.group_column not in table:
+            raise DataError(f"{origin}: no column {cfg.group_column!r} (columns: {sorted(table)})")
+        out[cfg.group_column] = table[cfg.group_column]
+    return out
 
 
 def _known_labels_only(test: Columns, label_col: str, names: list[str], origin: str, unseen: str) -> Columns:

@@ -1,8 +1,12 @@
-"""The sequence-classification task: tokenise once, then cut batches padded to their longest.
+"""Tokenised examples, and batches cut from them padded to their longest.
 
 Texts are tokenised a single time into one ``(N, max_length)`` id matrix plus each
 row's true length. A batch takes its rows and keeps only the first
 ``max(lengths[rows])`` columns, so short texts never pay for padding.
+
+Labels are one class per example ``(N,)`` (sequence classification) or one per token
+``(N, L)`` (causal LM: the response's tokens, :data:`IGNORE` on the prompt and padding),
+cut to the batch's width like the ids.
 """
 
 from __future__ import annotations
@@ -13,34 +17,56 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+#: The label of a token that no loss counts (a prompt or padding position).
+IGNORE = -100
+
 
 @dataclass
 class Encoded:
-    """Tokenised examples: ids ``(N, L)`` right-padded, lengths ``(N,)``, labels ``(N,)``."""
+    """Tokenised examples: ids ``(N, L)`` right-padded, lengths ``(N,)``, labels ``(N,)``
+    or ``(N, L)``; for instruction data also each prompt's length ``(N,)`` (the prompt is
+    ``ids[i, :prompt_lengths[i]]``, the response follows it)."""
 
     ids: torch.Tensor
     lengths: torch.Tensor
     labels: torch.Tensor
+    prompt_lengths: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.labels)
 
+    def fields(self) -> list[torch.Tensor]:
+        """The tensors, in order (what crosses to a deployed node)."""
+        return [self.ids, self.lengths, self.labels] + (
+            [self.prompt_lengths] if self.prompt_lengths is not None else []
+        )
+
+    def _map(self, f) -> Encoded:
+        return Encoded(*(f(t) for t in self.fields()))
+
     def subset(self, rows: np.ndarray | torch.Tensor) -> Encoded:
         rows = torch.as_tensor(rows, dtype=torch.long, device=self.ids.device)
-        return Encoded(self.ids[rows], self.lengths[rows], self.labels[rows])
+        return self._map(lambda t: t[rows])
 
     def to(self, device: torch.device | str) -> Encoded:
         """The same examples on ``device`` (batches are then cut there)."""
-        return Encoded(self.ids.to(device), self.lengths.to(device), self.labels.to(device))
+        return self._map(lambda t: t.to(device))
 
     @staticmethod
     def concat(parts: list[Encoded]) -> Encoded:
         width = max(p.ids.shape[1] for p in parts)
-        ids = [torch.nn.functional.pad(p.ids, (0, width - p.ids.shape[1])) for p in parts]
+
+        def widen(t: torch.Tensor, fill: int) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill)
+
+        ids = torch.cat([widen(p.ids, 0) for p in parts])
+        labels = [p.labels if p.labels.dim() == 1 else widen(p.labels, IGNORE) for p in parts]
+        prompts = [p.prompt_lengths for p in parts]
         return Encoded(
-            torch.cat(ids),
+            ids,
             torch.cat([p.lengths for p in parts]),
-            torch.cat([p.labels for p in parts]),
+            torch.cat(labels),
+            torch.cat(prompts) if all(q is not None for q in prompts) else None,
         )
 
 
@@ -62,10 +88,11 @@ def make_batch(data: Encoded, rows: torch.Tensor) -> dict[str, torch.Tensor]:
     lengths = data.lengths[rows]
     width = int(lengths.max())
     mask = torch.arange(width, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)  # (B, width)
+    labels = data.labels[rows]
     return {
         "input_ids": data.ids[rows, :width],
         "attention_mask": mask.long(),
-        "labels": data.labels[rows],
+        "labels": labels if labels.dim() == 1 else labels[:, :width],
     }
 
 
@@ -90,3 +117,22 @@ def take_steps(
             done += 1
             if done == steps:
                 return
+
+
+def encode_corpus(corpus, tokenizer, cfg) -> tuple[Encoded, Encoded]:
+    """A :class:`fedpeft.data.sources.Corpus`'s training pool and global test set,
+    tokenised for its task (``cfg``: the ``DataConfig``): texts with class labels, or
+    prompts with responses (:func:`fedpeft.data.instructions.encode_instructions`)."""
+    if corpus.train_responses is None:
+        return (
+            encode(corpus.train_texts, corpus.train_labels, tokenizer, cfg.max_length),
+            encode(corpus.test_texts, corpus.test_labels, tokenizer, cfg.max_length),
+        )
+    from fedpeft.data.instructions import encode_instructions
+
+    return (
+        encode_instructions(corpus.train_texts, corpus.train_responses, tokenizer, cfg.max_length,
+                            cfg.system_prompt, "training data"),
+        encode_instructions(corpus.test_texts, corpus.test_responses, tokenizer, cfg.max_length,
+                            cfg.system_prompt, "test data"),
+    )  # fmt: skip

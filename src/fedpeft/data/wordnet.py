@@ -7,13 +7,17 @@ so no third-party text lives in this repository. Each synset gives one example:
 - ``text``: the gloss's definition (the part before its quoted usage examples);
 - ``label``: the synset's lexicographer file, one of the 45 names below
   (noun.animal, verb.motion, ...), a real topic-classification target;
-- ``pos``: the part of speech, a natural grouping column.
+- ``pos``: the part of speech, a natural grouping column;
+- ``lemma``: the synset's first word (underscores as spaces), whose definition the
+  gloss is (the definition-generation task's prompt).
 
-Record format (wndb(5WN)): ``offset lex_filenum ss_type w_cnt word lex_id ... | gloss``.
+Record format (wndb(5WN)): ``offset lex_filenum ss_type w_cnt word lex_id ... | gloss``;
+an adjective's word may carry a syntactic marker, ``(a)``, ``(p)`` or ``(ip)``, dropped here.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 # lexnames(5WN): the lexicographer file names, indexed by lex_filenum.
@@ -44,11 +48,12 @@ def definition_of(gloss: str) -> str:
 
 
 def read_glosses(wordnet_dir: str | Path = "/usr/share/wordnet") -> dict[str, list]:
-    """All synsets as columns ``text``, ``label`` (lexname), ``pos``; in file order."""
+    """All synsets as columns ``text``, ``label`` (lexname), ``pos``, ``lemma``; in file order."""
     root = Path(wordnet_dir)
     texts: list[str] = []
     labels: list[str] = []
     pos: list[str] = []
+    lemmas: list[str] = []
     for part, fname in _POS_FILES.items():
         path = root / fname
         if not path.is_file():
@@ -61,12 +66,13 @@ def read_glosses(wordnet_dir: str | Path = "/usr/share/wordnet") -> dict[str, li
                 if line.startswith("  "):  # licence header
                     continue
                 head, sep, gloss = line.partition(" | ")
-                fields = head.split(" ", 2)
-                if not sep or len(fields) < 3 or not fields[1].isdigit():
+                fields = head.split(" ", 5)
+                if not sep or len(fields) < 6 or not fields[1].isdigit():
                     raise ValueError(f"{path}:{lineno}: not a WordNet data record")
                 text = definition_of(gloss)
                 if text:
                     texts.append(text)
                     labels.append(LEXNAMES[int(fields[1])])
                     pos.append(part)
-    return {"text": texts, "label": labels, "pos": pos}
+                    lemmas.append(re.sub(r"\((a|p|ip)\)$", "", fields[4]).replace("_", " "))
+    return {"text": texts, "label": labels, "pos": pos, "lemma": lemmas}

@@ -35,7 +35,8 @@ from fedpeft.methods.base import (
     tensor_bytes,
 )
 from fedpeft.methods.cohort import predict_cohort
-from fedpeft.metrics.classification import mean_scores, predict, scores, spread
+from fedpeft.metrics.classification import mean_scores, spread
+from fedpeft.metrics.scorers import ClassificationScorer, Scorer
 
 
 @dataclass
@@ -104,6 +105,7 @@ class InProcessEngine:
         on_start: Callable[[list[dict]], None] | None = None,
         analyzers: dict[str, Callable[[Tensors, Tensors], dict]] | None = None,
         store: ClientStore | None = None,
+        scorer: Scorer | None = None,
     ):
         self.model, self.method, self.clients = model, method, clients
         self.eval_clients = eval_clients if eval_clients is not None else clients
@@ -129,6 +131,7 @@ class InProcessEngine:
         self.server: ServerState | None = None  # the final state, once run() returns
         self._loaded: tuple[torch.Tensor, ...] = ()
         self.cohort_size = schedule.cohort_size or 1  # with None, probed when the run starts
+        self.scorer = scorer or ClassificationScorer(schedule.eval_batch_size)
 
     # ------------------------------------------------------------ state helpers
     def personal_of(self, client: ClientData) -> Tensors:
@@ -221,31 +224,26 @@ class InProcessEngine:
         method is scored on the same ones (a client that never trained holds the global
         model and its initial personal state). Clients' own models are scored in cohorts
         of ``cohort_size``, their forward passes vmapped."""
-        bs, out, size = self.schedule.eval_batch_size, {}, self.cohort_size
-        labels = self.global_test.labels.cpu().numpy()
+        out, size, scorer = {}, self.cohort_size, self.scorer
         global_tensors = self.method.global_state(server)
         if global_tensors is not None:
             self.load(global_tensors)
-            out["global"] = scores(predict(self.model, self.global_test, bs), labels)
+            out["global"] = scorer.score(self.model, self.global_test)
         per_client_global, per_client_local, extra_local = [], [], {}
         for start in range(0, len(self.eval_clients), size):
             clients = self.eval_clients[start : start + size]
             models = [self.client_model(server, client) for client in clients]
+            self._loaded = ()  # the scorer may load clients' tensors
+            score_all = lambda states, data: scorer.score_clients(self.model, states, data, self.load)  # noqa: E731
             if global_tensors is None:  # no global model: each client's own on the global test
-                preds = predict_cohort(self.model, [m for m, _ in models], self.global_test, bs)
-                per_client_global += [scores(p, labels) for p in preds]
+                per_client_global += score_all([m for m, _ in models], self.global_test)
             tested = [i for i, c in enumerate(clients) if self.schedule.eval_local and len(c.test)]
             if not tested:
                 continue
             data = [clients[i].test for i in tested]
-            truth = [d.labels.cpu().numpy() for d in data]
-            preds = predict_cohort(self.model, [models[i][0] for i in tested], data, bs)
-            per_client_local += [scores(p, t) for p, t in zip(preds, truth, strict=True)]
+            per_client_local += score_all([models[i][0] for i in tested], data)
             for name in models[tested[0]][1]:
-                preds = predict_cohort(self.model, [models[i][1][name] for i in tested], data, bs)
-                extra_local.setdefault(name, []).extend(
-                    scores(p, t) for p, t in zip(preds, truth, strict=True)
-                )
+                extra_local.setdefault(name, []).extend(score_all([models[i][1][name] for i in tested], data))
         self._loaded = ()
         out["clients_evaluated"] = len(self.eval_clients)
         if per_client_global:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import tomli_w
 
-from fedpeft.config import ExperimentConfig, dump_config
+from fedpeft.config import ConfigError, ExperimentConfig, dump_config
 
 CONNECTION = "fedpeft"
 
@@ -272,6 +272,11 @@ def submit(
 ) -> dict:
     """Run ``cfg`` on the federation behind ``superlink`` (its Control API address) and
     wait for the end; returns Flower's final record of the run (status, traffic)."""
+    if cfg.data.task != "classification":
+        raise ConfigError(
+            f"data.task {cfg.data.task}: deployed (Flower) runs are classification only so far; run it "
+            "in-process with `fedpeft run`"
+        )
     cfg = absolute_paths(cfg)
     home = workdir / "home-cli"
     write_connection(home, superlink, tls)

@@ -25,7 +25,7 @@ import torch
 from fedpeft.config import ExperimentConfig
 from fedpeft.data import partition as P
 from fedpeft.data.sources import load_client_file, load_corpus
-from fedpeft.data.task import Encoded, encode
+from fedpeft.data.task import Encoded, encode, encode_corpus
 from fedpeft.engines.inprocess import derive_seed
 from fedpeft.experiment import attach_method, fingerprint, make_split, place
 from fedpeft.methods.base import ClientData, FitResult, Job, Method, Tensors
@@ -135,11 +135,10 @@ class Node:
                     f"client {self.cid}: the server's class list differs from this node's corpus"
                 )
             split = make_split(cfg, corpus)
-            pool = encode(corpus.train_texts, corpus.train_labels, tokenizer, cfg.data.max_length)
+            pool, global_test = encode_corpus(corpus, tokenizer, cfg.data)
             client = ClientData(
                 self.cid, pool.subset(split.train[self.cid]), pool.subset(split.test[self.cid])
             )
-            global_test = encode(corpus.test_texts, corpus.test_labels, tokenizer, cfg.data.max_length)
         else:
             texts, labels = load_client_file(data_file, cfg.data, class_names)
             rng = np.random.default_rng([cfg.seed, self.cid])
@@ -148,12 +147,11 @@ class Node:
             )
             enc = encode(texts, labels, tokenizer, cfg.data.max_length)
             client, global_test = ClientData(self.cid, enc.subset(train), enc.subset(test)), None
-        fields = lambda e: [e.ids, e.lengths, e.labels]  # noqa: E731
         return {
             "class_names": list(class_names),
-            "train": fields(client.train),
-            "test": fields(client.test),
-            "global_test": fields(global_test) if global_test is not None else [],
+            "train": client.train.fields(),
+            "test": client.test.fields(),
+            "global_test": global_test.fields() if global_test is not None else [],
         }
 
     # ---------------------------------------------------------------- the node's disk

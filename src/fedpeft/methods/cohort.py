@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch.func import functional_call, grad_and_value, vmap
 
-from fedpeft.data.task import Encoded, make_batch
+from fedpeft.data.task import IGNORE, Encoded, make_batch
 
 if TYPE_CHECKING:
     from fedpeft.config import TrainConfig
@@ -143,20 +143,14 @@ def optimizer_step(
 # ---------------------------------------------------------------- losses and gradients
 
 
-def weighted_cross_entropy(logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-    """Mean cross-entropy over a batch's real rows (padded rows have weight 0)."""
-    losses = torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
-    weight = batch["weight"]
-    return (losses * weight).sum() / weight.sum().clamp_min(1.0)
-
-
 def model_loss(model: torch.nn.Module) -> Callable[[Tensors, Batch], torch.Tensor]:
-    """``loss(params, batch)``: the model's cross-entropy with ``params`` in place of its
-    own trainable tensors (the frozen ones are the model's, shared)."""
+    """``loss(params, batch)``: the model's own loss (``model.loss``: a classifier's
+    cross-entropy, a causal LM's over response tokens) with ``params`` in place of its own
+    trainable tensors (the frozen ones are the model's, shared)."""
 
     def loss(params: Tensors, batch: Batch) -> torch.Tensor:
         logits = functional_call(model, params, (batch["input_ids"], batch["attention_mask"]))
-        return weighted_cross_entropy(logits, batch)
+        return model.loss(logits, batch)
 
     return loss
 
@@ -198,14 +192,20 @@ def stack_step(inputs: list[StepInput | None]) -> StepInput:
         device = live[k]["input_ids"].device
         ids = torch.zeros(len(batches), rows, width, dtype=torch.long, device=device)
         mask = torch.zeros_like(ids)
-        labels = torch.zeros(len(batches), rows, dtype=torch.long, device=device)
+        per_token = live[k]["labels"].dim() == 2  # token labels pad with IGNORE, class labels with 0
+        shape = (len(batches), rows, width) if per_token else (len(batches), rows)
+        labels = torch.full(shape, IGNORE if per_token else 0, dtype=torch.long, device=device)
         weight = torch.zeros(len(batches), rows, device=device)
         for c, b in enumerate(batches):
             if b is None:
                 continue
             n, w = b["input_ids"].shape
             ids[c, :n, :w], mask[c, :n, :w] = b["input_ids"], b["attention_mask"]
-            labels[c, :n], weight[c, :n] = b["labels"], 1.0
+            if per_token:
+                labels[c, :n, :w] = b["labels"]
+            else:
+                labels[c, :n] = b["labels"]
+            weight[c, :n] = 1.0
         out.append({"input_ids": ids, "attention_mask": mask, "labels": labels, "weight": weight})
     return tuple(out)
 

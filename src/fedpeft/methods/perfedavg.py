@@ -23,7 +23,7 @@ from typing import Literal
 
 import torch
 from pydantic import Field
-from torch.func import functional_call, grad, grad_and_value
+from torch.func import grad, grad_and_value
 
 from fedpeft.data.task import make_batch, take_steps
 from fedpeft.methods.base import ClientData, MethodConfig, Tensors, load_tensors
@@ -81,14 +81,6 @@ class PerFedAvg(FedAvgPeft):
         names = set(self.shared_names) | set(self.personal_names)
         return {n: p for n, p in model.named_parameters() if n in names}
 
-    def _loss_at(self, model):
-        def loss_at(over: Tensors, batch: dict) -> torch.Tensor:
-            inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-            logits = functional_call(model, over, (), inputs) if over else model(**inputs)
-            return torch.nn.functional.cross_entropy(logits, batch["labels"])
-
-        return loss_at
-
     # ----- the local step, as pure functions (vectorised over a cohort by the engine)
     def step_inputs(self, client: ClientData, steps: int, generator: torch.Generator):
         return self.batch_pairs(client, steps, generator)
@@ -136,7 +128,7 @@ class PerFedAvg(FedAvgPeft):
         batch = make_batch(client.train, rows[: self.adapt_size()])
         params = self._trainable(model)
         model.eval()  # adapt without dropout noise
-        loss = self._loss_at(model)({}, batch)
+        loss = model.loss(model(batch["input_ids"], batch["attention_mask"]), batch)
         grads = torch.autograd.grad(loss, list(params.values()))
         return {
             n: (p - self.cfg.inner_lr * g).detach().cpu()

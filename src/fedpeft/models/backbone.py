@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fedpeft.config import ModelConfig
+from fedpeft.models.masks import additive_mask
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -63,15 +64,17 @@ def load_tokenizer(cfg: ModelConfig):
     return tokenizer
 
 
-def load_backbone(cfg: ModelConfig) -> tuple[nn.Module, object]:
-    """The pretrained model body (no head) and its tokenizer."""
-    from transformers import AutoModel
+def load_backbone(cfg: ModelConfig, lm_head: bool = False) -> tuple[nn.Module, object]:
+    """The pretrained model body (no head), or with ``lm_head`` the whole causal LM, and
+    its tokenizer."""
+    from transformers import AutoModel, AutoModelForCausalLM
 
     tokenizer = load_tokenizer(cfg)
     source, gguf = resolve_backbone(cfg)
     kwargs = {"gguf_file": gguf} if gguf else {}
+    auto = AutoModelForCausalLM if lm_head else AutoModel
     try:
-        body = AutoModel.from_pretrained(source, dtype=getattr(torch, cfg.dtype), **kwargs)
+        body = auto.from_pretrained(source, dtype=getattr(torch, cfg.dtype), **kwargs)
     except (OSError, ValueError) as err:
         raise BackboneError(f"model.backbone {cfg.backbone!r}: cannot load from {source!r}: {err}") from err
     if getattr(body, "pooler", None) is not None:  # unused: TaskModel pools token states itself
@@ -94,9 +97,8 @@ class TaskModel(nn.Module):
     With ``precision`` set (a dtype; ``fedpeft.models.device``) the forward pass runs under
     autocast to it, on whichever device the model is; the logits are float32 either way.
 
-    The backbone gets its attention mask prepared, ``(B, 1, L, L)`` additive (causal for
-    a decoder): Hugging Face uses such a mask as it is, where its own mask code would
-    branch on the mask's values, which ``torch.func.vmap`` (client cohorts) cannot trace."""
+    The backbone gets its attention mask prepared (:func:`fedpeft.models.masks.additive_mask`,
+    causal for a decoder), which ``torch.func.vmap`` (client cohorts) can trace."""
 
     def __init__(self, backbone: nn.Module, num_labels: int, pooling: str = "mean"):
         super().__init__()
@@ -110,17 +112,7 @@ class TaskModel(nn.Module):
             p.requires_grad_(False)
 
     def attention_bias(self, attention_mask: torch.Tensor) -> torch.Tensor:
-        """``(B, L)`` 0/1 -> ``(B, 1, L, L)``: 0 where a query may attend a key, a large
-        negative number where not (a padded key; for a decoder also a later one). Half the
-        dtype's minimum, so that adding a score cannot overflow to -inf (a query that may
-        attend nothing, a padded row, then gets finite states, which pooling drops)."""
-        dtype = self.precision or torch.float32
-        width = attention_mask.shape[-1]
-        keep = attention_mask[:, None, None, :].bool().expand(-1, 1, width, width)
-        if self.causal:
-            keep = keep & torch.ones(width, width, dtype=torch.bool, device=keep.device).tril()
-        bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device)
-        return bias.masked_fill(~keep, torch.finfo(dtype).min / 2)
+        return additive_mask(attention_mask, self.causal, self.precision or torch.float32)
 
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         bias = self.attention_bias(attention_mask)
@@ -142,21 +134,46 @@ class TaskModel(nn.Module):
             logits = self.head(self.features(input_ids, attention_mask))
         return logits.float()
 
+    @staticmethod
+    def loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean cross-entropy over the batch's real rows (a cohort's padded rows have
+        weight 0)."""
+        losses = nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
+        if "weight" not in batch:
+            return losses.mean()
+        weight = batch["weight"]
+        return (losses * weight).sum() / weight.sum().clamp_min(1.0)
+
 
 @torch.no_grad()
 def attends_causally(backbone: nn.Module) -> bool:
     """Whether ``backbone`` is a decoder, found by asking it: changing the second token
-    leaves the first token's state alone exactly when attention is causal."""
+    leaves the first token's output alone exactly when attention is causal."""
     was_training = backbone.training
     backbone.eval()
     ids = torch.tensor([[1, 2], [1, 3]], device=next(backbone.parameters()).device)
-    states = backbone(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+    out = backbone(input_ids=ids, attention_mask=torch.ones_like(ids))
+    states = out.logits if hasattr(out, "logits") else out.last_hidden_state
     backbone.train(was_training)
     return bool(torch.allclose(states[0, 0], states[1, 0]))
 
 
-def build_model(cfg: ModelConfig, num_labels: int, seed: int) -> tuple[TaskModel, object]:
-    """Load the backbone and attach a seeded head; returns ``(model, tokenizer)``."""
+def build_model(
+    cfg: ModelConfig, num_labels: int, seed: int, task: str = "classification"
+) -> tuple[nn.Module, object]:
+    """The task model and its tokenizer: for classification the backbone with a seeded
+    head (:class:`TaskModel`); for ``causal_lm`` the decoder with its own LM head
+    (:class:`fedpeft.models.causal.CausalLM`), which must attend causally."""
+    if task == "causal_lm":
+        from fedpeft.models.causal import CausalLM
+
+        lm, tokenizer = load_backbone(cfg, lm_head=True)
+        if not attends_causally(lm):
+            raise BackboneError(
+                f"model.backbone {cfg.backbone!r} is not a decoder (it attends both ways): "
+                "data.task causal_lm needs a causal LM"
+            )
+        return CausalLM(lm), tokenizer
     body, tokenizer = load_backbone(cfg)
     torch.manual_seed(seed)
     return TaskModel(body, num_labels, cfg.pooling), tokenizer

@@ -18,7 +18,8 @@ __all__ = ["AdapterSpec", "LoraSpec", "Trainable", "make_trainable"]
 
 
 def make_trainable(model, kind: Trainable, lora: LoraSpec, adapter: AdapterSpec) -> None:
-    """Make ``model`` (a TaskModel) train ``kind``; the head is always trainable."""
+    """Make ``model`` (a task model) train ``kind``; a classification head is always
+    trainable (a causal LM's own LM head stays frozen)."""
     model_type = getattr(model.backbone.config, "model_type", "")
     if kind == "full":
         for p in model.backbone.parameters():
@@ -32,5 +33,6 @@ def make_trainable(model, kind: Trainable, lora: LoraSpec, adapter: AdapterSpec)
         model.backbone = add_lora(model.backbone, lora)
     else:  # pragma: no cover - the config's Literal rules this out
         raise ValueError(f"unknown trainable kind {kind!r}")
-    for p in model.head.parameters():
+    head = getattr(model, "head", None)
+    for p in head.parameters() if head is not None else []:
         p.requires_grad_(True)

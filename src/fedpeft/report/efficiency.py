@@ -33,9 +33,14 @@ def round_costs(record: dict, link: Link) -> dict[str, float]:
 
 
 def time_to_target(
-    records: list[dict], target: float, link: Link, fractions: tuple[float, ...] = (0.9, 0.95, 0.99)
+    records: list[dict],
+    target: float,
+    link: Link,
+    fractions: tuple[float, ...] = (0.9, 0.95, 0.99),
+    metric: str = "accuracy",
 ) -> list[dict]:
-    """Per fraction: round, bytes and seconds (train, comm, decompose, total) to reach it."""
+    """Per fraction: round, bytes and seconds (train, comm, decompose, total) to reach
+    that fraction of ``target`` in the global ``metric``."""
     decompose = records[0].get("setup", {}).get("time_decompose", 0.0) if records else 0.0
     rows = []
     for frac in fractions:
@@ -44,7 +49,7 @@ def time_to_target(
         for r in records:
             cost = round_costs(r, link)
             train, comm, sim_train = train + cost["train"], comm + cost["comm"], sim_train + r["time_train"]
-            acc = (r.get("global") or {}).get("accuracy")
+            acc = (r.get("global") or {}).get(metric)
             if acc is not None and acc >= frac * target:
                 reached = r
                 break

@@ -19,23 +19,27 @@ def save_figure(fig, path: Path) -> Path:
     return path
 
 
-def _series(records: list[dict], x_key: str) -> tuple[list[float], list[float]]:
-    pts = [(r[x_key], r["global"]["accuracy"]) for r in records if r.get("global")]
+def _series(records: list[dict], x_key: str, metric: str) -> tuple[list[float], list[float]]:
+    pts = [(r[x_key], r["global"][metric]) for r in records if r.get("global")]
     if x_key == "cum_bytes":  # in MB, on a log axis: runs that send nothing have no place there
         pts = [(x / 1e6, y) for x, y in pts if x > 0]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
 def plot_accuracy(runs: dict[str, list[dict]], out_dir: Path, prefix: str = "") -> list[Path]:
-    """``accuracy_vs_round.png`` and ``accuracy_vs_bytes.png`` with one line per run."""
+    """``<score>_vs_round.png`` and ``<score>_vs_bytes.png`` with one line per run, of the
+    headline score (accuracy; ROUGE-L for generation: ``fedpeft.report.results.headline``)."""
+    from fedpeft.report.results import headline
+
+    metric = headline(next(iter(runs.values()), []))
     paths = []
     for x_key, xlabel, fname in (
-        ("round", "round", "accuracy_vs_round.png"),
-        ("cum_bytes", "cumulative MB sent (down + up), log scale", "accuracy_vs_bytes.png"),
+        ("round", "round", f"{metric}_vs_round.png"),
+        ("cum_bytes", "cumulative MB sent (down + up), log scale", f"{metric}_vs_bytes.png"),
     ):
         fig, ax = plt.subplots(figsize=(6, 4))
         for label, records in runs.items():
-            xs, ys = _series(records, x_key)
+            xs, ys = _series(records, x_key, metric)
             ax.plot(xs, ys, marker="o", markersize=3, label=label)
         if x_key == "cum_bytes":
             ax.set_xscale("log")
@@ -43,7 +47,7 @@ def plot_accuracy(runs: dict[str, list[dict]], out_dir: Path, prefix: str = "") 
                 matplotlib.ticker.LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5))
             )
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("global test accuracy")
+        ax.set_ylabel(f"global test {metric}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         paths.append(save_figure(fig, out_dir / f"{prefix}{fname}"))

@@ -59,18 +59,36 @@ def read_summary(run_dir: Path) -> dict:
     return json.loads(path.read_text())
 
 
+#: The score a run is judged by, the first of these its records hold (all higher-is-better):
+#: accuracy for classification, ROUGE-L for generation.
+HEADLINES = ("accuracy", "rouge_l")
+
+
+def headline(records_or_scores: list[dict] | dict) -> str:
+    """The headline score's name for a run's records (or one set of scores)."""
+    items = records_or_scores if isinstance(records_or_scores, list) else [{"global": records_or_scores}]
+    for r in items:
+        for name in HEADLINES:
+            if name in (r.get("global") or {}):
+                return name
+    return HEADLINES[0]
+
+
 def summarize(records: list[dict], extra: dict) -> dict:
-    """Final and best scores plus totals over the records of a finished run."""
+    """Final and best scores plus totals over the records of a finished run; "best" by
+    the headline score (``best_global_<name>``; ``headline`` says which)."""
     evaluated = [r for r in records if "global" in r]
     final = evaluated[-1] if evaluated else {}
-    best = max(evaluated, key=lambda r: r["global"]["accuracy"], default={})
+    name = headline(records)
+    best = max(evaluated, key=lambda r: r["global"][name], default={})
     last = records[-1]
     return {
         **extra,
         "rounds": last["round"],
         "final_global": final.get("global"),
         "final_local": final.get("local"),
-        "best_global_accuracy": best.get("global", {}).get("accuracy"),
+        "headline": name,
+        f"best_global_{name}": best.get("global", {}).get(name),
         "best_round": best.get("round"),
         "total_bytes_down": last["cum_bytes_down"],
         "total_bytes_up": last["cum_bytes_up"],

@@ -1,0 +1,91 @@
+"""How an engine scores a model on a set of examples, per task; engines hold one scorer
+and never look at what a task's scores are.
+
+- :class:`ClassificationScorer`: accuracy, macro-F1, MCC of arg-max predictions; many
+  clients' models are scored at once, their forward passes vmapped.
+- :class:`GenerationScorer` (causal LM): the mean negative log-likelihood per response
+  token and its perplexity over every example, and generation scores
+  (:mod:`fedpeft.metrics.generation`) of the responses generated for the first
+  ``samples`` examples. Generation runs one client's model at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from fedpeft.data.task import IGNORE, Encoded
+from fedpeft.methods.cohort import predict_cohort
+from fedpeft.metrics.classification import predict, scores
+
+Tensors = dict[str, torch.Tensor]
+Loader = Callable[[Tensors], None]
+
+
+class Scorer(Protocol):
+    def score(self, model: torch.nn.Module, data: Encoded) -> dict[str, float]:
+        """The model, as loaded, on ``data``."""
+
+    def score_clients(
+        self, model: torch.nn.Module, states: list[Tensors], data: Encoded | list[Encoded], load: Loader
+    ) -> list[dict[str, float]]:
+        """Each client's model (``states[c]``; ``load`` puts a state into the model) on its
+        own examples (``data[c]``) or all on the same ones."""
+
+
+class ClassificationScorer:
+    def __init__(self, batch_size: int):
+        self.batch_size = batch_size
+
+    def score(self, model: torch.nn.Module, data: Encoded) -> dict[str, float]:
+        """The model, as loaded, on ``data``."""
+        return scores(predict(model, data, self.batch_size), data.labels.cpu().numpy())
+
+    def score_clients(
+        self, model: torch.nn.Module, states: list[Tensors], data: Encoded | list[Encoded], load: Loader
+    ) -> list[dict[str, float]]:
+        """Each client's model (``states[c]`` in place of the trainable tensors) on its own
+        examples (``data[c]``) or all on the same ones."""
+        preds = predict_cohort(model, states, data, self.batch_size)
+        sets = data if isinstance(data, list) else [data] * len(states)
+        return [scores(p, d.labels.cpu().numpy()) for p, d in zip(preds, sets, strict=True)]
+
+
+class GenerationScorer:
+    def __init__(self, tokenizer, options, batch_size: int):
+        self.tokenizer, self.options, self.batch_size = tokenizer, options, batch_size
+
+    def score(self, model: torch.nn.Module, data: Encoded) -> dict[str, float]:
+        from fedpeft.metrics.generation import generation_scores
+        from fedpeft.models.causal import generate, references_of, response_nll
+
+        nll, count = response_nll(model, data, self.batch_size)
+        mean = nll / count if count else float("nan")
+        scored = torch.nonzero((data.labels != IGNORE).any(-1)).flatten().cpu()
+        shown = data.subset(scored[: self.options.samples] if self.options.samples else scored)
+        predictions = generate(model, shown, self.tokenizer, self.options, self.batch_size)
+        return {
+            "nll": mean,
+            "perplexity": math.exp(mean) if count else float("nan"),
+            **generation_scores(predictions, references_of(shown, self.tokenizer)),
+        }
+
+    def score_clients(
+        self, model: torch.nn.Module, states: list[Tensors], data: Encoded | list[Encoded], load: Loader
+    ) -> list[dict[str, float]]:
+        sets = data if isinstance(data, list) else [data] * len(states)
+        out = []
+        for state, examples in zip(states, sets, strict=True):
+            load(state)
+            out.append(self.score(model, examples))
+        return out
+
+
+def scorer_for(task: str, tokenizer, eval_cfg) -> ClassificationScorer | GenerationScorer:
+    """The scorer of ``data.task`` (``eval_cfg``: the ``EvalConfig``)."""
+    if task == "causal_lm":
+        return GenerationScorer(tokenizer, eval_cfg.generation, eval_cfg.batch_size)
+    return ClassificationScorer(eval_cfg.batch_size)

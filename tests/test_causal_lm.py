@@ -1,0 +1,150 @@
+"""Causal-LM instruction tuning: formats, the response-only loss, generation, a whole run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fedpeft.data.instructions import encode_instructions, instruction_columns, read_jsonl_messages
+from fedpeft.data.sources import DataError
+from fedpeft.data.task import IGNORE, make_batch
+from fedpeft.models.causal import CausalLM, references_of
+
+
+@pytest.fixture(scope="module")
+def decoder(tiny_decoder):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_decoder)
+    return CausalLM(AutoModelForCausalLM.from_pretrained(tiny_decoder)), tok
+
+
+PROMPTS = [
+    [{"role": "user", "content": "define dog"}],
+    [{"role": "user", "content": "define a very small cat"}],
+]
+RESPONSES = ["a domestic animal", "a feline"]
+
+
+def test_response_only_loss_mask(decoder):
+    """Prompt and padding positions hold no label, and the loss's gradient never
+    reaches a logit that predicts a prompt token."""
+    model, tok = decoder
+    data = encode_instructions(PROMPTS, RESPONSES, tok, max_length=64)
+    for row in range(2):
+        p, n = int(data.prompt_lengths[row]), int(data.lengths[row])
+        assert (data.labels[row, :p] == IGNORE).all() and (data.labels[row, n:] == IGNORE).all()
+        assert torch.equal(data.labels[row, p:n], data.ids[row, p:n])
+    batch = make_batch(data, torch.arange(2))
+    logits = torch.randn(*batch["input_ids"].shape, model.backbone.config.vocab_size, requires_grad=True)
+    model.loss(logits, batch).backward()
+    touched = logits.grad.abs().sum(-1) > 0  # (B, L): positions whose logits the loss used
+    for row in range(2):
+        p, n = int(data.prompt_lengths[row]), int(data.lengths[row])
+        # position t predicts token t + 1: exactly positions p - 1 .. n - 2 count
+        expected = torch.zeros(touched.shape[1], dtype=torch.bool)
+        expected[p - 1 : n - 1] = True
+        assert torch.equal(touched[row], expected)
+    # the loss is the mean over response tokens of -log p(token | before)
+    logp = torch.log_softmax(logits.detach(), -1)
+    nll = [-logp[r, t - 1, batch["input_ids"][r, t]] for r in range(2)
+           for t in range(int(data.prompt_lengths[r]), int(data.lengths[r]))]  # fmt: skip
+    assert model.loss(logits.detach(), batch) == pytest.approx(float(torch.stack(nll).mean()), rel=1e-5)
+
+
+def test_long_prompt_gets_no_response_and_responses_are_truncated(decoder, caplog):
+    _, tok = decoder
+    long = [{"role": "user", "content": " ".join(["word"] * 50)}]
+    data = encode_instructions([long, *PROMPTS], ["x", *RESPONSES], tok, max_length=14)
+    assert "1 of 3 examples have no room for a response" in caplog.text
+    assert (data.labels[0] == IGNORE).all() and (data.labels[1:] != IGNORE).any(-1).all()
+    assert int(data.lengths.max()) == 14 and int(data.prompt_lengths[0]) == 14
+    with pytest.raises(DataError, match="every prompt is 4 tokens or longer"):
+        encode_instructions(PROMPTS, RESPONSES, tok, max_length=4)
+
+
+@pytest.mark.integration
+def test_chat_template_round_trip_smollm2():
+    """SmolLM2's own template: the prompt decodes back to the rendered conversation with
+    the assistant's turn open, the labelled tokens to the response and its end of turn."""
+    from fedpeft.config import ModelConfig
+    from fedpeft.models.backbone import load_tokenizer
+
+    tok = load_tokenizer(ModelConfig(backbone="bundled-smollm2"))
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 'Define "dog".'}]
+    data = encode_instructions([prompt], ["A domesticated canid."], tok, max_length=64)
+    p, n = int(data.prompt_lengths[0]), int(data.lengths[0])
+    assert tok.decode(data.ids[0, :p]) == (
+        '<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nDefine "dog".<|im_end|>\n'
+        "<|im_start|>assistant\n"
+    )
+    assert tok.decode(data.ids[0, p:n]) == "A domesticated canid.<|im_end|>"
+    assert references_of(data, tok) == ["A domesticated canid."]
+
+
+def test_instruction_formats(tmp_path):
+    alpaca = {"instruction": ["Sum", "Greet"], "input": ["2 and 3", None], "output": ["5", "hello"]}
+    prompts, responses = instruction_columns(alpaca, "a.jsonl")
+    assert prompts[0] == [{"role": "user", "content": "Sum\n\n2 and 3"}] and responses == ["5", "hello"]
+    assert prompts[1] == [{"role": "user", "content": "Greet"}]
+    path = tmp_path / "chat.jsonl"
+    rows = [
+        {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                      {"role": "assistant", "content": "a"}]},
+        {"messages": [{"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}]},
+    ]  # fmt: skip
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    prompts, responses = instruction_columns(read_jsonl_messages(path), str(path))
+    assert [len(p) for p in prompts] == [2, 1] and responses == ["a", "a2"]
+    bad = {"messages": [[{"role": "user", "content": "u"}, {"role": "user", "content": "again"}]]}
+    with pytest.raises(DataError, match=r"chat.jsonl: data row 0 \(0-based\): the last message"):
+        instruction_columns(bad, str(path))
+    with pytest.raises(DataError, match="needs columns instruction and output"):
+        instruction_columns({"text": ["x"]}, "t.csv")
+    with pytest.raises(DataError, match="data row 1 .* column 'output'"):
+        instruction_columns({"instruction": ["a", "b"], "output": ["x", " "]}, "t.csv")
+    (tmp_path / "broken.jsonl").write_text('{"messages": []}\nnot json\n')
+    with pytest.raises(DataError, match="broken.jsonl:2: not valid JSON"):
+        read_jsonl_messages(tmp_path / "broken.jsonl")
+
+
+def lm_config(tiny_config, tiny_decoder, **over):
+    return tiny_config(
+        **{
+            "model.backbone": str(tiny_decoder),
+            "data.task": "causal_lm",
+            "data.max_length": 40,
+            "data.max_samples": 200,
+            "data.max_test_samples": 24,
+            "eval.generation.max_new_tokens": 6,
+            "eval.generation.samples": 4,
+            "train.lr": 0.02,
+            "train.local_steps": 4,
+            "train.rounds": 3,
+            **over,
+        }
+    )
+
+
+def test_tiny_decoder_trains_and_generates_through_fedpeft_run(tiny_config, tiny_decoder, tmp_path):
+    """WordNet definition generation on a random 2-layer decoder, through the CLI: the
+    held-out response loss falls, and every generation score is recorded."""
+    from typer.testing import CliRunner
+
+    from fedpeft.cli import app
+    from fedpeft.config import dump_config
+    from fedpeft.report.results import read_records
+
+    cfg = lm_config(tiny_config, tiny_decoder)
+    path = tmp_path / "lm.yaml"
+    path.write_text(dump_config(cfg))
+    res = CliRunner().invoke(app, ["run", str(path)])
+    assert res.exit_code == 0, res.output
+    records = read_records(cfg.output_dir)
+    first, last = records[0]["global"], records[-1]["global"]
+    assert set(first) >= {"nll", "perplexity", "bleu", "chrf", "ter", "rouge_l", "meteor", "exact_match"}
+    assert last["nll"] < first["nll"]  # it learns the glosses' words
+    assert last["perplexity"] == pytest.approx(torch.tensor(last["nll"]).exp().item(), rel=1e-5)
+    assert records[-1]["local"]["nll_mean"] > 0  # every client scored on its own test split
