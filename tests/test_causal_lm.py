@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -115,9 +116,9 @@ def lm_config(tiny_config, tiny_decoder, **over):
         **{
             "model.backbone": str(tiny_decoder),
             "data.task": "causal_lm",
-            "data.max_length": 40,
-            "data.max_samples": 200,
-            "data.max_test_samples": 24,
+            "data.max_length": 32,
+            "data.max_samples": 120,
+            "data.max_test_samples": 12,
             "eval.generation.max_new_tokens": 6,
             "eval.generation.samples": 4,
             "train.lr": 0.02,
@@ -148,3 +149,52 @@ def test_tiny_decoder_trains_and_generates_through_fedpeft_run(tiny_config, tiny
     assert last["nll"] < first["nll"]  # it learns the glosses' words
     assert last["perplexity"] == pytest.approx(torch.tensor(last["nll"]).exp().item(), rel=1e-5)
     assert records[-1]["local"]["nll_mean"] > 0  # every client scored on its own test split
+
+
+@pytest.mark.parametrize("name", ["fedlr", "fedap", "pf2lora", "hetlora"])
+def test_lm_cohort_equals_one_at_a_time(tiny_config, tiny_decoder, name):
+    """Instruction tuning vectorises like classification: clients with different step
+    counts and response lengths (token labels padded with IGNORE) trained as one cohort
+    get the rounds they get alone (same tolerance as tests/test_cohort.py). Plain LoRA,
+    Llama adapters, the bilevel step and masked ranks; every method's step is the same
+    function of ``model.loss`` (tests/test_cohort.py covers them all on classification)."""
+    from test_cohort import _jobs
+
+    from fedpeft.experiment import build
+
+    cfg = lm_config(tiny_config, tiny_decoder, method={"name": name},
+                    **{"train.local_steps": None, "train.local_epochs": 1})  # fmt: skip
+    setup = build(cfg)
+    cids = list(range(len(setup.clients)))
+    together = setup.method.fit_cohort(setup.model, _jobs(setup, cids))
+    for cid, joint in zip(cids, together, strict=True):
+        (alone,) = setup.method.fit_cohort(setup.model, _jobs(setup, [cid]))
+        assert joint.metrics["steps"] == alone.metrics["steps"]
+        assert joint.metrics["loss"] == pytest.approx(alone.metrics["loss"], rel=1e-5)
+        for part in ("uplink", "personal"):
+            a, b = getattr(alone, part), getattr(joint, part)
+            for key in a:
+                torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=1e-4, msg=f"{name} {cid} {key}")
+
+
+def test_every_method_runs_on_instruction_tuning_or_says_why_not(tiny_config, tiny_decoder, tmp_path):
+    from fedpeft.experiment import run
+    from fedpeft.methods import REGISTRY
+    from fedpeft.report.results import read_records
+
+    for name in REGISTRY:
+        cfg = lm_config(tiny_config, tiny_decoder, method={"name": name}, output_dir=str(tmp_path / name),
+                        **{"train.rounds": 1, "train.local_steps": 2, "eval.generation.samples": 1,
+                           "eval.generation.max_new_tokens": 3})  # fmt: skip
+        if name == "fedbf":  # BitFit: a Llama has no bias terms to train
+            with pytest.raises(ValueError, match="nothing to train on this backbone"):
+                run(cfg)
+            continue
+        run(cfg)
+        last = read_records(cfg.output_dir)[-1]
+        assert math.isfinite(last["loss"]), name
+        scores = last.get("global") or {}
+        assert "rouge_l" in scores or "rouge_l_mean" in last["local"], name
+    with pytest.raises(ValueError, match="no classification head"):
+        run(lm_config(tiny_config, tiny_decoder, method={"name": "fedlr", "head": "personal"},
+                      output_dir=str(tmp_path / "head")))  # fmt: skip

@@ -23,8 +23,8 @@ SMALL = {
     "partition.num_clients": 3,
     "train.clients_per_round": 3,
     "train.threads": 1,
-    "train.rounds": 3,
-    "eval.every": 3,
+    "train.rounds": 2,
+    "eval.every": 2,
 }
 
 

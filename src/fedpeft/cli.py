@@ -157,17 +157,23 @@ def methods(config: ConfigArg = None, set_: SetOpt = None) -> None:
     try:
         cfg = _config(config, set_)
         num_classes = load_corpus(cfg.data, cfg.seed).num_classes
-        base, _ = build_model(cfg.model, num_classes, cfg.seed)
+        base, _ = build_model(cfg.model, num_classes, cfg.seed, cfg.data.task)
     except (ConfigError, ValueError, FileNotFoundError) as err:
         _fail(err)
-    table = Table(title=f"methods on {cfg.model.backbone}, {num_classes} classes")
-    for col in ("method", "trainable", "shared (sent)", "personal", "% of model", "cohorts", "fp16"):
+    task = cfg.data.task
+    table = Table(title=f"methods on {cfg.model.backbone}, task {task}, {num_classes} classes or domains")
+    for col in ("method", "trainable", "shared (sent)", "personal", "% of model", "cohorts", "fp16", "tasks"):
         table.add_column(col)
     for name, cls in REGISTRY.items():
+        tasks = ", ".join(cls.tasks) + "".join(f"; not {t}: {why}" for t, why in cls.not_for.items())
         model = copy.deepcopy(base)
         options = cfg.method if cfg.method.name == name else cls.config_cls()  # the configured options
         method = build_method(options, cfg.train)
-        method.prepare(model)
+        try:
+            method.prepare(model)
+        except ValueError as err:  # e.g. BitFit on a decoder without biases
+            table.add_row(name, "-", "-", "-", "-", "-", "-", f"{tasks} (here: {err})")
+            continue
         c = param_counts(model, method)
         table.add_row(
             name,
@@ -177,6 +183,7 @@ def methods(config: ConfigArg = None, set_: SetOpt = None) -> None:
             f"{100 * c['trainable'] / c['total']:.2f}",
             "vectorised" if cls.vectorised else "one at a time",
             "yes" if cls.fp16 else "no (bf16)",
+            tasks,
         )
     console.print(table)
 

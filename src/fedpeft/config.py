@@ -96,8 +96,11 @@ class DataConfig(BaseModel):
                 raise ValueError("data.test_path is for data.source 'file' (the hub has data.test_split)")
             if not self.test_path.is_file():
                 raise ValueError(f"data.test_path: no such file: {self.test_path}")
-        if self.source == "wordnet" and self.group_column not in (None, "pos"):
-            raise ValueError("data.group_column: the WordNet corpus has one group column, 'pos'")
+        if self.source == "wordnet" and self.group_column not in (None, "pos", "lexname"):
+            raise ValueError(
+                "data.group_column: the WordNet corpus has two group columns, 'pos' (part of speech) and "
+                "'lexname' (lexicographer category: one client per domain)"
+            )
         if self.source == "hub" and not self.hub_id:
             raise ValueError("data.hub_id is required when data.source is 'hub'")
         return self

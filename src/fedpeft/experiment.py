@@ -134,6 +134,9 @@ def attach_method(cfg: ExperimentConfig, model: TaskModel) -> tuple[Method, Tens
     that builds the same config holds the same initial adapters); returns the method and
     the trainable tensors right after preparation."""
     method = build_method(cfg.method, cfg.train, cfg.seed)
+    if cfg.data.task not in method.tasks:
+        why = method.not_for.get(cfg.data.task, "")
+        raise ConfigError(f"method.name {method.name}: not defined for data.task {cfg.data.task}; {why}")
     if cfg.train.precision == "fp16" and not method.fp16:
         raise ConfigError(
             f"train.precision: fp16 needs loss scaling, which method {method.name} (it takes its own "

@@ -145,6 +145,7 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
     if cfg.source == "wordnet":
         table, origin = read_glosses(cfg.wordnet_dir), str(cfg.wordnet_dir)
         lex_id = {name: i for i, name in enumerate(LEXNAMES)}
+        table["lexname"] = table["label"]
         table["label"], names = [lex_id[v] for v in table["label"]], list(LEXNAMES)
         text_col, label_col = "text", "label"
         if lm:  # definition generation: lemma and part of speech -> gloss; the lexname is the domain
@@ -194,7 +195,7 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
     test_labels = _encode_labels(test[label_col], names, test_origin, known_ids)
     keep = _subsample(len(train_labels), cfg.max_samples, rng)
     keep_test = _subsample(len(test_labels), cfg.max_test_samples, rng)
-    group_col = "pos" if cfg.source == "wordnet" and cfg.group_column in (None, "pos") else cfg.group_column
+    group_col = cfg.group_column or ("pos" if cfg.source == "wordnet" else None)
     groups = np.asarray(table[group_col], dtype=object)[keep] if group_col else None
     return Corpus(
         train_texts=[table[text_col][i] for i in keep],

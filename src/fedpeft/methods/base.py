@@ -171,6 +171,9 @@ class Method:
     #: vmaps over a cohort of clients); False for an imperative :meth:`fit`, which trains
     #: one client at a time.
     vectorised: ClassVar[bool] = True
+    #: The tasks (``data.task``) the method is defined for, and for the others why not.
+    tasks: ClassVar[tuple[str, ...]] = ("classification", "causal_lm")
+    not_for: ClassVar[dict[str, str]] = {}
 
     def __init__(self, cfg: MethodConfig, train: TrainConfig, seed: int = 0):
         self.cfg = cfg
@@ -189,6 +192,16 @@ class Method:
     def split_trainable(self, model: TaskModel) -> None:
         """Trainable parameters are shared, except the head when ``head: personal``."""
         names = [n for n, p in model.named_parameters() if p.requires_grad]
+        if not names:
+            raise ValueError(
+                f"method {self.name}: nothing to train on this backbone (BitFit, for one, needs bias "
+                "terms, which Llama-style decoders such as SmolLM2 do not have)"
+            )
+        if self.cfg.head == "personal" and getattr(model, "head", None) is None:
+            raise ValueError(
+                "method.head: personal: this task model has no classification head (a causal LM "
+                "predicts with its own, frozen LM head)"
+            )
         head = [n for n in names if n.startswith("head.")] if self.cfg.head == "personal" else []
         self.personal_names = head
         self.shared_names = [n for n in names if n not in head]

@@ -263,23 +263,32 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
     model.train(dropout)  # eval mode when no dropout is active: the same function, no RNG calls
     steps = torch.tensor([s.steps for s in starts], device=device)
     losses = torch.zeros(len(jobs), device=device)
+    tokens = torch.zeros(len(jobs), dtype=torch.long, device=device)  # real tokens each client trained on
     start = time.perf_counter()
     with eager_attention(model):
         for k in range(int(steps.max())):
             inputs = [
                 next(stream) if k < s.steps else None for stream, s in zip(streams, starts, strict=True)
             ]
-            new_params, new_opt, loss = step(params, opt, consts, stack_step(inputs))
+            stacked = stack_step(inputs)
+            new_params, new_opt, loss = step(params, opt, consts, stacked)
+            tokens += sum(b["attention_mask"].flatten(1).sum(1) for b in stacked)
             active = k < steps  # (C,): a finished client's tensors do not move
             params = {n: _where(active, new_params[n], t) for n, t in params.items()}
             opt = {n: _where(active, new_opt[n], t) for n, t in opt.items()}
             losses += torch.where(active, loss.detach().float(), 0.0)
     time_step = (time.perf_counter() - start) / int(steps.max())
     results = []
-    for job, s, p, o, total in zip(
-        jobs, starts, unstack(params, len(jobs)), unstack(opt, len(jobs)), losses.tolist(), strict=True
-    ):
-        metrics = {"loss": total / s.steps, "steps": float(s.steps), "time_step": time_step}
+    for job, s, p, o, total, seen in zip(
+        jobs, starts, unstack(params, len(jobs)), unstack(opt, len(jobs)), losses.tolist(), tokens.tolist(),
+        strict=True,
+    ):  # fmt: skip
+        metrics = {
+            "loss": total / s.steps,
+            "steps": float(s.steps),
+            "time_step": time_step,
+            "tokens": float(seen),
+        }
         results.append(method.cohort_finish(job, p, o, metrics))
     return results
 

@@ -1,0 +1,168 @@
+"""WordNet definition generation with SmolLM2-135M-Instruct: FedLR, FeDeRA, PF2LoRA and
+Local-only against the untuned model (issue 12).
+
+The bundled SmolLM2 (GGUF, dequantised to float32), a handful of clients split over the
+lexicographer domains (Dirichlet, alpha 0.1: each client mostly a few domains), LoRA
+r = 8 on q/v for every method (PF2LoRA: common r = 8 plus client r = 2), the same rounds,
+local steps and batches. Each method's learning rate is tuned with ``--tune`` on seed 3
+(held-out ROUGE-L of the last round), which the table does not use. Scores: BLEU, chrF,
+ROUGE-L of greedy generations (the first ``--samples`` examples of each test set) and
+the response perplexity over all of it, of the global model on the global test set and
+of each client's own model on its local test split (mean over clients).
+
+Also measured, on whatever device the runs use: training tokens/s (prompt and response
+tokens through forward + backward, from the runs' round times) and generation tokens/s
+(new tokens of greedy decoding with the KV cache, batch ``--eval-batch``).
+
+    .venv/bin/python benchmarks/generation.py --tune     # seed 3 -> benchmarks/tuned/generation.json
+    .venv/bin/python benchmarks/generation.py [--seeds 0] [--out benchmarks/results/generation]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+from tuning import TUNED_DIR, read_tuned, run_or_reuse, tune_method, write_tuned
+
+from fedpeft.config import load_config
+from fedpeft.report.results import read_records
+
+METHODS = {
+    "fedlr": {"name": "fedlr", "lora": {"r": 8, "alpha": 16}},
+    "federa": {"name": "federa", "lora": {"r": 8, "alpha": 16}},
+    "pf2lora": {"name": "pf2lora", "lora": {"r": 8, "alpha": 16}, "client_rank": 2, "client_alpha": 4},
+    "local": {"name": "local", "lora": {"r": 8, "alpha": 16}},
+}
+GRID = [2e-4, 5e-4, 1e-3]
+TUNING_SEED = 3
+TUNED_FILE = TUNED_DIR / "generation.json"
+SCORES = ("bleu", "chrf", "rouge_l", "perplexity")
+
+
+def config(name: str, seed: int, out: Path, args: argparse.Namespace, train: dict):
+    return load_config(
+        None,
+        {
+            "name": name,
+            "seed": seed,
+            "output_dir": str(out),
+            "method": METHODS[name],
+            "model.backbone": "bundled-smollm2",
+            "data": {
+                "task": "causal_lm",
+                "source": "wordnet",
+                "max_samples": args.examples,
+                "max_test_samples": args.samples,
+                "max_length": 64,
+                "system_prompt": "Answer with one short line.",
+            },
+            "partition": {"scheme": "dirichlet", "num_clients": args.clients, "alpha": 0.1, "min_size": 20},
+            "train": {
+                "rounds": args.rounds,
+                "clients_per_round": args.clients,
+                "local_steps": args.steps,
+                "batch_size": 8,
+                "threads": args.threads,
+                **train,
+            },
+            "eval": {
+                "every": args.rounds,
+                "batch_size": args.eval_batch,
+                "generation": {"max_new_tokens": 32, "samples": args.samples},
+            },
+        },
+    )
+
+
+def untuned(args: argparse.Namespace, out: Path) -> dict:
+    """The pretrained model's scores (LoRA's B = 0: the adapted model is the pretrained
+    one), and the generation speed."""
+    from fedpeft.experiment import build
+    from fedpeft.metrics.scorers import scorer_for
+    from fedpeft.models.causal import generate
+
+    cfg = config("fedlr", 0, out / "untuned", args, {"lr": 1e-3})
+    setup = build(cfg)
+    scores = scorer_for("causal_lm", setup.tokenizer, cfg.eval).score(setup.model, setup.global_test)
+    shown = setup.global_test.subset(range(min(args.samples, len(setup.global_test))))
+    t0 = time.perf_counter()
+    texts = generate(setup.model, shown, setup.tokenizer, cfg.eval.generation, args.eval_batch)
+    seconds = time.perf_counter() - t0
+    new_tokens = sum(len(ids) + 1 for ids in setup.tokenizer(texts, add_special_tokens=False)["input_ids"])
+    return {"global": scores, "seconds": seconds, "new_tokens": new_tokens}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--examples", type=int, default=1200, help="training pool (all clients)")
+    ap.add_argument("--samples", type=int, default=64, help="test examples generated per test set")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--eval-batch", type=int, default=16)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/generation"))
+    args = ap.parse_args()
+    names = args.methods.split(",")
+    if args.tune:
+
+        def score(name: str):
+            def run_with(train: dict) -> float:
+                out = args.out / "tune" / f"{name}-{train['lr']:g}-{train['optimizer_state']}"
+                run_or_reuse(config(name, TUNING_SEED, out, args, train))
+                return read_records(out)[-1]["global"]["rouge_l"] if name != "local" else \
+                    read_records(out)[-1]["local"]["rouge_l_mean"]  # fmt: skip
+
+            return run_with
+
+        for name in names:
+            best, report = tune_method(score(name), GRID)
+            print(f"{name}: {report}", flush=True)
+            write_tuned(TUNED_FILE, {name: best})
+        return
+    tuned = read_tuned(TUNED_FILE, names)
+    rows = {}
+    for name in names:
+        for seed in [int(s) for s in args.seeds.split(",")]:
+            out = args.out / f"{name}-seed{seed}"
+            summary = run_or_reuse(config(name, seed, out, args, tuned[name]))
+            records = read_records(out)
+            rows.setdefault(name, []).append((summary, records))
+    base = untuned(args, args.out)
+    print(f"\nSmolLM2-135M-Instruct, WordNet definition generation, {args.clients} clients "
+          f"(Dirichlet 0.1 over 45 domains), {args.rounds} rounds x {args.steps} steps x 8 examples; "
+          f"greedy, first {args.samples} test examples\n")  # fmt: skip
+    header = "| model | lr | global BLEU | global chrF | global ROUGE-L | global ppl | local ROUGE-L | train tok/s |"  # noqa: E501
+    print(header + "\n|---|---|---|---|---|---|---|---|")
+    g = base["global"]
+    print(f"| untuned | - | {g['bleu']:.2f} | {g['chrf']:.2f} | {g['rouge_l']:.2f} | {g['perplexity']:.1f} "
+          f"| - | - |")  # fmt: skip
+    for name, runs in rows.items():
+        print(table_row(name, tuned[name]["lr"], [records for _, records in runs]))
+    print(f"\ngeneration: {base['new_tokens'] / base['seconds']:.1f} new tokens/s (greedy, KV cache, batch "
+          f"{args.eval_batch}, {base['new_tokens']} tokens)")  # fmt: skip
+
+
+def table_row(name: str, lr: float, runs: list[list[dict]]) -> str:
+    """One method's row: its final scores (mean over seeds) and training speed."""
+    last = [records[-1] for records in runs]
+    scores = [x.get("global") for x in last]
+
+    def mean(key: str) -> float:
+        return float(np.mean([x[key] for x in scores])) if all(scores) else float("nan")
+
+    local = float(np.mean([x["local"]["rouge_l_mean"] for x in last]))
+    tokens = sum(r["fit"]["tokens"] * len(r["clients"]) for records in runs for r in records)
+    seconds = sum(r["time_train"] for records in runs for r in records)
+    return (f"| {name} | {lr:g} | {mean('bleu'):.2f} | {mean('chrf'):.2f} | {mean('rouge_l'):.2f} "
+            f"| {mean('perplexity'):.1f} | {local:.2f} | {tokens / seconds:.0f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
