@@ -36,7 +36,7 @@ METHODS = {
     "pf2lora": {"name": "pf2lora", "lora": {"r": 8, "alpha": 16}, "client_rank": 2, "client_alpha": 4},
     "local": {"name": "local", "lora": {"r": 8, "alpha": 16}},
 }
-GRID = [2e-4, 5e-4, 1e-3]
+GRID = [5e-4, 1e-3, 2e-3]
 TUNING_SEED = 3
 TUNED_FILE = TUNED_DIR / "generation.json"
 SCORES = ("bleu", "chrf", "rouge_l", "perplexity")
@@ -101,10 +101,10 @@ def main() -> None:
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--examples", type=int, default=1200, help="training pool (all clients)")
-    ap.add_argument("--samples", type=int, default=64, help="test examples generated per test set")
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--examples", type=int, default=800, help="training pool (all clients)")
+    ap.add_argument("--samples", type=int, default=32, help="test examples generated per test set")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eval-batch", type=int, default=16)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/generation"))

@@ -198,3 +198,51 @@ def test_every_method_runs_on_instruction_tuning_or_says_why_not(tiny_config, ti
     with pytest.raises(ValueError, match="no classification head"):
         run(lm_config(tiny_config, tiny_decoder, method={"name": "fedlr", "head": "personal"},
                       output_dir=str(tmp_path / "head")))  # fmt: skip
+
+
+LM_LOADER = r"""
+import sys
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+backbone, adapter, batch_file, out_file = sys.argv[1:]
+batch = torch.load(batch_file)
+model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(backbone), adapter).eval()
+with torch.no_grad():
+    torch.save(model(**batch).logits, out_file)
+"""
+
+
+def test_lm_export_loads_as_documented_and_reproduces_the_model(tiny_config, tiny_decoder, tmp_path):
+    """The global adapter of an instruction-tuned run, loaded in a fresh process with
+    ``AutoModelForCausalLM`` + ``PeftModel.from_pretrained`` (docs/tasks.md), gives the
+    trained model's next-token logits."""
+    import subprocess
+    import sys
+
+    from fedpeft.engines.checkpoint import load_checkpoint
+    from fedpeft.experiment import build, fingerprint, run
+    from fedpeft.methods.base import load_tensors
+
+    cfg = lm_config(tiny_config, tiny_decoder, **{"train.rounds": 2, "eval.every": 2})
+    setup = build(cfg)
+    run(cfg, setup=setup)
+    info = json.loads((cfg.output_dir / "adapter" / "fedpeft_model.json").read_text())
+    assert info["task"] == "causal_lm" and "id2label" not in info
+    server = load_checkpoint(cfg.output_dir / "checkpoint.pt", fingerprint(cfg)).server
+    load_tensors(setup.model, {**setup.initial, **setup.method.global_state(server)})
+    batch = make_batch(setup.global_test, torch.arange(4))
+    batch = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    setup.model.eval()
+    with torch.no_grad():
+        trained = setup.model(**batch)
+    b_names = [n for n in server.tensors if "lora_B" in n]
+    assert b_names and all(server.tensors[n].abs().sum() > 0 for n in b_names)  # it did train
+    torch.save(batch, tmp_path / "batch.pt")
+    cmd = [sys.executable, "-c", LM_LOADER, str(tiny_decoder), str(cfg.output_dir / "adapter"),
+           str(tmp_path / "batch.pt"), str(tmp_path / "logits.pt")]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    loaded = torch.load(tmp_path / "logits.pt")
+    mask = batch["attention_mask"].bool()  # padded positions differ by mask convention only
+    torch.testing.assert_close(loaded[mask], trained[mask], atol=1e-5, rtol=1e-4)

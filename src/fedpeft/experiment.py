@@ -29,7 +29,7 @@ from fedpeft.methods import build_method
 from fedpeft.methods.base import ClientData, Method, ServerState, Tensors, load_tensors, read_tensors
 from fedpeft.metrics.scorers import scorer_for
 from fedpeft.metrics.variation import lora_variations
-from fedpeft.models.backbone import TaskModel, build_model
+from fedpeft.models.backbone import TaskModel, build_model, resolve_backbone
 from fedpeft.models.device import autocast_dtype, resolve_device
 from fedpeft.report import results as R
 
@@ -244,15 +244,17 @@ def export(
     """Save the global model under ``out/adapter`` (its shared tensors only: personal state
     never enters the global export) and, given ``client_models`` (in-process runs with
     ``export.personal``), each client's own model under ``out/adapter/clients/<cid>``.
-    Every directory gets ``fedpeft_model.json``: backbone, pooling and label names."""
+    Every directory gets ``fedpeft_model.json``: the task and backbone; for classification
+    the pooling and label names; for a causal LM the system prompt its training used."""
     target = out / "adapter"
     shutil.rmtree(target, ignore_errors=True)  # never leave a previous run's adapter behind
-    method, exported = setup.method, {}
-    info = {
-        "backbone": setup.cfg.model.backbone,
-        "pooling": setup.cfg.model.pooling,
-        "id2label": dict(enumerate(setup.corpus.class_names)),
-    }
+    method, exported, cfg = setup.method, {}, setup.cfg
+    info: dict = {"task": cfg.data.task, "backbone": cfg.model.backbone}
+    if cfg.data.task == "causal_lm":
+        info["gguf_file"] = resolve_backbone(cfg.model)[1]
+        info["system_prompt"] = cfg.data.system_prompt
+    else:
+        info.update(pooling=cfg.model.pooling, id2label=dict(enumerate(setup.corpus.class_names)))
     if method.shared_names:
         shared = {n: server_tensors[n] for n in method.shared_names}
         exported["global"] = str(method.export(setup.model, shared, target))
