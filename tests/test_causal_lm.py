@@ -246,3 +246,25 @@ def test_lm_export_loads_as_documented_and_reproduces_the_model(tiny_config, tin
     loaded = torch.load(tmp_path / "logits.pt")
     mask = batch["attention_mask"].bool()  # padded positions differ by mask convention only
     torch.testing.assert_close(loaded[mask], trained[mask], atol=1e-5, rtol=1e-4)
+
+
+def test_generation_strategies_and_seeded_sampling(decoder):
+    """Greedy and beam search are deterministic; sampling is reproducible from its seed
+    and varies with it; prompts of different lengths are padded on the left, so a
+    prompt's continuation does not depend on its batch."""
+    from fedpeft.config import GenerationConfig
+    from fedpeft.models.causal import generate
+
+    model, tok = decoder
+    data = encode_instructions(PROMPTS, RESPONSES, tok, max_length=64)
+    greedy = GenerationConfig(max_new_tokens=5)
+    together = generate(model, data, tok, greedy, batch_size=2)
+    alone = [generate(model, data.subset([i]), tok, greedy, batch_size=1)[0] for i in range(2)]
+    assert together == alone and all(together)
+    beam = GenerationConfig(strategy="beam", num_beams=3, max_new_tokens=5)
+    assert generate(model, data, tok, beam, 2) == generate(model, data, tok, beam, 2)
+    sample = GenerationConfig(strategy="sample", temperature=1.5, top_p=1.0, max_new_tokens=8)
+    first = generate(model, data, tok, sample, 2)
+    assert generate(model, data, tok, sample, 2) == first
+    others = [generate(model, data, tok, sample.model_copy(update={"seed": s}), 2) for s in (1, 2, 3)]
+    assert any(o != first for o in others)
