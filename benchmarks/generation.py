@@ -4,8 +4,9 @@ Local-only against the untuned model (issue 12).
 The bundled SmolLM2 (GGUF, dequantised to float32), a handful of clients split over the
 lexicographer domains (Dirichlet, alpha 0.1: each client mostly a few domains), LoRA
 r = 8 on q/v for every method (PF2LoRA: common r = 8 plus client r = 2), the same rounds,
-local steps and batches. Each method's learning rate is tuned with ``--tune`` on seed 3
-(held-out ROUGE-L of the last round), which the table does not use. Scores: BLEU, chrF,
+local steps and batches. Each method's learning rate is tuned with ``--tune`` on seed 3,
+which the table does not use, by the held-out response NLL after the last round (global
+test set; Local-only: its clients' local test splits), which needs no generation. Scores: BLEU, chrF,
 ROUGE-L of greedy generations (the first ``--samples`` examples of each test set) and
 the response perplexity over all of it, of the global model on the global test set and
 of each client's own model on its local test split (mean over clients).
@@ -39,10 +40,11 @@ METHODS = {
 GRID = [5e-4, 1e-3, 2e-3]
 TUNING_SEED = 3
 TUNED_FILE = TUNED_DIR / "generation.json"
-SCORES = ("bleu", "chrf", "rouge_l", "perplexity")
 
 
-def config(name: str, seed: int, out: Path, args: argparse.Namespace, train: dict):
+def config(name: str, seed: int, out: Path, args: argparse.Namespace, train: dict, tuning: bool = False):
+    """A run's config; a tuning run scores perplexity only (one token generated)."""
+    scored = {"samples": 1, "max_new_tokens": 1} if tuning else {"samples": args.samples}
     return load_config(
         None,
         {
@@ -70,8 +72,9 @@ def config(name: str, seed: int, out: Path, args: argparse.Namespace, train: dic
             },
             "eval": {
                 "every": args.rounds,
+                "local": name == "local" or not tuning,
                 "batch_size": args.eval_batch,
-                "generation": {"max_new_tokens": 32, "samples": args.samples},
+                "generation": {"max_new_tokens": 32, **scored},
             },
         },
     )
@@ -115,9 +118,9 @@ def main() -> None:
         def score(name: str):
             def run_with(train: dict) -> float:
                 out = args.out / "tune" / f"{name}-{train['lr']:g}-{train['optimizer_state']}"
-                run_or_reuse(config(name, TUNING_SEED, out, args, train))
-                return read_records(out)[-1]["global"]["rouge_l"] if name != "local" else \
-                    read_records(out)[-1]["local"]["rouge_l_mean"]  # fmt: skip
+                run_or_reuse(config(name, TUNING_SEED, out, args, train, tuning=True))
+                last = read_records(out)[-1]
+                return -(last["global"]["nll"] if name != "local" else last["local"]["nll_mean"])
 
             return run_with
 

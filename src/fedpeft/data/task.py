@@ -123,6 +123,13 @@ def encode_corpus(corpus, tokenizer, cfg) -> tuple[Encoded, Encoded]:
     """A :class:`fedpeft.data.sources.Corpus`'s training pool and global test set,
     tokenised for its task (``cfg``: the ``DataConfig``): texts with class labels, or
     prompts with responses (:func:`fedpeft.data.instructions.encode_instructions`)."""
+    if corpus.train_tags is not None:
+        from fedpeft.data.conll import encode_words
+
+        return (
+            encode_words(corpus.train_texts, corpus.train_tags, tokenizer, cfg.max_length),
+            encode_words(corpus.test_texts, corpus.test_tags, tokenizer, cfg.max_length),
+        )
     if corpus.train_responses is None:
         return (
             encode(corpus.train_texts, corpus.train_labels, tokenizer, cfg.max_length),

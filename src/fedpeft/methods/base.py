@@ -172,7 +172,7 @@ class Method:
     #: one client at a time.
     vectorised: ClassVar[bool] = True
     #: The tasks (``data.task``) the method is defined for, and for the others why not.
-    tasks: ClassVar[tuple[str, ...]] = ("classification", "causal_lm")
+    tasks: ClassVar[tuple[str, ...]] = ("classification", "causal_lm", "token_classification")
     not_for: ClassVar[dict[str, str]] = {}
 
     def __init__(self, cfg: MethodConfig, train: TrainConfig, seed: int = 0):

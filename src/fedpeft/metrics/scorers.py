@@ -3,6 +3,9 @@ and never look at what a task's scores are.
 
 - :class:`ClassificationScorer`: accuracy, macro-F1, MCC of arg-max predictions; many
   clients' models are scored at once, their forward passes vmapped.
+- :class:`TaggingScorer` (NER): entity-level precision, recall and F1 (seqeval, micro
+  over entity types, IOB2) of the tags predicted at each word's first sub-word, and
+  the accuracy over words.
 - :class:`GenerationScorer` (causal LM): the mean negative log-likelihood per response
   token and its perplexity over every example, and generation scores
   (:mod:`fedpeft.metrics.generation`) of the responses generated for the first
@@ -17,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from fedpeft.data.task import IGNORE, Encoded
+from fedpeft.data.task import IGNORE, Encoded, make_batch
 from fedpeft.methods.cohort import predict_cohort
 from fedpeft.metrics.classification import predict, scores
 
@@ -84,8 +87,42 @@ class GenerationScorer:
         return out
 
 
-def scorer_for(task: str, tokenizer, eval_cfg) -> ClassificationScorer | GenerationScorer:
+class TaggingScorer:
+    def __init__(self, tag_names: list[str], batch_size: int):
+        self.tag_names, self.batch_size = tag_names, batch_size
+
+    @torch.no_grad()
+    def score(self, model: torch.nn.Module, data: Encoded) -> dict[str, float]:
+        from fedpeft.metrics.tagging import tagging_scores
+
+        model.eval()
+        predicted, gold = [], []
+        for start in range(0, len(data), self.batch_size):
+            batch = make_batch(data, torch.arange(start, min(start + self.batch_size, len(data))))
+            tags = model(**batch).argmax(-1).cpu()
+            labels = batch["labels"].cpu()
+            for row_tags, row_labels in zip(tags, labels, strict=True):
+                words = row_labels != IGNORE  # each word's first sub-word
+                predicted.append([self.tag_names[t] for t in row_tags[words].tolist()])
+                gold.append([self.tag_names[t] for t in row_labels[words].tolist()])
+        return tagging_scores(predicted, gold)
+
+    def score_clients(
+        self, model: torch.nn.Module, states: list[Tensors], data: Encoded | list[Encoded], load: Loader
+    ) -> list[dict[str, float]]:
+        sets = data if isinstance(data, list) else [data] * len(states)
+        out = []
+        for state, examples in zip(states, sets, strict=True):
+            load(state)
+            out.append(self.score(model, examples))
+        return out
+
+
+def scorer_for(task: str, tokenizer, eval_cfg, tag_names: list[str] | None = None) -> Scorer:
     """The scorer of ``data.task`` (``eval_cfg``: the ``EvalConfig``)."""
     if task == "causal_lm":
         return GenerationScorer(tokenizer, eval_cfg.generation, eval_cfg.batch_size)
+    if task == "token_classification":
+        assert tag_names is not None
+        return TaggingScorer(tag_names, eval_cfg.batch_size)
     return ClassificationScorer(eval_cfg.batch_size)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fedpeft.config import ModelConfig
+from fedpeft.data.task import IGNORE
 from fedpeft.models.masks import additive_mask
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -145,6 +146,27 @@ class TaskModel(nn.Module):
         return (losses * weight).sum() / weight.sum().clamp_min(1.0)
 
 
+class TokenClassifier(TaskModel):
+    """Backbone -> each token's state ``(B, L, H)`` -> linear head -> logits ``(B, L, C)``
+    (NER). Labels are per token, the ignore label where no loss counts (later sub-words,
+    special tokens, padding: ``fedpeft.data.conll``)."""
+
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        bias = self.attention_bias(attention_mask)
+        return self.backbone(input_ids=input_ids, attention_mask=bias).last_hidden_state
+
+    @staticmethod
+    def loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean cross-entropy over the labelled tokens of the batch's real rows."""
+        labels = batch["labels"]
+        counted = labels != IGNORE
+        losses = nn.functional.cross_entropy(
+            logits.flatten(0, 1), labels.clamp_min(0).flatten(), reduction="none"
+        ).view(labels.shape)
+        weight = batch["weight"].unsqueeze(1) if "weight" in batch else 1.0
+        return (losses * counted * weight).sum() / (counted * weight).sum().clamp_min(1.0)
+
+
 @torch.no_grad()
 def attends_causally(backbone: nn.Module) -> bool:
     """Whether ``backbone`` is a decoder, found by asking it: changing the second token
@@ -162,7 +184,8 @@ def build_model(
     cfg: ModelConfig, num_labels: int, seed: int, task: str = "classification"
 ) -> tuple[nn.Module, object]:
     """The task model and its tokenizer: for classification the backbone with a seeded
-    head (:class:`TaskModel`); for ``causal_lm`` the decoder with its own LM head
+    head (:class:`TaskModel`; :class:`TokenClassifier` for ``token_classification``, with
+    ``num_labels`` tags); for ``causal_lm`` the decoder with its own LM head
     (:class:`fedpeft.models.causal.CausalLM`), which must attend causally."""
     if task == "causal_lm":
         from fedpeft.models.causal import CausalLM
@@ -176,4 +199,11 @@ def build_model(
         return CausalLM(lm), tokenizer
     body, tokenizer = load_backbone(cfg)
     torch.manual_seed(seed)
+    if task == "token_classification":
+        if not getattr(tokenizer, "is_fast", False):
+            raise BackboneError(
+                f"model.backbone {cfg.backbone!r}: token classification aligns words to sub-words, "
+                "which needs a fast (Rust) tokenizer"
+            )
+        return TokenClassifier(body, num_labels), tokenizer
     return TaskModel(body, num_labels, cfg.pooling), tokenizer
