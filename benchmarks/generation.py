@@ -89,7 +89,9 @@ def untuned(args: argparse.Namespace, out: Path) -> dict:
 
     cfg = config("fedlr", 0, out / "untuned", args, {"lr": 1e-3})
     setup = build(cfg)
-    scores = scorer_for("causal_lm", setup.tokenizer, cfg.eval).score(setup.model, setup.global_test)
+    scores = scorer_for("causal_lm", setup.tokenizer, cfg.eval, setup.corpus).score(
+        setup.model, setup.global_test
+    )
     shown = setup.global_test.subset(range(min(args.samples, len(setup.global_test))))
     t0 = time.perf_counter()
     texts = generate(setup.model, shown, setup.tokenizer, cfg.eval.generation, args.eval_batch)

@@ -193,6 +193,7 @@ SCORE_COLUMNS = {
     "accuracy": [("acc", "accuracy"), ("F1", "macro_f1"), ("MCC", "mcc")],
     "rouge_l": [("ROUGE-L", "rouge_l"), ("BLEU", "bleu"), ("chrF", "chrf"), ("ppl", "perplexity")],
     "entity_f1": [("entity F1", "entity_f1"), ("P", "entity_precision"), ("R", "entity_recall")],
+    "f1": [("F1", "f1"), ("EM", "exact_match")],
 }
 
 

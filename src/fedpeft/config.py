@@ -31,12 +31,14 @@ class DataConfig(BaseModel):
 
     model_config = Strict
 
-    task: Literal["classification", "causal_lm", "token_classification"] = Field(
+    task: Literal["classification", "causal_lm", "token_classification", "extractive_qa"] = Field(
         "classification",
         description="classification: text -> one of the label column's classes; causal_lm: instruction "
         "tuning of a decoder (prompt -> response, loss on response tokens only), scored by perplexity "
         "and generation metrics (with source wordnet: definition generation); token_classification: "
-        "NER, a tag per word (BIO), scored by entity-level F1 (seqeval).",
+        "NER, a tag per word (BIO), scored by entity-level F1 (seqeval); extractive_qa: an answer "
+        "span of a context passage (SQuAD), scored by exact match and F1 (with source wordnet: the "
+        "built-in WordNet usage-example QA set).",
     )
     source: Literal["wordnet", "file", "hub", "conll2003"] = Field(
         "wordnet",
@@ -83,6 +85,16 @@ class DataConfig(BaseModel):
     )
     max_test_samples: int | None = Field(None, gt=0, description="Cap on the global test set.")
     max_length: int = Field(64, gt=1, description="Truncate token sequences to this length.")
+    stride: int = Field(
+        32, ge=0, description="extractive_qa: tokens shared by consecutive windows of a long context."
+    )
+    question_clusters: int | None = Field(
+        None,
+        ge=2,
+        description="extractive_qa: classes (what the partition splits on) are this many k-means clusters "
+        "of the questions' sentence embeddings (bundled MiniLM), as the FeDeRA paper partitions SQuAD; "
+        "None: the label column (e.g. a SQuAD article's title) or WordNet's lexicographer category.",
+    )
     wordnet_dir: Path = Field(
         Path("/usr/share/wordnet"), description="WordNet 3.0 database (Debian wordnet-base)."
     )
@@ -109,6 +121,12 @@ class DataConfig(BaseModel):
             raise ValueError(
                 f"data.source {self.source} with data.task {self.task}: the built-in NER corpus is "
                 "conll2003 (task token_classification); wordnet is for classification and causal_lm"
+            )
+        if self.task == "extractive_qa" and self.max_length < 32:
+            raise ValueError(f"data.max_length {self.max_length}: extractive_qa needs 32 tokens or more")
+        if self.task == "extractive_qa" and self.stride >= self.max_length // 2:
+            raise ValueError(
+                f"data.stride {self.stride} must be under half of data.max_length {self.max_length}"
             )
         if self.source == "hub" and not self.hub_id:
             raise ValueError("data.hub_id is required when data.source is 'hub'")
@@ -247,6 +265,7 @@ class EvalConfig(BaseModel):
     local: bool = Field(True, description="Also score each client on its local test split.")
     batch_size: int = Field(128, ge=1)
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="data.task causal_lm.")
+    max_answer_tokens: int = Field(30, ge=1, description="extractive_qa: the longest answer span predicted.")
 
 
 class ExportConfig(BaseModel):

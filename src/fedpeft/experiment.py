@@ -117,14 +117,14 @@ def build(cfg: ExperimentConfig, model: TaskModel | None = None, tokenizer=None)
     corpus = load_corpus(cfg.data, cfg.seed)
     split = make_split(cfg, corpus)
     if model is None:
-        outputs = len(corpus.tag_names) if corpus.tag_names is not None else corpus.num_classes
+        outputs = len(corpus.tag_names) if corpus.tag_names is not None else corpus.num_classes  # QA: 2
         model, tokenizer = build_model(cfg.model, outputs, cfg.seed, cfg.data.task)
     pool, global_test = encode_corpus(corpus, tokenizer, cfg.data)
     method, initial = attach_method(cfg, model)
     device = place(model, cfg.train)
     pool, global_test = pool.to(device), global_test.to(device)
     clients = [
-        ClientData(i, pool.subset(tr), pool.subset(te))
+        ClientData(i, pool.examples(tr), pool.examples(te))
         for i, (tr, te) in enumerate(zip(split.train, split.test, strict=True))
     ]
     return Setup(cfg, corpus, split, model, method, clients, global_test, initial, tokenizer)
@@ -219,7 +219,7 @@ def make_engine(setup: Setup, on_round: Callable[[dict], None] | None) -> InProc
         on_start=lambda done: R.write_records(metrics_path, done),
         analyzers=update_variation_analyzers(setup.method),
         store=client_store(cfg),
-        scorer=scorer_for(cfg.data.task, setup.tokenizer, cfg.eval, setup.corpus.tag_names),
+        scorer=scorer_for(cfg.data.task, setup.tokenizer, cfg.eval, setup.corpus),
     )
 
 
@@ -254,6 +254,8 @@ def export(
     if cfg.data.task == "causal_lm":
         info["gguf_file"] = resolve_backbone(cfg.model)[1]
         info["system_prompt"] = cfg.data.system_prompt
+    elif cfg.data.task == "extractive_qa":  # each token's (start, end) logits
+        info["outputs"] = ["start", "end"]
     elif cfg.data.task == "token_classification":  # a tag per token, no pooling
         info["id2label"] = dict(enumerate(setup.corpus.tag_names))
     else:

@@ -19,6 +19,7 @@ import numpy as np
 
 from fedpeft.data.conll import conll_dir, entity_set_class, read_conll, tag_names_of
 from fedpeft.data.instructions import definition_prompt, instruction_columns, read_jsonl_messages
+from fedpeft.data.qa import read_squad, squad_columns, wordnet_qa
 from fedpeft.data.wordnet import LEXNAMES, read_glosses
 
 if TYPE_CHECKING:
@@ -46,6 +47,10 @@ class Corpus:
     train_tags: list[list[int]] | None = None  # token_classification: each word's tag id
     test_tags: list[list[int]] | None = None
     tag_names: list[str] | None = None
+    train_contexts: list[str] | None = None  # extractive_qa: passages (texts are the questions)
+    test_contexts: list[str] | None = None
+    train_answers: list[list[tuple[str, int]]] | None = None  # gold (text, start char) pairs
+    test_answers: list[list[tuple[str, int]]] | None = None
 
     @property
     def num_classes(self) -> int:
@@ -145,9 +150,12 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
     """Read the configured source and split it into training pool and global test set."""
     names: list[str] | None = None
     test: Columns | None = None
-    lm, ner = cfg.task == "causal_lm", cfg.task == "token_classification"
+    lm, ner, qa = cfg.task == "causal_lm", cfg.task == "token_classification", cfg.task == "extractive_qa"
     text_col, label_col = cfg.text_column, cfg.label_column
-    if cfg.source == "conll2003":  # train.txt is the pool, test.txt the global test set
+    if qa:
+        table, origin, test, test_origin = _qa_tables(cfg)
+        text_col, label_col = "question", "label"
+    elif cfg.source == "conll2003":  # train.txt is the pool, test.txt the global test set
         root = conll_dir()
         table, origin = _conll_table(root / "train.txt"), str(root / "train.txt")
         test, test_origin = _conll_table(root / "test.txt"), str(root / "test.txt")
@@ -182,6 +190,8 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
         table = _instruction_table(table, origin, cfg)
         test = _instruction_table(test, test_origin, cfg) if test is not None else None
         text_col, label_col = "text", "label"
+    elif qa:
+        pass
     elif ner:
         if "tags" not in table:  # a table (file or hub) with word and tag columns
             table = _tagged_columns(table, origin, cfg, names)
@@ -202,9 +212,9 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
         if names is None:
             names = class_names_of(table[label_col] + test[label_col])
     else:  # a test set of its own: its labels map onto the training classes
-        if not (lm or ner):
+        if not (lm or ner or qa):
             _check_columns(test, test_origin, cfg, groups=False)
-        if names is None and (lm or ner):  # domains / entity sets: the test set may have others
+        if names is None and (lm or ner or qa):  # domains, entity sets: the test set may have others
             names = class_names_of(table[label_col] + test[label_col])
         elif names is None:
             names = class_names_of(table[label_col])
@@ -213,7 +223,7 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
     test_labels = _encode_labels(test[label_col], names, test_origin, known_ids)
     keep = _subsample(len(train_labels), cfg.max_samples, rng)
     keep_test = _subsample(len(test_labels), cfg.max_test_samples, rng)
-    group_col = cfg.group_column or ("pos" if cfg.source == "wordnet" else None)
+    group_col = cfg.group_column or ("pos" if cfg.source == "wordnet" and not qa else None)
     groups = np.asarray(table[group_col], dtype=object)[keep] if group_col else None
     tags = {}
     if ner:
@@ -224,7 +234,18 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
             "train_tags": [[tag_id[t] for t in table["tags"][i]] for i in keep],
             "test_tags": [[tag_id[t] for t in test["tags"][i]] for i in keep_test],
         }
-    return Corpus(
+    if qa:
+        tags = {
+            "train_contexts": [table["context"][i] for i in keep],
+            "test_contexts": [test["context"][i] for i in keep_test],
+            "train_answers": [
+                list(zip(table["answers"][i], table["answer_starts"][i], strict=True)) for i in keep
+            ],
+            "test_answers": [
+                list(zip(test["answers"][i], test["answer_starts"][i], strict=True)) for i in keep_test
+            ],
+        }
+    corpus = Corpus(
         train_texts=[table[text_col][i] for i in keep],
         train_labels=train_labels[keep],
         test_texts=[test[text_col][i] for i in keep_test],
@@ -235,6 +256,68 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
         test_responses=[test["response"][i] for i in keep_test] if lm else None,
         **tags,
     )
+    if cfg.question_clusters:
+        corpus = cluster_questions(corpus, cfg.question_clusters, seed)
+    return corpus
+
+
+def _answers(table: Columns, row: int) -> list[tuple[str, int]]:
+    return list(zip(table["answers"][row], table["answer_starts"][row], strict=True))
+
+
+def _qa_tables(cfg: DataConfig) -> tuple[Columns, str, Columns | None, str]:
+    """Extractive-QA data as SQuAD columns plus ``label`` (its class: the
+    ``data.label_column`` values, e.g. a SQuAD article's ``title``; WordNet's lexicographer
+    category; else one class, ``all``): ``(table, origin, test table or None, its origin)``."""
+    test, test_origin = None, ""
+    if cfg.source == "wordnet":
+        return wordnet_qa(read_glosses(cfg.wordnet_dir)), str(cfg.wordnet_dir), None, ""
+    if cfg.source == "file":
+        assert cfg.path is not None
+        table, origin = read_squad(cfg.path), str(cfg.path)
+        if cfg.test_path is not None:
+            test, test_origin = read_squad(cfg.test_path), str(cfg.test_path)
+    else:
+        raw, _ = load_hub(cfg, cfg.train_split)
+        origin = f"{cfg.hub_id}[{cfg.train_split}]"
+        table = squad_columns(raw, origin)
+        if cfg.test_split:
+            test_origin = f"{cfg.hub_id}[{cfg.test_split}]"
+            test = squad_columns(load_hub(cfg, cfg.test_split)[0], test_origin)
+    for t, where in ((table, origin), (test, test_origin)):
+        if t is None:
+            continue
+        if not t["question"]:
+            raise DataError(f"{where}: no answerable questions")
+        if cfg.label_column in t:
+            t["label"] = [str(v) for v in t[cfg.label_column]]
+        elif "label_column" in cfg.model_fields_set:
+            raise DataError(f"{where}: no column {cfg.label_column!r} (columns: {sorted(t)})")
+        else:
+            t["label"] = ["all"] * len(t["question"])
+    return table, origin, test, test_origin
+
+
+def cluster_questions(corpus: Corpus, k: int, seed: int) -> Corpus:
+    """The corpus with its classes replaced by k-means clusters (scikit-learn, seeded) of
+    the questions' sentence embeddings (the bundled all-MiniLM-L6-v2, a sentence-
+    transformers model): the FeDeRA paper's partition of SQuAD."""
+    from sentence_transformers import SentenceTransformer
+    from sklearn.cluster import KMeans
+
+    from fedpeft.models.backbone import bundled_minilm_dir
+
+    questions = list(corpus.train_texts) + list(corpus.test_texts)
+    if len(questions) < k:
+        raise DataError(f"data.question_clusters: {k} clusters for {len(questions)} questions")
+    encoder = SentenceTransformer(str(bundled_minilm_dir()), device="cpu")
+    vectors = encoder.encode(questions, batch_size=128, normalize_embeddings=True, show_progress_bar=False)
+    clusters = KMeans(n_clusters=k, n_init=4, random_state=seed).fit_predict(vectors)
+    n = len(corpus.train_texts)
+    corpus.train_labels = clusters[:n].astype(np.int64)
+    corpus.test_labels = clusters[n:].astype(np.int64)
+    corpus.class_names = [f"cluster {c}" for c in range(k)]
+    return corpus
 
 
 TABLE_SUFFIXES = (".csv", ".tsv", ".jsonl", ".json", ".parquet")

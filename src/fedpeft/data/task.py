@@ -12,7 +12,7 @@ cut to the batch's width like the ids.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,12 +25,14 @@ IGNORE = -100
 class Encoded:
     """Tokenised examples: ids ``(N, L)`` right-padded, lengths ``(N,)``, labels ``(N,)``
     or ``(N, L)``; for instruction data also each prompt's length ``(N,)`` (the prompt is
-    ``ids[i, :prompt_lengths[i]]``, the response follows it)."""
+    ``ids[i, :prompt_lengths[i]]``, the response follows it); ``aux``: other per-row
+    tensors a task's scoring needs (extractive QA: each feature's example and offsets)."""
 
     ids: torch.Tensor
     lengths: torch.Tensor
     labels: torch.Tensor
     prompt_lengths: torch.Tensor | None = None
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -42,11 +44,19 @@ class Encoded:
         )
 
     def _map(self, f) -> Encoded:
-        return Encoded(*(f(t) for t in self.fields()))
+        return Encoded(*(f(t) for t in self.fields()), aux={k: f(v) for k, v in self.aux.items()})
 
     def subset(self, rows: np.ndarray | torch.Tensor) -> Encoded:
         rows = torch.as_tensor(rows, dtype=torch.long, device=self.ids.device)
         return self._map(lambda t: t[rows])
+
+    def examples(self, rows: np.ndarray | torch.Tensor) -> Encoded:
+        """The rows of the corpus examples ``rows``: the same rows, except for extractive
+        QA, where an example may have several features (context windows): all of them."""
+        if "example_ids" not in self.aux:
+            return self.subset(rows)
+        wanted = torch.as_tensor(rows, dtype=torch.long, device=self.ids.device)
+        return self.subset(torch.nonzero(torch.isin(self.aux["example_ids"], wanted)).flatten())
 
     def to(self, device: torch.device | str) -> Encoded:
         """The same examples on ``device`` (batches are then cut there)."""
@@ -57,16 +67,22 @@ class Encoded:
         width = max(p.ids.shape[1] for p in parts)
 
         def widen(t: torch.Tensor, fill: int) -> torch.Tensor:
-            return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill)
+            pad = [0, 0] * (t.dim() - 2) + [0, width - t.shape[1]]  # dim 1 is the token axis
+            return torch.nn.functional.pad(t, pad, value=fill)
 
         ids = torch.cat([widen(p.ids, 0) for p in parts])
         labels = [p.labels if p.labels.dim() == 1 else widen(p.labels, IGNORE) for p in parts]
         prompts = [p.prompt_lengths for p in parts]
+        aux = {
+            k: torch.cat([v if v.dim() == 1 else widen(v, -1) for v in (p.aux[k] for p in parts)])
+            for k in parts[0].aux
+        }
         return Encoded(
             ids,
             torch.cat([p.lengths for p in parts]),
             torch.cat(labels),
             torch.cat(prompts) if all(q is not None for q in prompts) else None,
+            aux,
         )
 
 
@@ -123,6 +139,19 @@ def encode_corpus(corpus, tokenizer, cfg) -> tuple[Encoded, Encoded]:
     """A :class:`fedpeft.data.sources.Corpus`'s training pool and global test set,
     tokenised for its task (``cfg``: the ``DataConfig``): texts with class labels, or
     prompts with responses (:func:`fedpeft.data.instructions.encode_instructions`)."""
+    if corpus.train_contexts is not None:  # extractive QA: test examples numbered after the pool's
+        from fedpeft.data.qa import encode_qa
+
+        def features(questions, contexts, answers, first_id):
+            starts, texts = [a[0][1] for a in answers], [a[0][0] for a in answers]
+            return encode_qa(
+                questions, contexts, starts, texts, tokenizer, cfg.max_length, cfg.stride, first_id
+            )
+
+        return (
+            features(corpus.train_texts, corpus.train_contexts, corpus.train_answers, 0),
+            features(corpus.test_texts, corpus.test_contexts, corpus.test_answers, len(corpus.train_texts)),
+        )
     if corpus.train_tags is not None:
         from fedpeft.data.conll import encode_words
 

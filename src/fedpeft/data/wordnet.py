@@ -9,7 +9,9 @@ so no third-party text lives in this repository. Each synset gives one example:
   (noun.animal, verb.motion, ...), a real topic-classification target;
 - ``pos``: the part of speech, a natural grouping column;
 - ``lemma``: the synset's first word (underscores as spaces), whose definition the
-  gloss is (the definition-generation task's prompt).
+  gloss is (the definition-generation task's prompt);
+- ``words``: all the synset's words, and ``examples``: the quoted usage examples of its
+  gloss (the extractive-QA task's answers and passages).
 
 Record format (wndb(5WN)): ``offset lex_filenum ss_type w_cnt word lex_id ... | gloss``;
 an adjective's word may carry a syntactic marker, ``(a)``, ``(p)`` or ``(ip)``, dropped here.
@@ -48,12 +50,15 @@ def definition_of(gloss: str) -> str:
 
 
 def read_glosses(wordnet_dir: str | Path = "/usr/share/wordnet") -> dict[str, list]:
-    """All synsets as columns ``text``, ``label`` (lexname), ``pos``, ``lemma``; in file order."""
+    """All synsets as columns ``text``, ``label`` (lexname), ``pos``, ``lemma``, ``words``
+    and ``examples``; in file order."""
     root = Path(wordnet_dir)
     texts: list[str] = []
     labels: list[str] = []
     pos: list[str] = []
     lemmas: list[str] = []
+    words: list[list[str]] = []
+    examples: list[list[str]] = []
     for part, fname in _POS_FILES.items():
         path = root / fname
         if not path.is_file():
@@ -74,5 +79,10 @@ def read_glosses(wordnet_dir: str | Path = "/usr/share/wordnet") -> dict[str, li
                     texts.append(text)
                     labels.append(LEXNAMES[int(fields[1])])
                     pos.append(part)
-                    lemmas.append(re.sub(r"\((a|p|ip)\)$", "", fields[4]).replace("_", " "))
-    return {"text": texts, "label": labels, "pos": pos, "lemma": lemmas}
+                    count = int(fields[3], 16)
+                    names = head.split(" ")[4 : 4 + 2 * count : 2]
+                    names = [re.sub(r"\((a|p|ip)\)$", "", w).replace("_", " ") for w in names]
+                    lemmas.append(names[0])
+                    words.append(names)
+                    examples.append([e.strip() for e in re.findall(r'"([^"]+)"', gloss) if e.strip()])
+    return {"text": texts, "label": labels, "pos": pos, "lemma": lemmas, "words": words, "examples": examples}

@@ -137,7 +137,7 @@ class Node:
             split = make_split(cfg, corpus)
             pool, global_test = encode_corpus(corpus, tokenizer, cfg.data)
             client = ClientData(
-                self.cid, pool.subset(split.train[self.cid]), pool.subset(split.test[self.cid])
+                self.cid, pool.examples(split.train[self.cid]), pool.examples(split.test[self.cid])
             )
         else:
             texts, labels = load_client_file(data_file, cfg.data, class_names)

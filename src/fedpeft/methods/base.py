@@ -172,7 +172,12 @@ class Method:
     #: one client at a time.
     vectorised: ClassVar[bool] = True
     #: The tasks (``data.task``) the method is defined for, and for the others why not.
-    tasks: ClassVar[tuple[str, ...]] = ("classification", "causal_lm", "token_classification")
+    tasks: ClassVar[tuple[str, ...]] = (
+        "classification",
+        "causal_lm",
+        "token_classification",
+        "extractive_qa",
+    )
     not_for: ClassVar[dict[str, str]] = {}
 
     def __init__(self, cfg: MethodConfig, train: TrainConfig, seed: int = 0):

@@ -118,11 +118,67 @@ class TaggingScorer:
         return out
 
 
-def scorer_for(task: str, tokenizer, eval_cfg, tag_names: list[str] | None = None) -> Scorer:
-    """The scorer of ``data.task`` (``eval_cfg``: the ``EvalConfig``)."""
+class SpanScorer:
+    """Extractive QA: per example, the best span over all its features (start and end
+    logits summed, the end at most ``max_answer_tokens`` tokens after the start, both in
+    the context), its text cut from the context by the tokens' character offsets, then
+    exact match and F1 against the gold answers (:mod:`fedpeft.metrics.qa`)."""
+
+    def __init__(
+        self, contexts: list[str], answers: list[list[str]], batch_size: int, max_answer_tokens: int
+    ):
+        self.contexts, self.answers = contexts, answers  # indexed by example id (pool, then test)
+        self.batch_size, self.max_answer_tokens = batch_size, max_answer_tokens
+
+    @torch.no_grad()
+    def score(self, model: torch.nn.Module, data: Encoded) -> dict[str, float]:
+        from fedpeft.metrics.qa import qa_scores
+
+        model.eval()
+        best: dict[int, tuple[float, str]] = {}
+        for start in range(0, len(data), self.batch_size):
+            rows = torch.arange(start, min(start + self.batch_size, len(data)))
+            logits = model(**make_batch(data, rows)).cpu()  # (B, L, 2)
+            offsets = data.aux["offsets"][rows].cpu()[:, : logits.shape[1]]
+            for k, example in enumerate(data.aux["example_ids"][rows].tolist()):
+                score, text = self.best_span(logits[k], offsets[k], self.contexts[example])
+                if example not in best or score > best[example][0]:
+                    best[example] = (score, text)
+        examples = sorted(best)
+        return qa_scores([best[e][1] for e in examples], [self.answers[e] for e in examples])
+
+    def best_span(self, logits: torch.Tensor, offsets: torch.Tensor, context: str) -> tuple[float, str]:
+        """The highest-scoring context span of one feature: ``(score, text)``."""
+        inside = offsets[:, 0] >= 0  # context tokens
+        if not inside.any():
+            return float("-inf"), ""
+        pairs = logits[:, 0, None] + logits[None, :, 1]  # (L, L): start i, end j
+        length = torch.arange(len(logits))[None, :] - torch.arange(len(logits))[:, None]
+        allowed = inside[:, None] & inside[None, :] & (length >= 0) & (length < self.max_answer_tokens)
+        flat = int(pairs.masked_fill(~allowed, float("-inf")).argmax())
+        i, j = divmod(flat, len(logits))
+        return float(pairs[i, j]), context[int(offsets[i, 0]) : int(offsets[j, 1])]
+
+    def score_clients(
+        self, model: torch.nn.Module, states: list[Tensors], data: Encoded | list[Encoded], load: Loader
+    ) -> list[dict[str, float]]:
+        sets = data if isinstance(data, list) else [data] * len(states)
+        out = []
+        for state, examples in zip(states, sets, strict=True):
+            load(state)
+            out.append(self.score(model, examples))
+        return out
+
+
+def scorer_for(task: str, tokenizer, eval_cfg, corpus=None) -> Scorer:
+    """The scorer of ``data.task`` (``eval_cfg``: the ``EvalConfig``; ``corpus``: the
+    ``Corpus``, whose tag names or passages and answers NER and QA scoring need)."""
     if task == "causal_lm":
         return GenerationScorer(tokenizer, eval_cfg.generation, eval_cfg.batch_size)
     if task == "token_classification":
-        assert tag_names is not None
-        return TaggingScorer(tag_names, eval_cfg.batch_size)
+        return TaggingScorer(corpus.tag_names, eval_cfg.batch_size)
+    if task == "extractive_qa":
+        answers = [[text for text, _ in a] for a in corpus.train_answers + corpus.test_answers]
+        contexts = corpus.train_contexts + corpus.test_contexts
+        return SpanScorer(contexts, answers, eval_cfg.batch_size, eval_cfg.max_answer_tokens)
     return ClassificationScorer(eval_cfg.batch_size)

@@ -167,6 +167,38 @@ class TokenClassifier(TaskModel):
         return (losses * counted * weight).sum() / (counted * weight).sum().clamp_min(1.0)
 
 
+class SpanExtractor(TokenClassifier):
+    """Extractive QA: each token's state -> (start, end) logits ``(B, L, 2)``; the loss is
+    the mean of the start and end cross-entropies over each feature's tokens (the span
+    encoded in its token labels: ``fedpeft.data.qa``)."""
+
+    def __init__(self, backbone: nn.Module):
+        super().__init__(backbone, 2)
+
+    @staticmethod
+    def loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        from fedpeft.data.qa import END, START
+
+        labels = batch["labels"]
+        valid = labels != IGNORE
+        starts = ((labels == START) | (labels == START + END)).int().argmax(1)  # (B,)
+        ends = ((labels == END) | (labels == START + END)).int().argmax(1)
+        hidden = torch.finfo(logits.dtype).min / 2  # padding is no candidate
+        losses = (
+            sum(
+                nn.functional.cross_entropy(
+                    logits[..., k].masked_fill(~valid, hidden), target, reduction="none"
+                )
+                for k, target in enumerate((starts, ends))
+            )
+            / 2
+        )
+        if "weight" not in batch:
+            return losses.mean()
+        weight = batch["weight"]
+        return (losses * weight).sum() / weight.sum().clamp_min(1.0)
+
+
 @torch.no_grad()
 def attends_causally(backbone: nn.Module) -> bool:
     """Whether ``backbone`` is a decoder, found by asking it: changing the second token
@@ -199,11 +231,13 @@ def build_model(
         return CausalLM(lm), tokenizer
     body, tokenizer = load_backbone(cfg)
     torch.manual_seed(seed)
+    if task in ("token_classification", "extractive_qa") and not getattr(tokenizer, "is_fast", False):
+        raise BackboneError(
+            f"model.backbone {cfg.backbone!r}: data.task {task} maps tokens back to words or characters, "
+            "which needs a fast (Rust) tokenizer"
+        )
     if task == "token_classification":
-        if not getattr(tokenizer, "is_fast", False):
-            raise BackboneError(
-                f"model.backbone {cfg.backbone!r}: token classification aligns words to sub-words, "
-                "which needs a fast (Rust) tokenizer"
-            )
         return TokenClassifier(body, num_labels), tokenizer
+    if task == "extractive_qa":
+        return SpanExtractor(body), tokenizer
     return TaskModel(body, num_labels, cfg.pooling), tokenizer

@@ -60,8 +60,8 @@ def read_summary(run_dir: Path) -> dict:
 
 
 #: The score a run is judged by, the first of these its records hold (all higher-is-better):
-#: accuracy for classification, ROUGE-L for generation, entity F1 for NER.
-HEADLINES = ("accuracy", "rouge_l", "entity_f1")
+#: accuracy for classification, ROUGE-L for generation, entity F1 for NER, F1 for QA.
+HEADLINES = ("accuracy", "rouge_l", "entity_f1", "f1")
 
 
 def headline(records_or_scores: list[dict] | dict) -> str:
