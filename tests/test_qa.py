@@ -139,3 +139,28 @@ def test_qa_runs_through_fedpeft_run(tiny_config, tmp_path):
     assert set(last["global"]) == {"exact_match", "f1"}
     assert 0 <= last["global"]["f1"] <= 100 and "f1_mean" in last["local"]
     assert read_summary(cfg.output_dir)["headline"] == "f1"
+
+
+@pytest.mark.integration
+def test_question_clusters_become_the_partition_classes():
+    """data.question_clusters: k-means over MiniLM sentence embeddings of the questions
+    (the FeDeRA paper's SQuAD partition); seeded, so the same classes every time."""
+    from fedpeft.config import DataConfig
+    from fedpeft.data.sources import load_corpus
+
+    cfg = DataConfig(task="extractive_qa", max_samples=150, max_test_samples=30, question_clusters=4)
+    a, b = load_corpus(cfg, 0), load_corpus(cfg, 0)
+    assert a.class_names == [f"cluster {c}" for c in range(4)]
+    assert set(a.train_labels.tolist()) == {0, 1, 2, 3}
+    assert (a.train_labels == b.train_labels).all() and (a.test_labels == b.test_labels).all()
+    # a cluster groups questions about alike definitions: more alike than the corpus at large
+    from sentence_transformers import SentenceTransformer
+
+    from fedpeft.models.backbone import bundled_minilm_dir
+
+    vectors = SentenceTransformer(str(bundled_minilm_dir()), device="cpu").encode(
+        a.train_texts, normalize_embeddings=True
+    )
+    sims = vectors @ vectors.T
+    same = a.train_labels[:, None] == a.train_labels[None, :]
+    assert sims[same].mean() > sims[~same].mean()

@@ -122,11 +122,11 @@ class DataConfig(BaseModel):
                 f"data.source {self.source} with data.task {self.task}: the built-in NER corpus is "
                 "conll2003 (task token_classification); wordnet is for classification and causal_lm"
             )
-        if self.task == "extractive_qa" and self.max_length < 32:
-            raise ValueError(f"data.max_length {self.max_length}: extractive_qa needs 32 tokens or more")
-        if self.task == "extractive_qa" and self.stride >= self.max_length // 2:
+        room = self.max_length - self.max_length // 3 - 3  # a window: question (a third at most), 3 specials
+        if self.task == "extractive_qa" and self.stride >= room:
             raise ValueError(
-                f"data.stride {self.stride} must be under half of data.max_length {self.max_length}"
+                f"data.stride {self.stride}: a window of data.max_length {self.max_length} tokens has room "
+                f"for {room} context tokens (the question takes up to a third), and the stride must be less"
             )
         if self.source == "hub" and not self.hub_id:
             raise ValueError("data.hub_id is required when data.source is 'hub'")

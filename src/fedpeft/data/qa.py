@@ -152,7 +152,13 @@ def encode_qa(
     feature ``f`` is ``first_id`` plus its row in the inputs. The label is the first gold
     answer's token span. A question longer than a third of ``max_length`` tokens is cut
     to that (logged), so every window keeps room for more context than the stride."""
+    from fedpeft.data.sources import DataError
+
     limit = max_length // 3
+    room = max_length - limit - tokenizer.num_special_tokens_to_add(pair=True)
+    if stride >= room:
+        raise DataError(f"data.stride {stride}: windows of {max_length} tokens leave {room} for the context "
+                        "with this tokenizer; lower data.stride or raise data.max_length")  # fmt: skip
     question_ids = tokenizer(list(questions), add_special_tokens=False)["input_ids"]
     long = [i for i, q in enumerate(question_ids) if len(q) > limit]
     if long:
