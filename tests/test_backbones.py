@@ -26,7 +26,7 @@ def test_bundled_minilm_federated_round(tiny_config):
     assert summary["final_global"]["accuracy"] is not None
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_bundled_smollm2_gguf_loads_and_runs():
     model, tok = build_model(ModelConfig(backbone="bundled-smollm2", pooling="last"), num_labels=3, seed=0)
     assert model.backbone.config.model_type == "llama"

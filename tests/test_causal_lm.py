@@ -66,7 +66,7 @@ def test_long_prompt_gets_no_response_and_responses_are_truncated(decoder, caplo
         encode_instructions(PROMPTS, RESPONSES, tok, max_length=4)
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_chat_template_round_trip_smollm2():
     """SmolLM2's own template: the prompt decodes back to the rendered conversation with
     the assistant's turn open, the labelled tokens to the response and its end of turn."""
