@@ -57,7 +57,24 @@ class ClassificationScorer:
         return [scores(p, d.labels.cpu().numpy()) for p, d in zip(preds, sets, strict=True)]
 
 
-class GenerationScorer:
+class OneAtATime:
+    """Scores clients' models one after another, each loaded into the model in turn."""
+
+    def score(self, model: torch.nn.Module, data: Encoded) -> dict[str, float]:
+        raise NotImplementedError
+
+    def score_clients(
+        self, model: torch.nn.Module, states: list[Tensors], data: Encoded | list[Encoded], load: Loader
+    ) -> list[dict[str, float]]:
+        sets = data if isinstance(data, list) else [data] * len(states)
+        out = []
+        for state, examples in zip(states, sets, strict=True):
+            load(state)
+            out.append(self.score(model, examples))
+        return out
+
+
+class GenerationScorer(OneAtATime):
     def __init__(self, tokenizer, options, batch_size: int):
         self.tokenizer, self.options, self.batch_size = tokenizer, options, batch_size
 
@@ -76,18 +93,8 @@ class GenerationScorer:
             **generation_scores(predictions, references_of(shown, self.tokenizer)),
         }
 
-    def score_clients(
-        self, model: torch.nn.Module, states: list[Tensors], data: Encoded | list[Encoded], load: Loader
-    ) -> list[dict[str, float]]:
-        sets = data if isinstance(data, list) else [data] * len(states)
-        out = []
-        for state, examples in zip(states, sets, strict=True):
-            load(state)
-            out.append(self.score(model, examples))
-        return out
 
-
-class TaggingScorer:
+class TaggingScorer(OneAtATime):
     def __init__(self, tag_names: list[str], batch_size: int):
         self.tag_names, self.batch_size = tag_names, batch_size
 
@@ -107,18 +114,8 @@ class TaggingScorer:
                 gold.append([self.tag_names[t] for t in row_labels[words].tolist()])
         return tagging_scores(predicted, gold)
 
-    def score_clients(
-        self, model: torch.nn.Module, states: list[Tensors], data: Encoded | list[Encoded], load: Loader
-    ) -> list[dict[str, float]]:
-        sets = data if isinstance(data, list) else [data] * len(states)
-        out = []
-        for state, examples in zip(states, sets, strict=True):
-            load(state)
-            out.append(self.score(model, examples))
-        return out
 
-
-class SpanScorer:
+class SpanScorer(OneAtATime):
     """Extractive QA: per example, the best span over all its features (start and end
     logits summed, the end at most ``max_answer_tokens`` tokens after the start, both in
     the context), its text cut from the context by the tokens' character offsets, then
@@ -158,16 +155,6 @@ class SpanScorer:
         flat = int(pairs.masked_fill(~allowed, float("-inf")).argmax())
         i, j = divmod(flat, len(logits))
         return float(pairs[i, j]), context[int(offsets[i, 0]) : int(offsets[j, 1])]
-
-    def score_clients(
-        self, model: torch.nn.Module, states: list[Tensors], data: Encoded | list[Encoded], load: Loader
-    ) -> list[dict[str, float]]:
-        sets = data if isinstance(data, list) else [data] * len(states)
-        out = []
-        for state, examples in zip(states, sets, strict=True):
-            load(state)
-            out.append(self.score(model, examples))
-        return out
 
 
 def scorer_for(task: str, tokenizer, eval_cfg, corpus=None) -> Scorer:
