@@ -158,7 +158,7 @@ def test_lm_cohort_equals_one_at_a_time(tiny_config, tiny_decoder, name):
     get the rounds they get alone (same tolerance as tests/test_cohort.py). Plain LoRA,
     Llama adapters, the bilevel step and masked ranks; every method's step is the same
     function of ``model.loss`` (tests/test_cohort.py covers them all on classification)."""
-    from test_cohort import _jobs
+    from test_cohort import assert_cohort_equals_alone
 
     from fedpeft.experiment import build
 
@@ -166,15 +166,7 @@ def test_lm_cohort_equals_one_at_a_time(tiny_config, tiny_decoder, name):
                     **{"train.local_steps": None, "train.local_epochs": 1})  # fmt: skip
     setup = build(cfg)
     cids = list(range(len(setup.clients)))
-    together = setup.method.fit_cohort(setup.model, _jobs(setup, cids))
-    for cid, joint in zip(cids, together, strict=True):
-        (alone,) = setup.method.fit_cohort(setup.model, _jobs(setup, [cid]))
-        assert joint.metrics["steps"] == alone.metrics["steps"]
-        assert joint.metrics["loss"] == pytest.approx(alone.metrics["loss"], rel=1e-5)
-        for part in ("uplink", "personal"):
-            a, b = getattr(alone, part), getattr(joint, part)
-            for key in a:
-                torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=1e-4, msg=f"{name} {cid} {key}")
+    assert_cohort_equals_alone(setup, cids, name)
 
 
 def test_every_method_runs_on_instruction_tuning_or_says_why_not(tiny_config, tiny_decoder, tmp_path):

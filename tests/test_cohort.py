@@ -85,6 +85,26 @@ def test_stacked_batches_pad_rows_and_tokens():
     assert batch["labels"].tolist() == [[2, 0], [0, 1], [0, 0]]
 
 
+def assert_cohort_equals_alone(setup, cids, name) -> None:
+    """Clients ``cids`` trained as one cohort get the round each gets alone: same steps,
+    loss to 1e-5 relative, tensors to 1e-5 (see the module docstring)."""
+    lr = setup.cfg.train.lr
+    together = setup.method.fit_cohort(setup.model, _jobs(setup, cids))
+    for cid, joint in zip(cids, together, strict=True):
+        (alone,) = setup.method.fit_cohort(setup.model, _jobs(setup, [cid]))
+        assert joint.metrics["steps"] == alone.metrics["steps"]
+        assert joint.metrics["loss"] == pytest.approx(alone.metrics["loss"], rel=1e-5)
+        for part in ("uplink", "personal"):
+            a, b = getattr(alone, part), getattr(joint, part)
+            assert a.keys() == b.keys()
+            for key in a:
+                # A key bias shifts every score of a query alike, so softmax ignores it: its
+                # exact gradient is 0, and Adam (which divides by the gradient's size) turns
+                # float noise into steps of size lr. Only its bound is the same either way.
+                tol = 2 * lr * joint.metrics["steps"] if "key.bias" in key else 1e-5
+                torch.testing.assert_close(b[key], a[key], atol=tol, rtol=1e-4, msg=f"{name} {cid} {key}")
+
+
 def _jobs(setup, cids, rnd=1):
     """Round ``rnd``'s jobs of clients ``cids``: what each receives from a fresh server
     (HETLoRA: truncated to the client's own rank) and its initial personal state."""
@@ -136,20 +156,7 @@ def test_cohort_equals_one_at_a_time(tiny_config, name):
         assert len({-(-s // cfg.train.batch_size) for s in sizes}) > 1, (
             "want clients with different step counts"
         )
-    together = setup.method.fit_cohort(setup.model, _jobs(setup, cids))
-    for cid, joint in zip(cids, together, strict=True):
-        (alone,) = setup.method.fit_cohort(setup.model, _jobs(setup, [cid]))
-        assert joint.metrics["steps"] == alone.metrics["steps"]
-        assert joint.metrics["loss"] == pytest.approx(alone.metrics["loss"], rel=1e-5)
-        for part in ("uplink", "personal"):
-            a, b = getattr(alone, part), getattr(joint, part)
-            assert a.keys() == b.keys()
-            for key in a:
-                # A key bias shifts every score of a query alike, so softmax ignores it: its
-                # exact gradient is 0, and Adam (which divides by the gradient's size) turns
-                # float noise into steps of size lr. Only its bound is the same either way.
-                tol = 2 * cfg.train.lr * joint.metrics["steps"] if "key.bias" in key else 1e-5
-                torch.testing.assert_close(b[key], a[key], atol=tol, rtol=1e-4, msg=f"{name} {cid} {key}")
+    assert_cohort_equals_alone(setup, cids, name)
 
 
 @pytest.mark.parametrize("name", ["fedlr", "local"])

@@ -144,7 +144,7 @@ def test_conll2003_is_set_up():
 @pytest.mark.parametrize("name", ["fedlr", "pf2lora"])
 def test_ner_cohort_equals_one_at_a_time(tiny_config, tmp_path, name):
     """Per-token labels padded with the ignore label: a cohort trains each client as alone."""
-    from test_cohort import _jobs
+    from test_cohort import assert_cohort_equals_alone
 
     from fedpeft.experiment import build
 
@@ -152,10 +152,4 @@ def test_ner_cohort_equals_one_at_a_time(tiny_config, tmp_path, name):
                      **{"train.local_steps": None, "train.local_epochs": 1})  # fmt: skip
     setup = build(cfg)
     cids = list(range(len(setup.clients)))
-    together = setup.method.fit_cohort(setup.model, _jobs(setup, cids))
-    for cid, joint in zip(cids, together, strict=True):
-        (alone,) = setup.method.fit_cohort(setup.model, _jobs(setup, [cid]))
-        assert joint.metrics["loss"] == pytest.approx(alone.metrics["loss"], rel=1e-5)
-        for key in alone.uplink:
-            tol = 2 * cfg.train.lr * joint.metrics["steps"] if "key.bias" in key else 1e-5
-            torch.testing.assert_close(joint.uplink[key], alone.uplink[key], atol=tol, rtol=1e-4)
+    assert_cohort_equals_alone(setup, cids, name)
