@@ -70,17 +70,18 @@ def wordnet_reader(source: str = "/usr/share/wordnet"):
         src = Path(source)
         if not (src / "data.noun").is_file():
             raise WordNetMissing(f"{src}: WordNet database not found (METEOR needs it); install wordnet-base")
-        tmp = root.with_name(root.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        tmp = root.with_name(f"{root.name}.partial-{os.getpid()}")  # processes may race to build it
+        tmp.mkdir(parents=True, exist_ok=True)
         for f in src.iterdir():
             if f.is_file():
                 shutil.copyfile(f, tmp / f.name)
         category = {"noun": 1, "verb": 2, "adj": 3, "adv": 4}  # lexnames(5WN): syntactic category
         lines = (f"{i:02d}\t{name}\t{category[name.split('.')[0]]}\n" for i, name in enumerate(LEXNAMES))
         (tmp / "lexnames").write_text("".join(lines))
-        shutil.rmtree(root, ignore_errors=True)
-        tmp.rename(root)
+        try:
+            tmp.rename(root)
+        except OSError:  # another process finished first: its copy is the same
+            shutil.rmtree(tmp, ignore_errors=True)
     if str(root) not in nltk.data.path:
         nltk.data.path.append(str(root))
 
