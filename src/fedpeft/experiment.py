@@ -117,7 +117,7 @@ def build(cfg: ExperimentConfig, model: TaskModel | None = None, tokenizer=None)
     corpus = load_corpus(cfg.data, cfg.seed)
     split = make_split(cfg, corpus)
     if model is None:
-        outputs = len(corpus.tag_names) if corpus.tag_names is not None else corpus.num_classes  # QA: 2
+        outputs = len(corpus.tag_names) if corpus.tag_names is not None else corpus.num_classes  # QA: unused
         model, tokenizer = build_model(cfg.model, outputs, cfg.seed, cfg.data.task)
     pool, global_test = encode_corpus(corpus, tokenizer, cfg.data)
     method, initial = attach_method(cfg, model)
