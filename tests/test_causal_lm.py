@@ -170,6 +170,7 @@ def test_lm_cohort_equals_one_at_a_time(tiny_config, tiny_decoder, name):
 
 
 def test_every_method_runs_on_instruction_tuning_or_says_why_not(tiny_config, tiny_decoder, tmp_path):
+    from fedpeft.config import ConfigError
     from fedpeft.experiment import run
     from fedpeft.methods import REGISTRY
     from fedpeft.report.results import read_records
@@ -180,6 +181,12 @@ def test_every_method_runs_on_instruction_tuning_or_says_why_not(tiny_config, ti
                            "eval.generation.max_new_tokens": 3})  # fmt: skip
         if name == "fedbf":  # BitFit: a Llama has no bias terms to train
             with pytest.raises(ValueError, match="nothing to train on this backbone"):
+                run(cfg)
+            continue
+        if "causal_lm" not in REGISTRY[name].tasks:  # defined for classification heads only: says why
+            with pytest.raises(
+                ConfigError, match=f"method.name {name}: not defined for data.task causal_lm; .+"
+            ):
                 run(cfg)
             continue
         run(cfg)

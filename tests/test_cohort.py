@@ -23,6 +23,7 @@ from fedpeft.metrics.classification import predict
 from fedpeft.report.results import read_records
 
 VECTORISED = [
+    "fedmcp",
     "fedft",
     "fedbf",
     "fedap",
@@ -33,6 +34,12 @@ VECTORISED = [
     "pf2lora",
     "perfedavg",
     "hetlora",
+    "fedamp",
+    "fedkd",
+    "ditto",
+    "moon",
+    "fedrep",
+    "fedrod",
 ]
 
 

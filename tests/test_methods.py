@@ -26,6 +26,13 @@ CLAIMS = {
     "pf2lora": lambda n: "lora_" in n or n.startswith("head."),
     "perfedavg": lambda n: "lora_" in n or n.startswith("head."),
     "hetlora": lambda n: "lora_" in n or n.startswith("head."),
+    "fedmcp": lambda n: ".adapter." in n or n.startswith(("head.", "global_head.")),
+    "ditto": lambda n: "lora_" in n or n.startswith("head."),
+    "moon": lambda n: "lora_" in n or n.startswith("head."),
+    "fedrep": lambda n: "lora_" in n or n.startswith("head."),
+    "fedrod": lambda n: "lora_" in n or n.startswith(("head.", "personal_head.")),
+    "fedamp": lambda n: "lora_" in n or n.startswith("head."),
+    "fedkd": lambda n: "lora_" in n or n.startswith(("head.", "mentor_head.")),
     "local": lambda n: "lora_" in n or n.startswith("head."),
     "centralized": lambda n: "lora_" in n or n.startswith("head."),
 }

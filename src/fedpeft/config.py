@@ -98,6 +98,29 @@ class DataConfig(BaseModel):
     wordnet_dir: Path = Field(
         Path("/usr/share/wordnet"), description="WordNet 3.0 database (Debian wordnet-base)."
     )
+    wordnet_labels: Literal["lexname", "pos"] = Field(
+        "lexname",
+        description="source wordnet, task classification: what a gloss is classified by, its "
+        "lexicographer category (45 classes) or its part of speech (noun, verb, adj, adv).",
+    )
+    wordnet_pos: list[Literal["noun", "verb", "adj", "adv"]] | None = Field(
+        None, description="source wordnet: only the synsets of these parts of speech (None: all)."
+    )
+    silos: list[SiloConfig] | None = Field(
+        None,
+        description="The cross-silo multi-task setting (FedMCP): one client per entry, each a data set "
+        "of its own with its own label space and classifier, given as a data config (source, path, "
+        "columns, ...; unset keys are taken from this data config). Each silo's examples are pooled, "
+        "subsampled to data.silo_size and split train/validation/test per partition.val_fraction and "
+        "partition.local_test_fraction (default 6:2:2); there is no global test set, and heads must be "
+        "personal (method.head: personal).",
+    )
+    silo_size: Literal["smallest"] | Annotated[int, Field(gt=0)] | None = Field(
+        "smallest",
+        description="data.silos: examples kept per silo (seeded subsample): 'smallest' (the smallest "
+        "silo's size, as the FedMCP paper balances GLUE), a number, or None (all). data.max_samples "
+        "caps it too.",
+    )
 
     @model_validator(mode="after")
     def _source_fields(self) -> DataConfig:
@@ -117,11 +140,28 @@ class DataConfig(BaseModel):
                 "'lexname' (lexicographer category: one client per domain)"
             )
         ner = self.task == "token_classification"
-        if (self.source == "conll2003" and not ner) or (self.source == "wordnet" and ner):
+        conll_tasks = ("token_classification", "classification")
+        if (self.source == "conll2003" and self.task not in conll_tasks) or (
+            self.source == "wordnet" and ner
+        ):
             raise ValueError(
                 f"data.source {self.source} with data.task {self.task}: the built-in NER corpus is "
-                "conll2003 (task token_classification); wordnet is for classification and causal_lm"
+                "conll2003 (task token_classification, or classification by a sentence's most frequent "
+                "entity type); wordnet is for classification, causal_lm and extractive_qa"
             )
+        if self.silos is not None:
+            if self.task != "classification":
+                raise ValueError(
+                    f"data.silos: the cross-silo multi-task setting is for classification, not {self.task}"
+                )
+            if not self.silos:
+                raise ValueError("data.silos: give at least one silo")
+            names = [silo.name for silo in self.silos]
+            if len(set(names)) < len(names):
+                raise ValueError(f"data.silos: silo names must be unique, got {names}")
+            for i, silo in enumerate(self.silos):
+                if silo.silos is not None:
+                    raise ValueError(f"data.silos.{i}.silos: a silo cannot hold silos")
         room = self.max_length - self.max_length // 3 - 3  # a window: question (a third at most), 3 specials
         if self.task == "extractive_qa" and self.stride >= room:
             raise ValueError(
@@ -131,6 +171,22 @@ class DataConfig(BaseModel):
         if self.source == "hub" and not self.hub_id:
             raise ValueError("data.hub_id is required when data.source is 'hub'")
         return self
+
+
+class SiloConfig(DataConfig):
+    """One client's own data set in the cross-silo multi-task setting (``data.silos``)."""
+
+    name: str = Field(description="The silo's name: its classes are reported as '<name>:<class>'.")
+
+    def resolved(self, defaults: DataConfig) -> DataConfig:
+        """This silo's data config: its own settings over ``defaults`` (the top-level data
+        config), all of its examples (no subsampling or test share: the silo setting splits them)."""
+        own = self.model_dump(include=self.model_fields_set - {"name"})
+        base = defaults.model_dump(exclude={"silos", "silo_size"})
+        return DataConfig(**{**base, **own, "max_samples": None, "max_test_samples": None})
+
+
+DataConfig.model_rebuild()
 
 
 class PartitionConfig(BaseModel):
@@ -155,6 +211,22 @@ class PartitionConfig(BaseModel):
     local_test_fraction: float = Field(
         0.2, gt=0, lt=1, description="Share of each client's data kept as its local test split."
     )
+    val_fraction: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Share of each client's data kept as its validation split, scored as 'val' (0: none; "
+        "with data.silos 0.2 unless set: the FedMCP setting's 6:2:2).",
+    )
+
+    @model_validator(mode="after")
+    def _fractions(self) -> PartitionConfig:
+        if self.val_fraction + self.local_test_fraction >= 1:
+            raise ValueError(
+                f"partition.val_fraction {self.val_fraction} + partition.local_test_fraction "
+                f"{self.local_test_fraction} leave no training examples"
+            )
+        return self
 
 
 class ModelConfig(BaseModel):
@@ -330,6 +402,8 @@ class ExperimentConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> ExperimentConfig:
+        if self.data.silos is not None:
+            self._check_silos()
         m, s = self.partition.num_clients, self.train.clients_per_round
         if s > m:
             raise ValueError(
@@ -340,9 +414,39 @@ class ExperimentConfig(BaseModel):
                 f"deploy.min_results: {self.deploy.min_results} results needed but only "
                 f"train.clients_per_round={s} clients are asked"
             )
-        if self.partition.scheme == "natural" and not self.data.group_column:
+        if self.partition.scheme == "natural" and not self.data.group_column and self.data.silos is None:
             raise ValueError("data.group_column is required when partition.scheme is 'natural'")
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _silo_defaults(cls, data: Any) -> Any:
+        """data.silos: one client per silo, all of them each round, split 6:2:2, unless set."""
+        if not isinstance(data, dict):
+            return data
+        section = data.get("data")
+        silos = section.get("silos") if isinstance(section, dict) else getattr(section, "silos", None)
+        if not silos:
+            return data
+        partition = dict(data.get("partition") or {})
+        partition.setdefault("scheme", "natural")
+        partition.setdefault("num_clients", len(silos))
+        partition.setdefault("val_fraction", 0.2)
+        train = dict(data.get("train") or {})
+        train.setdefault("clients_per_round", len(silos))
+        return {**data, "partition": partition, "train": train}
+
+    def _check_silos(self) -> None:
+        p, silos = self.partition, self.data.silos
+        if p.scheme != "natural":
+            raise ValueError(
+                f"partition.scheme {p.scheme}: with data.silos every silo is one client (natural)"
+            )
+        if p.num_clients != len(silos):
+            raise ValueError(
+                f"partition.num_clients {p.num_clients}: with data.silos there is one client per silo "
+                f"({len(silos)})"
+            )
 
 
 def _format_errors(err: ValidationError, origin: str) -> str:
@@ -373,16 +477,25 @@ def parse_config(data: dict[str, Any], origin: str = "<config>") -> ExperimentCo
         raise ConfigError(_format_errors(err, origin)) from None
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ExperimentConfig:
-    """Read a YAML config (None: the built-in default experiment) and apply dotted overrides."""
-    if path is None:
-        from importlib.resources import files
+def builtin_configs() -> dict[str, str]:
+    """The experiment configs shipped with fedpeft, by name (``default``, ``cross_silo``)."""
+    from importlib.resources import files
 
-        text, origin = files("fedpeft.configs").joinpath("default.yaml").read_text(), "default.yaml"
+    folder = files("fedpeft.configs")
+    return {f.name.removesuffix(".yaml"): f.read_text() for f in folder.iterdir() if f.name.endswith(".yaml")}
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ExperimentConfig:
+    """Read a YAML config (a file, or the name of a built-in one; None: the built-in
+    default experiment) and apply dotted overrides."""
+    builtin = builtin_configs()
+    if path is None or (str(path) in builtin and not Path(path).is_file()):
+        name = "default" if path is None else str(path)
+        text, origin = builtin[name], f"{name}.yaml"
     else:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"{path}: no such config file")
+            raise ConfigError(f"{path}: no such config file (built-in configs: {', '.join(sorted(builtin))})")
         text, origin = path.read_text(), str(path)
     try:
         data = yaml.safe_load(text) or {}

@@ -20,6 +20,7 @@ import torch
 
 from fedpeft.config import ConfigError, ExperimentConfig, TrainConfig, dump_config
 from fedpeft.data import partition as P
+from fedpeft.data.silos import load_silos
 from fedpeft.data.sources import Corpus, load_corpus
 from fedpeft.data.task import Encoded, encode_corpus
 from fedpeft.engines.checkpoint import STORE_DIR, ResumeError
@@ -40,6 +41,7 @@ class Split:
 
     train: list[np.ndarray]
     test: list[np.ndarray]
+    val: list[np.ndarray] | None = None  # with partition.val_fraction
 
     def histograms(self, labels: np.ndarray, num_classes: int) -> np.ndarray:
         both = [np.concatenate([a, b]) for a, b in zip(self.train, self.test, strict=True)]
@@ -62,13 +64,16 @@ def make_split(cfg: ExperimentConfig, corpus: Corpus) -> Split:
         else:
             parts = P.partition_natural(corpus.train_groups, pc.num_clients)
         train, test = P.split_local_test(parts, pc.local_test_fraction, rng)
+        val = None
+        if pc.val_fraction:  # a share of the whole client: of what the test split left
+            train, val = P.split_local_test(train, pc.val_fraction / (1 - pc.local_test_fraction), rng)
     except P.PartitionError as err:
         raise P.PartitionError(
             f"partition ({pc.scheme}: partition.num_clients={pc.num_clients}, "
             f"partition.min_size={pc.min_size}, {len(labels)} training examples after "
             f"data.max_samples): {err}"
         ) from None
-    return Split(train, test)
+    return Split(train, test, val)
 
 
 def fingerprint(cfg: ExperimentConfig) -> str:
@@ -114,7 +119,7 @@ def build(cfg: ExperimentConfig, model: TaskModel | None = None, tokenizer=None)
     """Data, partition, model and method for ``cfg`` (a given model/tokenizer is reused)."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    corpus = load_corpus(cfg.data, cfg.seed)
+    corpus = load_silos(cfg.data, cfg.seed) if cfg.data.silos else load_corpus(cfg.data, cfg.seed)
     split = make_split(cfg, corpus)
     if model is None:
         outputs = len(corpus.tag_names) if corpus.tag_names is not None else corpus.num_classes  # QA: unused
@@ -123,10 +128,22 @@ def build(cfg: ExperimentConfig, model: TaskModel | None = None, tokenizer=None)
     method, initial = attach_method(cfg, model)
     device = place(model, cfg.train)
     pool, global_test = pool.to(device), global_test.to(device)
+    spaces = corpus.label_spaces or [None] * len(split.train)
     clients = [
-        ClientData(i, pool.examples(tr), pool.examples(te))
+        ClientData(
+            i,
+            pool.examples(tr),
+            pool.examples(te),
+            val=pool.examples(split.val[i]) if split.val is not None else None,
+            classes=spaces[i],
+        )
         for i, (tr, te) in enumerate(zip(split.train, split.test, strict=True))
     ]
+    if corpus.label_spaces is not None and (heads := [n for n in method.shared_names if "head." in n]):
+        raise ConfigError(
+            f"data.silos: method {method.name} would aggregate classifiers across tasks ({heads[0]}, ...); "
+            "each silo has its own label space: set method.head: personal"
+        )
     return Setup(cfg, corpus, split, model, method, clients, global_test, initial, tokenizer)
 
 
@@ -197,6 +214,7 @@ def make_engine(setup: Setup, on_round: Callable[[dict], None] | None) -> InProc
         eval_local=cfg.eval.local,
         eval_batch_size=cfg.eval.batch_size,
         cohort_size=None if cfg.train.cohort_size == "auto" else cfg.train.cohort_size,
+        per_client_scores=cfg.data.silos is not None,
     )
     metrics_path = out / "metrics.jsonl"
 

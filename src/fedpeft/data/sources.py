@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedpeft.data.conll import conll_dir, entity_set_class, read_conll, tag_names_of
+from fedpeft.data.conll import (
+    ENTITY_TYPE_CLASSES,
+    conll_dir,
+    dominant_entity_type,
+    entity_set_class,
+    read_conll,
+    tag_names_of,
+)
 from fedpeft.data.instructions import definition_prompt, instruction_columns, read_jsonl_messages
 from fedpeft.data.qa import read_squad, squad_columns, wordnet_qa
 from fedpeft.data.wordnet import LEXNAMES, read_glosses
@@ -51,6 +58,8 @@ class Corpus:
     test_contexts: list[str] | None = None
     train_answers: list[list[tuple[str, int]]] | None = None  # gold (text, start char) pairs
     test_answers: list[list[tuple[str, int]]] | None = None
+    #: data.silos: per silo (= client, in order), the class ids of its own label space
+    label_spaces: list[np.ndarray] | None = None
 
     @property
     def num_classes(self) -> int:
@@ -159,15 +168,27 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
         root = conll_dir()
         table, origin = _conll_table(root / "train.txt"), str(root / "train.txt")
         test, test_origin = _conll_table(root / "test.txt"), str(root / "test.txt")
+        if not ner:  # classification: a sentence -> its most frequent entity type
+            table, test = _entity_type_table(table), _entity_type_table(test)
+            names = list(ENTITY_TYPE_CLASSES)
     elif ner and cfg.source == "file" and cfg.path.suffix.lower() not in TABLE_SUFFIXES:
         table, origin = _conll_table(cfg.path), str(cfg.path)
         if cfg.test_path is not None:
             test, test_origin = _conll_table(cfg.test_path), str(cfg.test_path)
     elif cfg.source == "wordnet":
         table, origin = read_glosses(cfg.wordnet_dir), str(cfg.wordnet_dir)
-        lex_id = {name: i for i, name in enumerate(LEXNAMES)}
+        if cfg.wordnet_pos:  # only some parts of speech, and then only their categories
+            rows = [i for i, p in enumerate(table["pos"]) if p in cfg.wordnet_pos]
+            table = {k: [v[i] for i in rows] for k, v in table.items()}
         table["lexname"] = table["label"]
-        table["label"], names = [lex_id[v] for v in table["label"]], list(LEXNAMES)
+        if cfg.wordnet_labels == "pos" and not lm:
+            names = [p for p in ("noun", "verb", "adj", "adv") if p in set(table["pos"])]
+            column = table["pos"]
+        else:
+            names = list(LEXNAMES) if not cfg.wordnet_pos else sorted(set(table["label"]), key=LEXNAMES.index)
+            column = table["label"]
+        class_id = {name: i for i, name in enumerate(names)}
+        table["label"] = [class_id[v] for v in column]
         text_col, label_col = "text", "label"
         if lm:  # definition generation: lemma and part of speech -> gloss; the lexname is the domain
             table["response"] = table["text"]
@@ -332,6 +353,15 @@ def _conll_table(path: Path) -> Columns:
         "text": [w for w, _ in sentences],
         "tags": [t for _, t in sentences],
         "label": [entity_set_class(t) for _, t in sentences],
+    }
+
+
+def _entity_type_table(table: Columns) -> Columns:
+    """A CoNLL table as sentence classification: ``text`` the sentence, ``label`` its
+    most frequent entity type (:func:`fedpeft.data.conll.dominant_entity_type`)."""
+    return {
+        "text": [" ".join(words) for words in table["text"]],
+        "label": [ENTITY_TYPE_CLASSES.index(dominant_entity_type(tags)) for tags in table["tags"]],
     }
 
 

@@ -89,8 +89,7 @@ class Encoded:
 def encode(texts: list[str], labels: np.ndarray, tokenizer, max_length: int) -> Encoded:
     """Tokenise ``texts`` (truncated at ``max_length``) into an :class:`Encoded` set."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    enc = tokenizer(list(texts), truncation=True, max_length=max_length, padding=False)
-    rows = enc["input_ids"]
+    rows = tokenizer(list(texts), truncation=True, max_length=max_length)["input_ids"] if len(texts) else []
     lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
     width = int(lengths.max()) if len(rows) else 1
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)

@@ -32,6 +32,7 @@ from fedpeft.methods.base import (
     Tensors,
     load_tensors,
     read_tensors,
+    restrict_heads,
     tensor_bytes,
 )
 from fedpeft.methods.cohort import predict_cohort
@@ -50,6 +51,7 @@ class Schedule:
     eval_local: bool = True
     eval_batch_size: int = 128
     cohort_size: int | None = 1  # clients trained at once (None: probe the device's memory)
+    per_client_scores: bool = False  # record each client's local-test scores (the cross-silo table)
 
 
 def derive_seed(*keys: int) -> int:
@@ -140,7 +142,7 @@ class InProcessEngine:
         that never trains never holds state)."""
         if client.cid in self.personal:
             return self.personal[client.cid]
-        return self.method.init_client(self.model, self.initial, client)
+        return restrict_heads(self.method.init_client(self.model, self.initial, client), client.classes)
 
     def load(self, tensors: Tensors) -> None:
         """Load tensors into the model unless exactly these are loaded already."""
@@ -225,19 +227,27 @@ class InProcessEngine:
         model and its initial personal state). Clients' own models are scored in cohorts
         of ``cohort_size``, their forward passes vmapped."""
         out, size, scorer = {}, self.cohort_size, self.scorer
+        has_global_test = len(self.global_test) > 0  # none in the cross-silo setting
         global_tensors = self.method.global_state(server)
-        if global_tensors is not None:
+        if global_tensors is not None and has_global_test:
             self.load(global_tensors)
             out["global"] = scorer.score(self.model, self.global_test)
-        per_client_global, per_client_local, extra_local = [], [], {}
+        per_client_global, per_client_local, per_client_val, extra_local = [], [], [], {}
         for start in range(0, len(self.eval_clients), size):
             clients = self.eval_clients[start : start + size]
             models = [self.client_model(server, client) for client in clients]
             self._loaded = ()  # the scorer may load clients' tensors
             score_all = lambda states, data: scorer.score_clients(self.model, states, data, self.load)  # noqa: E731
-            if global_tensors is None:  # no global model: each client's own on the global test
+            if global_tensors is None and has_global_test:  # no global model: each client's own
                 per_client_global += score_all([m for m, _ in models], self.global_test)
-            tested = [i for i, c in enumerate(clients) if self.schedule.eval_local and len(c.test)]
+            if not self.schedule.eval_local:
+                continue
+            validated = [i for i, c in enumerate(clients) if c.val is not None and len(c.val)]
+            if validated:
+                per_client_val += score_all(
+                    [models[i][0] for i in validated], [clients[i].val for i in validated]
+                )
+            tested = [i for i, c in enumerate(clients) if len(c.test)]
             if not tested:
                 continue
             data = [clients[i].test for i in tested]
@@ -250,6 +260,10 @@ class InProcessEngine:
             out["global"] = mean_scores(per_client_global)
         if per_client_local:
             out["local"] = spread(per_client_local)
+            if self.schedule.per_client_scores:
+                out["local_by_client"] = per_client_local
+        if per_client_val:
+            out["val"] = spread(per_client_val)
         for name, values in extra_local.items():
             out[f"local_{name}"] = spread(values)
         return out

@@ -6,13 +6,20 @@ from typing import TYPE_CHECKING, Union
 
 from fedpeft.methods.base import Method, MethodConfig
 from fedpeft.methods.centralized import Centralized
+from fedpeft.methods.ditto import Ditto
+from fedpeft.methods.fedamp import FedAMP
 from fedpeft.methods.fedap import FedAP
 from fedpeft.methods.fedbf import FedBF
 from fedpeft.methods.federa import FeDeRA
 from fedpeft.methods.fedft import FedFT
+from fedpeft.methods.fedkd import FedKD
 from fedpeft.methods.fedlr import FedLR
+from fedpeft.methods.fedmcp import FedMCP
+from fedpeft.methods.fedrep import FedRep
+from fedpeft.methods.fedrod import FedRoD
 from fedpeft.methods.hetlora import HETLoRA
 from fedpeft.methods.local import LocalOnly
+from fedpeft.methods.moon import MOON
 from fedpeft.methods.perfedavg import PerFedAvg
 from fedpeft.methods.pf2lora import PF2LoRA
 
@@ -21,7 +28,25 @@ if TYPE_CHECKING:
 
 REGISTRY: dict[str, type[Method]] = {
     cls.name: cls
-    for cls in (FedFT, FedBF, FedAP, FedLR, FeDeRA, PF2LoRA, PerFedAvg, HETLoRA, LocalOnly, Centralized)
+    for cls in (
+        FedFT,
+        FedBF,
+        FedAP,
+        FedLR,
+        FeDeRA,
+        PF2LoRA,
+        PerFedAvg,
+        HETLoRA,
+        FedMCP,
+        Ditto,
+        MOON,
+        FedRep,
+        FedRoD,
+        FedAMP,
+        FedKD,
+        LocalOnly,
+        Centralized,
+    )
 }
 
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -72,11 +73,15 @@ class MethodConfig(BaseModel):
 
 @dataclass
 class ClientData:
-    """One client's examples: its training split and its local test split."""
+    """One client's examples: its training split, its local test split, optionally a
+    validation split, and, in the cross-silo multi-task setting, the classes of its own
+    label space (None: every class)."""
 
     cid: int
     train: Encoded
     test: Encoded
+    val: Encoded | None = None
+    classes: np.ndarray | None = None
 
 
 @dataclass
@@ -136,6 +141,27 @@ def weighted_mean(states: list[Tensors], weights: list[float]) -> Tensors:
         for state, w in zip(states, weights, strict=True):
             acc += state[name].to(torch.float64) * (w / total)
         out[name] = acc.to(first.dtype)
+    return out
+
+
+#: The bias of a classifier row outside a client's label space: such a class never wins
+#: and, its softmax probability underflowing to exactly 0, never gets a gradient.
+MASKED_BIAS = -1e4
+
+
+def restrict_heads(state: Tensors, classes: np.ndarray | None) -> Tensors:
+    """``state`` with every classifier bias (a tensor named ``*head.bias``) set to
+    :data:`MASKED_BIAS` outside ``classes``: a client of the cross-silo setting predicts,
+    and learns, its own silo's classes only; ``classes`` None: unchanged."""
+    if classes is None:
+        return state
+    out = dict(state)
+    keep = torch.as_tensor(classes, dtype=torch.long)
+    for name, bias in state.items():
+        if name.endswith("head.bias"):
+            masked = torch.full_like(bias, MASKED_BIAS)
+            masked[keep] = bias[keep]
+            out[name] = masked
     return out
 
 

@@ -155,6 +155,33 @@ def model_loss(model: torch.nn.Module) -> Callable[[Tensors, Batch], torch.Tenso
     return loss
 
 
+def model_features(model: torch.nn.Module) -> Callable[[Tensors, Batch], torch.Tensor]:
+    """``features(params, batch)``: the pooled representation ``(B, H)`` a classifier's
+    head reads (``TaskModel.forward(pooled=True)``), with ``params`` in place of the
+    model's trainable tensors; what a method with its own heads or a representation
+    loss (MOON, FedMCP, FedRoD) builds on. Apply a head with :func:`head_logits`."""
+
+    def features(params: Tensors, batch: Batch) -> torch.Tensor:
+        return functional_call(model, params, (batch["input_ids"], batch["attention_mask"]), {"pooled": True})
+
+    return features
+
+
+def head_logits(params: Tensors, features: torch.Tensor, prefix: str = "head.") -> torch.Tensor:
+    """The logits of the linear head whose tensors ``params`` holds under ``prefix``
+    (``head.weight``, ``head.bias``) on ``features``."""
+    return torch.nn.functional.linear(features, params[prefix + "weight"], params[prefix + "bias"])
+
+
+def row_mean(values: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """The mean of per-row ``values`` ``(B,)`` over the batch's real rows: a cohort's
+    padded rows (weight 0) count for nothing, so a client's loss is the one it has alone."""
+    if "weight" not in batch:
+        return values.mean()
+    weight = batch["weight"]
+    return (values * weight).sum() / weight.sum().clamp_min(1.0)
+
+
 def model_scale(model: torch.nn.Module) -> float:
     """The loss scale of ``model``'s precision: :data:`LOSS_SCALE` in float16, else 1."""
     return LOSS_SCALE if getattr(model, "precision", None) == torch.float16 else 1.0

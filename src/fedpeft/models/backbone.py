@@ -126,14 +126,21 @@ class TaskModel(nn.Module):
         last = attention_mask.sum(1) - 1  # (B,) index of each row's last real token
         return states[torch.arange(states.shape[0]), last]
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **_: object) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, pooled: bool = False, **_: object
+    ) -> torch.Tensor:
+        """The logits or, with ``pooled``, the representation the head reads (float32
+        either way): what the contrastive and two-head methods (MOON, FedMCP, FedRoD)
+        compare and classify themselves."""
         device = self.head.weight.device
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         if self.precision is None:
-            return self.head(self.features(input_ids, attention_mask).to(self.head.weight.dtype))
+            feats = self.features(input_ids, attention_mask).to(self.head.weight.dtype)
+            return feats if pooled else self.head(feats)
         with torch.autocast(device.type, dtype=self.precision):
-            logits = self.head(self.features(input_ids, attention_mask))
-        return logits.float()
+            feats = self.features(input_ids, attention_mask)
+            out = feats if pooled else self.head(feats)
+        return out.float()
 
     @staticmethod
     def loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:

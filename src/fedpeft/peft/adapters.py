@@ -10,6 +10,8 @@ projection. HF PEFT has no Houlsby adapter, so it is written here.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -63,8 +65,50 @@ class AdaptedLinear(nn.Module):
         return self.adapter(self.base(x))
 
 
-def add_adapters(model: nn.Module, spec: AdapterSpec, model_type: str) -> list[str]:
-    """Insert adapters at the configured sites of ``model``; returns the adapted module names."""
+class AdapterPair(nn.Module):
+    """FedMCP's two adapters at one site, a global one (``shared``, aggregated) and a
+    private one, both reading the sub-layer output ``h``. ``mode`` picks what leaves
+    the site: ``both`` the average of the two adapters' outputs,
+    ``(g(h) + p(h)) / 2 = h + (up_g(..) + up_p(..)) / 2``; ``global`` or ``private`` one
+    adapter's output alone.
+    Set it for a forward pass with :func:`adapter_mode`."""
+
+    MODES = ("both", "global", "private")
+
+    def __init__(self, dim: int, bottleneck: int, activation: str = "gelu"):
+        super().__init__()
+        self.shared = Adapter(dim, bottleneck, activation)
+        self.private = Adapter(dim, bottleneck, activation)
+        self.mode = "both"
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.mode == "global":
+            return self.shared(h)
+        if self.mode == "private":
+            return self.private(h)
+        return (self.shared(h) + self.private(h)) / 2
+
+
+@contextmanager
+def adapter_mode(model: nn.Module, mode: str) -> Iterator[None]:
+    """Every :class:`AdapterPair` of ``model`` in ``mode`` for the duration (then ``both``)."""
+    if mode not in AdapterPair.MODES:
+        raise ValueError(f"adapter mode {mode!r}: expected one of {AdapterPair.MODES}")
+    pairs = [m for m in model.modules() if isinstance(m, AdapterPair)]
+    for pair in pairs:
+        pair.mode = mode
+    try:
+        yield
+    finally:
+        for pair in pairs:
+            pair.mode = "both"
+
+
+def add_adapters(
+    model: nn.Module, spec: AdapterSpec, model_type: str, kind: type[nn.Module] = Adapter
+) -> list[str]:
+    """Insert adapters (``kind``: one :class:`Adapter`, or an :class:`AdapterPair`) at the
+    configured sites of ``model``; returns the adapted module names."""
     patterns = spec.sites or HOULSBY_SITES.get(model_type)
     if not patterns:
         raise ValueError(
@@ -82,7 +126,7 @@ def add_adapters(model: nn.Module, spec: AdapterSpec, model_type: str) -> list[s
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        adapter = Adapter(linear.out_features, spec.bottleneck, spec.activation)
+        adapter = kind(linear.out_features, spec.bottleneck, spec.activation)
         adapter.to(dtype=linear.weight.dtype)
         setattr(parent, child, AdaptedLinear(linear, adapter))
     return [name for name, _ in targets]

@@ -69,7 +69,7 @@ def headline(records_or_scores: list[dict] | dict) -> str:
     items = records_or_scores if isinstance(records_or_scores, list) else [{"global": records_or_scores}]
     for r in items:
         for name in HEADLINES:
-            if name in (r.get("global") or {}):
+            if name in (r.get("global") or {}) or f"{name}_mean" in (r.get("local") or {}):
                 return name
     return HEADLINES[0]
 
@@ -77,16 +77,19 @@ def headline(records_or_scores: list[dict] | dict) -> str:
 def summarize(records: list[dict], extra: dict) -> dict:
     """Final and best scores plus totals over the records of a finished run; "best" by
     the headline score (``best_global_<name>``; ``headline`` says which)."""
-    evaluated = [r for r in records if "global" in r]
+    evaluated = [r for r in records if "global" in r or "local" in r]
     final = evaluated[-1] if evaluated else {}
     name = headline(records)
-    best = max(evaluated, key=lambda r: r["global"][name], default={})
+    scored = [r for r in evaluated if "global" in r]  # none in the cross-silo setting (no global test)
+    best = max(scored, key=lambda r: r["global"][name], default={})
     last = records[-1]
     return {
         **extra,
         "rounds": last["round"],
         "final_global": final.get("global"),
         "final_local": final.get("local"),
+        "final_val": final.get("val"),
+        "final_local_by_client": final.get("local_by_client"),
         "headline": name,
         f"best_global_{name}": best.get("global", {}).get(name),
         "best_round": best.get("round"),

@@ -1,0 +1,189 @@
+"""FedRep: a shared representation and a personal head, trained one after the other.
+
+Paper: Collins, Hassani, Mokhtari, Shakkottai, "Exploiting Shared Representations for
+Personalized Federated Learning", ICML 2021 (Algorithm 1); a baseline of FedMCP and
+FDLoRA (METHODS.md).
+
+The body (the PEFT tensors: LoRA, adapters, BitFit biases or every weight: ``trainable``)
+is shared and averaged as in FedAvg; the head is always personal (it never leaves the
+client). A client's local round has two phases:
+
+1. **head phase**: ``head_steps`` steps (or ``head_epochs`` epochs) on the head alone, the
+   body frozen;
+2. **body phase**: the usual local schedule (``train.local_steps``, or
+   ``train.local_epochs``) on the body alone, the freshly trained head frozen.
+
+Each phase differentiates only its own group and has its own optimizer state, so the
+other group's tensors do not move at all (AdamW's decoupled weight decay moves only the
+tensors a phase steps). The round is two calls of the vectorised cohort loop
+(:meth:`FedRep.fit_cohort`): the second phase's jobs carry the first phase's results.
+Batches of the two phases come from two seeded streams (the body phase's seed derived
+from the round's). A client is scored with the received body and its own head; there is
+no global model.
+
+Readings and choices:
+
+- **head_epochs** defaults to 10, as in the paper's experiments and the official code
+  (``local_ep`` epochs of which ``local_rep_ep = 1`` train the representation, the rest
+  the head); the body phase takes fedpeft's local schedule, the same budget as the other
+  methods' rounds.
+- Both phases use ``train.optimizer`` and ``train.lr``. With ``train.optimizer_state:
+  keep`` each phase keeps its own state (``opt.*`` entries of the head and of the body
+  tensors); with ``reset`` both start fresh every round.
+- Metrics: ``loss`` is the body phase's (the loss of the client's model after its head
+  phase), ``head_loss`` the head phase's; ``steps`` counts both phases, ``head_steps`` and
+  ``body_steps`` each; ``tokens`` both phases'.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import numpy as np
+from pydantic import Field, field_validator
+
+from fedpeft.methods.base import FitResult, Job, MethodConfig, Tensors, local_steps
+from fedpeft.methods.cohort import (
+    OPT,
+    GradientFn,
+    Start,
+    StepInput,
+    backprop,
+    model_loss,
+    model_scale,
+    optimizer_state,
+    run_cohort,
+)
+from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.peft import AdapterSpec, LoraSpec, Trainable
+
+Phase = Literal["head", "body"]
+
+HEAD_NEEDED = {
+    "causal_lm": "FedRep personalises a classification head; a causal LM predicts with its own, frozen "
+    "LM head",
+    "token_classification": "FedRep is defined for a sequence classifier's head (METHODS.md)",
+    "extractive_qa": "FedRep is defined for a sequence classifier's head (METHODS.md)",
+}
+
+
+class FedRepConfig(MethodConfig):
+    """Shared body, personal head, trained head first then body. Paper: FedRep (Collins et al., 2021)."""
+
+    name: Literal["fedrep"] = "fedrep"
+    head: Literal["shared", "personal"] = Field(
+        "personal", description="Always personal: FedRep's head is each client's own."
+    )
+    trainable: Trainable = Field("lora", description="The shared body: what the body phase trains.")
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+    adapter: AdapterSpec = Field(default_factory=AdapterSpec)
+    head_epochs: int = Field(10, ge=1, description="Epochs of the head phase (body frozen) each round.")
+    head_steps: int | None = Field(
+        None, ge=1, description="Steps of the head phase each round (overrides head_epochs)."
+    )
+
+    @field_validator("head")
+    @classmethod
+    def _personal_head(cls, head: str) -> str:
+        if head != "personal":
+            raise ValueError(
+                "method.head must be 'personal' for fedrep: FedRep's head never leaves the client"
+            )
+        return head
+
+
+def derived_seed(seed: int, phase: int) -> int:
+    """An independent 63-bit seed for phase ``phase`` of a round seeded ``seed``."""
+    hi, lo = (int(x) for x in np.random.SeedSequence([seed, phase]).generate_state(2, np.uint32))
+    return ((hi << 32) | lo) & (2**63 - 1)
+
+
+class FedRep(FedAvgPeft):
+    name = "fedrep"
+    config_cls = FedRepConfig
+    paper = (
+        "Collins, Hassani, Mokhtari, Shakkottai: Exploiting Shared Representations for Personalized "
+        "Federated Learning (ICML 2021)"
+    )
+    tasks = ("classification",)
+    not_for = HEAD_NEEDED
+
+    def __init__(self, cfg, train, seed: int = 0):
+        super().__init__(cfg, train, seed)
+        self.phase: Phase | None = None  # the phase the cohort loop is running
+
+    def trainable_kind(self) -> Trainable:
+        return self.cfg.trainable
+
+    def head_steps(self, n: int) -> int:
+        return self.cfg.head_steps or self.cfg.head_epochs * math.ceil(n / self.train.batch_size)
+
+    # ----- the local round: two phases of the vectorised cohort loop
+    def fit_cohort(self, model, jobs: list[Job]) -> list[FitResult]:
+        """Head phase, then body phase, each a :func:`run_cohort` over the whole cohort."""
+        try:
+            self.phase = "head"
+            heads = run_cohort(model, self, jobs)
+            self.phase = "body"
+            body_jobs = [
+                Job(h.uplink, h.personal, job.client, derived_seed(job.seed, 1))
+                for job, h in zip(jobs, heads, strict=True)
+            ]
+            bodies = run_cohort(model, self, body_jobs)
+        finally:
+            self.phase = None
+        for h, b in zip(heads, bodies, strict=True):
+            b.metrics = {
+                **b.metrics,
+                "steps": h.metrics["steps"] + b.metrics["steps"],
+                "head_steps": h.metrics["steps"],
+                "body_steps": b.metrics["steps"],
+                "head_loss": h.metrics["loss"],
+                "tokens": h.metrics["tokens"] + b.metrics["tokens"],
+                "time_step_head": h.metrics["time_step"],
+            }
+        return bodies
+
+    def optimised_names(self) -> list[str]:
+        """The current phase's group: the head, or the body."""
+        if self.phase == "head":
+            return list(self.personal_names)
+        if self.phase == "body":
+            return list(self.shared_names)
+        raise RuntimeError("fedrep: a local round runs through FedRep.fit_cohort (head phase, then body)")
+
+    def cohort_start(self, model, job: Job) -> Start:
+        """The received body and the client's head; the optimizer state of the phase's
+        group only; the phase's number of steps."""
+        params = {**job.received, **self.params_of(job.personal)}
+        group = self.optimised_names()
+        opt = optimizer_state(job.personal, {n: params[n] for n in group}, self.train)
+        n = len(job.client.train)
+        steps = self.head_steps(n) if self.phase == "head" else local_steps(n, self.train)
+        return Start(params, opt, {}, steps)
+
+    def step_gradients(self, model) -> GradientFn:
+        """Backprop of the cross-entropy with respect to the phase's group only: the
+        other group enters the loss as a constant and gets no gradient (nor any step)."""
+        loss, group, scale = model_loss(model), set(self.optimised_names()), model_scale(model)
+
+        def gradients(params: Tensors, consts: Tensors, batches: StepInput):
+            frozen = {n: t for n, t in params.items() if n not in group}
+            trained = {n: t for n, t in params.items() if n in group}
+            step = backprop(lambda p, c, b: loss({**frozen, **p}, b[0]), scale)
+            return step(trained, consts, batches)
+
+        return gradients
+
+    def cohort_finish(self, job: Job, params: Tensors, opt: Tensors, metrics: dict[str, float]) -> FitResult:
+        """The phase's result: the other phase's kept optimizer state carried along."""
+        kept = {k: t for k, t in job.personal.items() if k.startswith(OPT)}
+        if self.train.optimizer_state == "keep":
+            kept.update({OPT + k: t for k, t in opt.items()})
+        return FitResult(
+            uplink={n: params[n] for n in self.shared_names},
+            personal={**{n: params[n] for n in self.personal_names}, **kept},
+            num_examples=len(job.client.train),
+            metrics=metrics,
+        )
