@@ -36,7 +36,11 @@ METHODS = {
     "federa": {"name": "federa", "lora": {"r": 8, "alpha": 16}},
     "pf2lora": {"name": "pf2lora", "lora": {"r": 8, "alpha": 16}, "client_rank": 2, "client_alpha": 4},
     "local": {"name": "local", "lora": {"r": 8, "alpha": 16}},
+    # not in the default table: tuned here for benchmarks/fdlora.py --lm (FDLoRA's own task)
+    "fdlora": {"name": "fdlora", "lora": {"r": 8, "alpha": 16}},
 }
+TABLE = ["fedlr", "federa", "pf2lora", "local"]
+PERSONAL = ("local", "fdlora")  # tuned by their clients' own models (local test splits)
 GRID = [5e-4, 1e-3, 2e-3]
 TUNING_SEED = 3
 TUNED_FILE = TUNED_DIR / "generation.json"
@@ -72,7 +76,7 @@ def config(name: str, seed: int, out: Path, args: argparse.Namespace, train: dic
             },
             "eval": {
                 "every": args.rounds,
-                "local": name == "local" or not tuning,
+                "local": name in PERSONAL or not tuning,
                 "batch_size": args.eval_batch,
                 "generation": {"max_new_tokens": 32, **scored},
             },
@@ -104,7 +108,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--seeds", default="0")
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join(TABLE))
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--examples", type=int, default=800, help="training pool (all clients)")
     ap.add_argument("--samples", type=int, default=32, help="test examples generated per test set")
@@ -122,7 +126,7 @@ def main() -> None:
                 out = args.out / "tune" / f"{name}-{train['lr']:g}-{train['optimizer_state']}"
                 run_or_reuse(config(name, TUNING_SEED, out, args, train, tuning=True))
                 last = read_records(out)[-1]
-                return -(last["global"]["nll"] if name != "local" else last["local"]["nll_mean"])
+                return -(last["global"]["nll"] if name not in PERSONAL else last["local"]["nll_mean"])
 
             return run_with
 

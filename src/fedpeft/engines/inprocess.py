@@ -35,7 +35,7 @@ from fedpeft.methods.base import (
     restrict_heads,
     tensor_bytes,
 )
-from fedpeft.methods.cohort import predict_cohort
+from fedpeft.methods.cohort import derive_seed, predict_cohort
 from fedpeft.metrics.classification import mean_scores, spread
 from fedpeft.metrics.scorers import ClassificationScorer, Scorer
 
@@ -52,12 +52,6 @@ class Schedule:
     eval_batch_size: int = 128
     cohort_size: int | None = 1  # clients trained at once (None: probe the device's memory)
     per_client_scores: bool = False  # record each client's local-test scores (the cross-silo table)
-
-
-def derive_seed(*keys: int) -> int:
-    """A 63-bit seed from integer keys (independent streams per round and client)."""
-    hi, lo = (int(x) for x in np.random.SeedSequence(list(keys)).generate_state(2, np.uint32))
-    return ((hi << 32) | lo) & (2**63 - 1)
 
 
 def sample_clients(seed: int, rnd: int, population: int | Sequence[int], per_round: int) -> list[int]:
@@ -167,7 +161,7 @@ class InProcessEngine:
             self.joined.add(cid)
         client = self.clients[cid]
         return Job(
-            received, self.personal_of(client), client, derive_seed(self.schedule.seed, rnd, cid)
+            received, self.personal_of(client), client, derive_seed(self.schedule.seed, rnd, cid), rnd
         ), down
 
     def fit_round(self, server: ServerState, rnd: int) -> tuple[list[FitResult], dict]:

@@ -198,7 +198,7 @@ class Node:
         personal = self.personal_before(rnd)
         if personal is None:
             personal = self.method.init_client(self.model, self.initial, self.client)
-        result = self.method.fit(self.model, Job(received, personal, self.client, seed))
+        result = self.method.fit(self.model, Job(received, personal, self.client, seed, rnd))
         result.cid = self.cid
         self.snapshots = {r: t for r, t in self.snapshots.items() if r < rnd}
         self.snapshots[rnd] = result.personal

@@ -8,6 +8,7 @@ from fedpeft.methods.base import Method, MethodConfig
 from fedpeft.methods.centralized import Centralized
 from fedpeft.methods.ditto import Ditto
 from fedpeft.methods.fedamp import FedAMP
+from fedpeft.methods.fdlora import FDLoRA
 from fedpeft.methods.fedap import FedAP
 from fedpeft.methods.fedbf import FedBF
 from fedpeft.methods.federa import FeDeRA
@@ -38,6 +39,7 @@ REGISTRY: dict[str, type[Method]] = {
         PerFedAvg,
         HETLoRA,
         FedMCP,
+        FDLoRA,
         Ditto,
         MOON,
         FedRep,

@@ -344,12 +344,6 @@ class Method:
         rank); default: none."""
         return {}
 
-    def finalize_client(
-        self, model: TaskModel, received: Tensors, personal: Tensors, client: ClientData
-    ) -> Tensors:
-        """Personal state after the last round (FDLoRA's AdaFusion); default: unchanged."""
-        return personal
-
     # ----- results
     def export(self, model: TaskModel, tensors: Tensors, out_dir: Path) -> Path:
         """Save ``tensors`` (the global model's shared tensors, or one client's whole model)

@@ -57,14 +57,23 @@ BETAS, EPS = (0.9, 0.999), 1e-8  # torch.optim.AdamW's defaults, which fedpeft h
 LOSS_SCALE = 2.0**8
 
 
+def derive_seed(*keys: int) -> int:
+    """A 63-bit seed from integer keys: independent streams per round and client (the
+    engine), or per stage of a client's round (a method's second phase)."""
+    hi, lo = (int(x) for x in np.random.SeedSequence(list(keys)).generate_state(2, np.uint32))
+    return ((hi << 32) | lo) & (2**63 - 1)
+
+
 @dataclass
 class Job:
-    """One client's local round: what it received, what it kept, its data and its seed."""
+    """One client's local round: what it received, what it kept, its data, its seed and
+    the round's number (which a networked client learns from the server too)."""
 
     received: Tensors
     personal: Tensors
     client: ClientData
     seed: int
+    rnd: int = 0
 
     def generator(self) -> torch.Generator:
         return torch.Generator().manual_seed(self.seed)

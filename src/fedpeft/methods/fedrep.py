@@ -38,9 +38,9 @@ Readings and choices:
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Literal
 
-import numpy as np
 from pydantic import Field, field_validator
 
 from fedpeft.methods.base import FitResult, Job, MethodConfig, Tensors, local_steps
@@ -50,6 +50,7 @@ from fedpeft.methods.cohort import (
     Start,
     StepInput,
     backprop,
+    derive_seed,
     model_loss,
     model_scale,
     optimizer_state,
@@ -93,12 +94,6 @@ class FedRepConfig(MethodConfig):
         return head
 
 
-def derived_seed(seed: int, phase: int) -> int:
-    """An independent 63-bit seed for phase ``phase`` of a round seeded ``seed``."""
-    hi, lo = (int(x) for x in np.random.SeedSequence([seed, phase]).generate_state(2, np.uint32))
-    return ((hi << 32) | lo) & (2**63 - 1)
-
-
 class FedRep(FedAvgPeft):
     name = "fedrep"
     config_cls = FedRepConfig
@@ -127,7 +122,7 @@ class FedRep(FedAvgPeft):
             heads = run_cohort(model, self, jobs)
             self.phase = "body"
             body_jobs = [
-                Job(h.uplink, h.personal, job.client, derived_seed(job.seed, 1))
+                replace(job, received=h.uplink, personal=h.personal, seed=derive_seed(job.seed, 1))
                 for job, h in zip(jobs, heads, strict=True)
             ]
             bodies = run_cohort(model, self, body_jobs)

@@ -1,0 +1,179 @@
+"""FDLoRA against its paper's baselines (FDLoRA paper, sec. 4: Local, FedAvg, FedKD,
+FedAMP, FedRep, FedRoD; plus Ditto), at Dirichlet alpha = 0.1, 0.5 and 1.0, with the
+fusion comparison (AdaFusion against random, average and sum weights and the two modules
+alone), on the bundled MiniLM and the WordNet topic task; ``--lm`` adds a causal-LM run
+(SmolLM2, WordNet definition generation: FDLoRA, Local, FedAvg), its paper's task.
+
+The paper's setting, scaled to a CPU: a few clients, every one in every round, each
+client's data split 8:2 into training and local test, LoRA r = 8 on query/value for
+every method (FedKD: mentee r = 8, mentor r = 32; FDLoRA: both modules r = 8), the same
+rounds, local steps and batch size for all. Scores are personalised: each client's own
+model on its local test split, as mean, standard deviation and worst decile (10th
+percentile) over clients, averaged over seeds. FDLoRA's round 1 is its local-learning
+stage, counted in the same rounds.
+
+Every method's ``train.lr`` (and optimizer-state policy) is tuned with ``--tune`` on
+seed 3, which the tables do not use, at alpha 0.5, by the mean local-test accuracy;
+FDLoRA keeps its paper's outer optimiser (lr 1e-3, Nesterov momentum 0.5), and the row
+``fdlora-fedavg-outer`` shows it with the FedAvg outer step (lr 1, no momentum).
+
+    .venv/bin/python benchmarks/fdlora.py --tune [--methods ...]
+    .venv/bin/python benchmarks/fdlora.py [--alphas 0.1,0.5,1.0] [--seeds 0,1] [--lm]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+from tuning import LR_GRID, TUNED_DIR, read_tuned, run_or_reuse, tune_method, write_tuned
+
+from fedpeft.config import load_config
+from fedpeft.report.results import read_records
+
+LORA = {"r": 8, "alpha": 16, "target_modules": ["query", "value"]}
+METHODS = {
+    "fdlora": {"name": "fdlora", "lora": LORA, "compare_fusions": True},
+    "fdlora-fedavg-outer": {"name": "fdlora", "lora": LORA, "outer_lr": 1.0, "outer_momentum": 0.0},
+    "local": {"name": "local", "lora": LORA},
+    "fedavg": {"name": "fedlr", "lora": LORA},
+    "fedrep": {"name": "fedrep", "trainable": "lora", "lora": LORA},
+    "fedrod": {"name": "fedrod", "trainable": "lora", "lora": LORA},
+    "fedamp": {"name": "fedamp", "trainable": "lora", "lora": LORA},
+    "fedkd": {"name": "fedkd", "lora": LORA, "mentor_rank": 32},
+    "ditto": {"name": "ditto", "trainable": "lora", "lora": LORA},
+}
+FUSIONS = ("adafusion", "random", "average", "sum", "personal", "global")
+TUNING_SEED, TUNING_ALPHA = 3, 0.5
+TUNED_FILE = TUNED_DIR / "fdlora.json"
+
+
+def config(name: str, alpha: float, seed: int, out: Path, args: argparse.Namespace, train: dict):
+    return load_config(
+        None,
+        {
+            "name": f"{name}-a{alpha:g}",
+            "seed": seed,
+            "output_dir": str(out),
+            "method": METHODS[name],
+            "data": {"source": "wordnet", "max_samples": args.examples, "max_test_samples": 200,
+                     "max_length": 32},
+            "partition": {"scheme": "dirichlet", "num_clients": args.clients, "alpha": alpha,
+                          "min_size": 20, "local_test_fraction": 0.2},
+            "train": {"rounds": args.rounds, "clients_per_round": args.clients, "local_steps": args.steps,
+                      "batch_size": 16, **train},
+            "eval": {"every": args.rounds},
+        },
+    )  # fmt: skip
+
+
+def lm_config(name: str, seed: int, out: Path, args: argparse.Namespace, train: dict):
+    method = {"fdlora": {"name": "fdlora", "lora": {"r": 8, "alpha": 16}, "compare_fusions": True},
+              "local": {"name": "local", "lora": {"r": 8, "alpha": 16}},
+              "fedavg": {"name": "fedlr", "lora": {"r": 8, "alpha": 16}}}[name]  # fmt: skip
+    return load_config(
+        None,
+        {
+            "name": f"lm-{name}",
+            "seed": seed,
+            "output_dir": str(out),
+            "method": method,
+            "model.backbone": "bundled-smollm2",
+            "data": {"task": "causal_lm", "source": "wordnet", "max_samples": 300, "max_test_samples": 16,
+                     "max_length": 64, "system_prompt": "Answer with one short line."},
+            "partition": {"scheme": "dirichlet", "num_clients": 3, "alpha": 0.5, "min_size": 20},
+            "train": {"rounds": 4, "clients_per_round": 3, "local_steps": 4, "batch_size": 8, **train},
+            "eval": {"every": 4, "generation": {"samples": 16, "max_new_tokens": 24}},
+        },
+    )  # fmt: skip
+
+
+def personal(last: dict, key: str = "local") -> tuple[float, float, float]:
+    """Mean, std and worst decile of the clients' local-test accuracy in a final record."""
+    scores = last[key]
+    return scores["accuracy_mean"], scores["accuracy_std"], scores["accuracy_p10"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--alphas", default="0.1,0.5,1.0")
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--clients", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--examples", type=int, default=1500)
+    ap.add_argument("--lm", action="store_true", help="also the causal-LM run (SmolLM2; slow on a CPU)")
+    ap.add_argument("--tuned-file", type=Path, default=TUNED_FILE)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/fdlora"))
+    args = ap.parse_args()
+    names = args.methods.split(",")
+    if args.tune:
+        for name in names:
+
+            def score(train: dict, name=name) -> float:
+                out = args.out / "tune" / f"{name}-{train['lr']:g}-{train['optimizer_state']}"
+                run_or_reuse(config(name, TUNING_ALPHA, TUNING_SEED, out, args, train))
+                return read_records(out)[-1]["local"]["accuracy_mean"]
+
+            best, report = tune_method(score, LR_GRID)
+            print(f"{name}: {report}", flush=True)
+            write_tuned(args.tuned_file, {name: best})
+        return
+    seeds, alphas = [int(s) for s in args.seeds.split(",")], [float(a) for a in args.alphas.split(",")]
+    tuned = read_tuned(args.tuned_file, names)
+    print(f"\nMiniLM, WordNet topics, {args.clients} clients (all every round), {args.rounds} rounds x "
+          f"{args.steps} steps x 16 examples; seeds {seeds}; personalised accuracy on the clients' local "
+          "test splits: mean ± std over clients / worst decile (means over seeds)\n")  # fmt: skip
+    print("| method | lr | " + " | ".join(f"alpha {a:g}" for a in alphas) + " |")
+    print("|---|---|" + "---|" * len(alphas))
+    fusion_rows: dict[float, list[dict]] = {a: [] for a in alphas}
+    for name in names:
+        cells = []
+        for alpha in alphas:
+            last = []
+            for seed in seeds:
+                out = args.out / f"{name}-a{alpha:g}-seed{seed}"
+                run_or_reuse(config(name, alpha, seed, out, args, tuned[name]))
+                last.append(read_records(out)[-1])
+            m, s, p = np.mean([personal(x) for x in last], axis=0)
+            cells.append(f"{m:.3f} ± {s:.3f} / {p:.3f}")
+            if name == "fdlora":
+                fusion_rows[alpha] = last
+        print(f"| {name} | {tuned[name]['lr']:g} | " + " | ".join(cells) + " |", flush=True)
+    if "fdlora" in names:
+        print("\nFDLoRA's fusions, same runs (mean local accuracy / worst decile):\n")
+        print("| fusion | " + " | ".join(f"alpha {a:g}" for a in alphas) + " |")
+        print("|---|" + "---|" * len(alphas))
+        for fusion in FUSIONS:
+            key = "local" if fusion == "adafusion" else f"local_{fusion}"
+            cells = []
+            for alpha in alphas:
+                m, _, p = np.mean([personal(x, key) for x in fusion_rows[alpha]], axis=0)
+                cells.append(f"{m:.3f} / {p:.3f}")
+            print(f"| {fusion} | " + " | ".join(cells) + " |")
+    if args.lm:
+        lm_table(args, seeds[0])
+
+
+def lm_table(args: argparse.Namespace, seed: int) -> None:
+    """FDLoRA, Local and FedAvg on definition generation, at the learning rates tuned for
+    them on that task (``benchmarks/generation.py --tune --methods fdlora,fedlr,local``)."""
+    gen = read_tuned(TUNED_DIR / "generation.json", ["fdlora", "fedlr", "local"])
+    rates = {"fdlora": gen["fdlora"], "fedavg": gen["fedlr"], "local": gen["local"]}
+    print("\nSmolLM2, WordNet definition generation, 3 clients (alpha 0.5), 4 rounds x 4 steps x 8: "
+          "clients' own models on their local test splits (mean over clients)\n")  # fmt: skip
+    print("| method | ROUGE-L | BLEU | perplexity |")
+    print("|---|---|---|---|")
+    for name, train in rates.items():
+        out = args.out / f"lm-{name}-seed{seed}"
+        run_or_reuse(lm_config(name, seed, out, args, train))
+        local = read_records(out)[-1]["local"]
+        print(f"| {name} | {local['rouge_l_mean']:.3f} | {local['bleu_mean']:.2f} | "
+              f"{local['perplexity_mean']:.1f} |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
