@@ -96,7 +96,8 @@ def test_stage_one_then_the_mean_then_outer_steps_and_sync(tiny_config):
 
 def test_never_sync_keeps_the_stage_one_module(tiny_config):
     cfg = tiny_config(method={"name": "fdlora", "sync_every": "never"},
-                      **{"train.rounds": 3, "partition.num_clients": 2, "train.clients_per_round": 2})  # fmt: skip
+                      **{"train.rounds": 3, "partition.num_clients": 2,
+                         "train.clients_per_round": 2})  # fmt: skip
     setup = build(cfg)
     seen = _recorded(setup.method)
     run(cfg, setup=setup)
@@ -121,7 +122,8 @@ def test_fresh_global_init_never_uploads_a_personal_module(tiny_config):
 
 def test_adafusion_is_seeded_bounded_and_the_fusions_are_compared(tiny_config):
     cfg = tiny_config(method={"name": "fdlora", "compare_fusions": True, "fusion_budget": 8},
-                      **{"train.rounds": 2, "partition.num_clients": 2, "train.clients_per_round": 2})  # fmt: skip
+                      **{"train.rounds": 2, "partition.num_clients": 2,
+                         "train.clients_per_round": 2})  # fmt: skip
     setup = build(cfg)
     run(cfg, setup=setup)
     last = read_records(cfg.output_dir)[-1]

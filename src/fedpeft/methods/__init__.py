@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Union
 from fedpeft.methods.base import Method, MethodConfig
 from fedpeft.methods.centralized import Centralized
 from fedpeft.methods.ditto import Ditto
-from fedpeft.methods.fedamp import FedAMP
 from fedpeft.methods.fdlora import FDLoRA
+from fedpeft.methods.fedamp import FedAMP
 from fedpeft.methods.fedap import FedAP
 from fedpeft.methods.fedbf import FedBF
 from fedpeft.methods.federa import FeDeRA

@@ -21,7 +21,8 @@ of its personal state) and the global one ``theta_s`` (the shared tensors).
    the last round only, as in the paper's ablations; ``never``: H = infinity) it also
    sets ``theta_p^i <- theta_s^{i,t}``. The server forms the outer gradient
    ``Delta = mean_i (theta_s^{t-1} - theta_s^{i,t})`` (weighted by examples, as FedAvg
-   here: ``theta_s^{t-1}`` minus the clients' mean) and steps ``theta_s^t = OuterOpt(theta_s^{t-1}, Delta)``: SGD with Nesterov
+   here: ``theta_s^{t-1}`` minus the clients' mean) and steps
+   ``theta_s^t = OuterOpt(theta_s^{t-1}, Delta)``: SGD with Nesterov
    momentum (:func:`outer_step`, torch's SGD semantics, in float64); with ``outer_lr``
    1 and no momentum it is FedAvg exactly.
 3. **AdaFusion**: a client's model is one fused LoRA, per adapted matrix
