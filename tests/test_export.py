@@ -50,7 +50,9 @@ for d in dirs:
 torch.save(logits, out_file)
 """
 
-LORA_METHODS = ["fedlr", "federa", "pf2lora", "perfedavg", "hetlora", "local", "centralized"]
+LORA_METHODS = ["fedlr", "federa", "pf2lora", "perfedavg", "hetlora", "fdlora", "ditto", "fedamp", "local",
+                "centralized"]  # fmt: skip
+PERSONALISED = ("pf2lora", "local", "hetlora", "fdlora", "ditto", "fedamp")  # every client's model its own
 
 
 def load_in_fresh_process(backbone, dirs, batch, tmp_path) -> dict[str, torch.Tensor]:
@@ -68,40 +70,45 @@ def trained_logits(model, tensors, batch) -> torch.Tensor:
         return model(**batch)
 
 
-@pytest.mark.parametrize("name", LORA_METHODS)
-def test_exports_reproduce_the_trained_models(name, tiny_config, tiny_backbone, tmp_path):
-    cfg = tiny_config(**{
-        "method": {"name": name, "lora": {"r": 4, "alpha": 8}},
-        "export.personal": True, "partition.num_clients": 3,
-    })  # fmt: skip
-    setup = build(cfg)
-    summary = run(cfg, setup=setup)
-    method, model = setup.method, setup.model
-    ckpt = load_checkpoint(cfg.output_dir / "checkpoint.pt", fingerprint(cfg))
-    adapter = cfg.output_dir / "adapter"
-    batch = {"input_ids": setup.global_test.ids[:6, :12]}
-    batch["attention_mask"] = (batch["input_ids"] != 0).long()
-
+def test_exports_reproduce_the_trained_models(tiny_config, tiny_backbone, tmp_path):
+    """Every LoRA method's global and per-client exports, loaded as the README says in one
+    fresh interpreter, give the logits of the models the run trained and scored."""
     expected, dirs = {}, []
-    if method.shared_names:  # a global model exists: the server's shared tensors
-        assert summary["exported"]["global"] == str(adapter)
-        global_state = method.global_state(ckpt.server)
-        expected[str(adapter)] = trained_logits(model, global_state, batch)
-        dirs.append(adapter)
-    else:  # Local-only has no global model, hence no global export
-        assert not (adapter / "adapter_config.json").exists()
-    for client in setup.clients:  # each client's own model, as it is scored
-        personal = ckpt.personal.get(client.cid) or method.init_client(model, setup.initial, client)
-        received = method.downlink(ckpt.server, client.cid)
-        tensors = method.eval_state(model, received, personal, client)
-        client_dir = adapter / "clients" / str(client.cid)
-        expected[str(client_dir)] = trained_logits(model, tensors, batch)
-        dirs.append(client_dir)
+    for name in LORA_METHODS:
+        cfg = tiny_config(**{
+            "method": {"name": name, "lora": {"r": 4, "alpha": 8}},
+            "export.personal": True, "partition.num_clients": 3, "output_dir": str(tmp_path / name),
+        })  # fmt: skip
+        setup = build(cfg)
+        summary = run(cfg, setup=setup)
+        method, model = setup.method, setup.model
+        ckpt = load_checkpoint(cfg.output_dir / "checkpoint.pt", fingerprint(cfg))
+        adapter = cfg.output_dir / "adapter"
+        batch = {"input_ids": setup.global_test.ids[:6, :12]}
+        batch["attention_mask"] = (batch["input_ids"] != 0).long()
+        clients = []
+        if method.shared_names:  # a global model exists: the server's shared tensors
+            assert summary["exported"]["global"] == str(adapter), name
+            global_state = method.global_state(ckpt.server)
+            if global_state is not None:
+                expected[str(adapter)] = trained_logits(model, global_state, batch)
+                dirs.append(adapter)
+        else:  # Local-only has no global model, hence no global export
+            assert not (adapter / "adapter_config.json").exists()
+        for client in setup.clients:  # each client's own model, as it is scored
+            personal = ckpt.personal.get(client.cid) or method.init_client(model, setup.initial, client)
+            received = method.downlink(ckpt.server, client.cid)
+            tensors = method.eval_state(model, received, personal, client)
+            client_dir = adapter / "clients" / str(client.cid)
+            expected[str(client_dir)] = trained_logits(model, tensors, batch)
+            clients.append(expected[str(client_dir)])
+            dirs.append(client_dir)
+        if name in PERSONALISED:
+            assert all(not torch.allclose(a, b) for i, a in enumerate(clients) for b in clients[i + 1 :]), (
+                name
+            )
 
     got = load_in_fresh_process(tiny_backbone, dirs, batch, tmp_path)
-    if name in ("pf2lora", "local", "hetlora"):  # personalised: every client's model is its own
-        clients = [v for k, v in expected.items() if "/clients/" in k]
-        assert all(not torch.allclose(a, b) for i, a in enumerate(clients) for b in clients[i + 1 :])
     for key, want in expected.items():
         torch.testing.assert_close(got[key], want, atol=1e-5, rtol=1e-4, msg=lambda m, k=key: f"{k}: {m}")
         assert json.loads((Path(key) / "fedpeft_model.json").read_text())["id2label"]

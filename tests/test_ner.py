@@ -130,7 +130,7 @@ def test_ner_config_errors(tiny_config, tmp_path):
     with pytest.raises(ConfigError, match="the built-in NER corpus is conll2003"):
         tiny_config(**{"data.task": "token_classification"})  # wordnet source
     with pytest.raises(ConfigError, match="the built-in NER corpus is conll2003"):
-        tiny_config(**{"data.source": "conll2003"})  # classification task
+        tiny_config(**{"data.source": "conll2003", "data.task": "causal_lm"})
 
 
 @pytest.mark.integration

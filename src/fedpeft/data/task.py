@@ -89,7 +89,10 @@ class Encoded:
 def encode(texts: list[str], labels: np.ndarray, tokenizer, max_length: int) -> Encoded:
     """Tokenise ``texts`` (truncated at ``max_length``) into an :class:`Encoded` set."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    rows = tokenizer(list(texts), truncation=True, max_length=max_length)["input_ids"] if len(texts) else []
+    if not texts:  # a silo setting's (empty) global test set
+        rows = []
+    else:
+        rows = tokenizer(list(texts), truncation=True, max_length=max_length, padding=False)["input_ids"]
     lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
     width = int(lengths.max()) if len(rows) else 1
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)

@@ -19,6 +19,7 @@ an adjective's word may carry a syntactic marker, ``(a)``, ``(p)`` or ``(ip)``, 
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -51,7 +52,18 @@ def definition_of(gloss: str) -> str:
 
 def read_glosses(wordnet_dir: str | Path = "/usr/share/wordnet") -> dict[str, list]:
     """All synsets as columns ``text``, ``label`` (lexname), ``pos``, ``lemma``, ``words``
-    and ``examples``; in file order."""
+    and ``examples``; in file order. Parsed once per process while the files are
+    unchanged (a sweep, a benchmark or the test suite builds many experiments); each call
+    gets lists of its own."""
+    root = Path(wordnet_dir)
+    files = [root / f for f in _POS_FILES.values()]
+    stamp = tuple(f.stat().st_mtime_ns if f.is_file() else None for f in files)
+    return {k: list(v) for k, v in _parse_glosses(str(root), stamp).items()}
+
+
+@functools.lru_cache(maxsize=2)
+def _parse_glosses(wordnet_dir: str, stamp: tuple) -> dict[str, list]:
+    """:func:`read_glosses` itself; ``stamp`` (the files' modification times) keys the cache."""
     root = Path(wordnet_dir)
     texts: list[str] = []
     labels: list[str] = []

@@ -298,6 +298,13 @@ class Method:
         opt = optimizer_state(job.personal, {n: params[n] for n in self.optimised_names()}, self.train)
         return Start(params, opt, {}, local_steps(len(job.client.train), self.train))
 
+    def clip_group(self, name: str) -> str:
+        """The gradient-clipping group of optimised tensor ``name`` (as its step names it):
+        ``train.max_grad_norm`` bounds each group's norm on its own, as separate optimizers
+        would for a method that trains separate models (Ditto's global and personal ones).
+        Default: one group."""
+        return ""
+
     def optimised_names(self) -> list[str]:
         """The tensors ``train.optimizer`` steps (default: every trainable one)."""
         return [*self.shared_names, *self.personal_names]

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import functional_call, grad, grad_and_value, vmap
 
 from fedpeft.data.task import IGNORE, Encoded, make_batch
 
@@ -51,6 +51,7 @@ StepInput = tuple[Batch, ...]
 GradientFn = Callable[["Tensors", "Tensors", StepInput], tuple[torch.Tensor, "Tensors", "Tensors"]]
 
 OPT = "opt."  # personal keys of a kept optimizer state: opt.<state key>.<parameter name>
+OWN = "own."  # personal keys of a client's private copy of a model: own.<parameter name>
 BETAS, EPS = (0.9, 0.999), 1e-8  # torch.optim.AdamW's defaults, which fedpeft has always used
 #: float16's loss scale: static (a dynamic scaler only grows after thousands of steps, more
 #: than a round has); a step whose gradients overflow is skipped (:func:`local_step`).
@@ -212,6 +213,24 @@ def backprop(loss: Callable[[Tensors, Tensors, StepInput], torch.Tensor], scale:
     return gradients
 
 
+def backprop_reporting(
+    objective: Callable[[Tensors, Tensors, StepInput], tuple[torch.Tensor, torch.Tensor]], scale: float = 1.0
+) -> GradientFn:
+    """:func:`backprop` of an ``objective`` that returns ``(value to differentiate, value to
+    report)``: the reported loss need not be the differentiated one (Ditto, FedRoD and
+    FedKD sum the losses of two models but report that of the one the client predicts with)."""
+
+    def scaled(params: Tensors, consts: Tensors, batches: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
+        value, reported = objective(params, consts, batches)
+        return value * scale, reported
+
+    def gradients(params: Tensors, consts: Tensors, batches: StepInput):
+        grads, reported = grad(scaled, has_aux=True)(params, consts, batches)
+        return reported, {n: g / scale for n, g in grads.items()} if scale != 1.0 else grads, {}
+
+    return gradients
+
+
 # ---------------------------------------------------------------- batches
 
 
@@ -336,7 +355,9 @@ def local_step(method: Method, model: torch.nn.Module):
 
     def step(params: Tensors, opt: Tensors, consts: Tensors, batches: StepInput):
         loss, grads, replaced = gradients(params, consts, batches)
-        clipped = clip_gradients(grads, cfg.max_grad_norm)
+        clipped = {}
+        for group in clip_groups(method, grads):  # each model of a client clipped on its own
+            clipped.update(clip_gradients(group, cfg.max_grad_norm))
         updated, new_opt = optimizer_step(params, clipped, opt, cfg)
         new_params = {**params, **updated, **replaced}
         if skip_overflow:  # float16: a step with an overflowed gradient changes nothing
@@ -346,6 +367,15 @@ def local_step(method: Method, model: torch.nn.Module):
         return new_params, new_opt, loss
 
     return step
+
+
+def clip_groups(method: Method, grads: Tensors) -> list[Tensors]:
+    """``grads`` split by :meth:`Method.clip_group`: the gradients clipped together (as
+    one ``clip_grad_norm_`` call would), in a fixed order."""
+    groups: dict[str, Tensors] = {}
+    for name, g in grads.items():
+        groups.setdefault(method.clip_group(name), {})[name] = g
+    return [groups[k] for k in sorted(groups)]
 
 
 def _where(active: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
