@@ -17,8 +17,8 @@ from fedpeft.config import ConfigError
 from fedpeft.data.task import make_batch
 from fedpeft.experiment import build, run
 from fedpeft.methods.base import Job, load_tensors, trainable_params
-from fedpeft.methods.cohort import run_cohort
-from fedpeft.methods.ditto import ANCHOR, OWN
+from fedpeft.methods.cohort import OWN, clip_groups, run_cohort
+from fedpeft.methods.ditto import ANCHOR
 from fedpeft.methods.fedrod import PERSONAL, balanced_softmax_loss, label_log_prior
 from fedpeft.methods.moon import contrastive_loss
 
@@ -119,11 +119,12 @@ def test_ditto_gradient_is_loss_plus_proximal_term(tiny_config):
     assert any(not torch.equal(v[n], anchor[n]) for n in names)
 
 
-def test_ditto_without_penalty_trains_fedavg_and_local_side_by_side(tiny_config):
-    """``lam: 0`` (no gradient clipping, which would couple the two): ``w`` takes FedLR's
-    round from the received model and ``v`` Local-only's from the client's own, step for
-    step on the same batches."""
-    over = {"train.max_grad_norm": None, "train.local_steps": 3}
+@pytest.mark.parametrize("max_grad_norm", [None, 0.05])
+def test_ditto_without_penalty_trains_fedavg_and_local_side_by_side(tiny_config, max_grad_norm):
+    """``lam: 0``: ``w`` takes FedLR's round from the received model and ``v`` Local-only's
+    from the client's own, step for step on the same batches; with gradient clipping too
+    (each model clipped on its own, as two optimizers would)."""
+    over = {"train.max_grad_norm": max_grad_norm, "train.local_steps": 3}
     ditto = build(tiny_config(method={"name": "ditto", "lam": 0.0}, **over))
     fedlr = build(tiny_config(method={"name": "fedlr"}, **over))
     local = build(tiny_config(method={"name": "local"}, **over))
@@ -137,6 +138,34 @@ def test_ditto_without_penalty_trains_fedavg_and_local_side_by_side(tiny_config)
     for n, t in lo.personal.items():
         torch.testing.assert_close(d.personal[OWN + n], t, atol=1e-6, rtol=1e-5)
     assert any(not torch.equal(d.personal[OWN + n], own[n]) for n in own)  # v trained
+    if max_grad_norm is not None:  # the clipping was active: unclipped, FedLR's round differs
+        unclipped = build(tiny_config(method={"name": "fedlr"}, **{**over, "train.max_grad_norm": None}))
+        (u,) = unclipped.method.fit_cohort(unclipped.model, [job_of(unclipped, 1)])
+        assert any(not torch.allclose(u.uplink[n], t, atol=1e-5) for n, t in f.uplink.items())
+
+
+def is_fedrod_personal(name: str) -> bool:
+    return name.startswith(PERSONAL)
+
+
+@pytest.mark.parametrize(
+    "method, second",
+    [
+        ({"name": "ditto"}, lambda n: n.startswith(OWN)),
+        ({"name": "fedrod"}, is_fedrod_personal),
+        ({"name": "fedrod", "head": "personal"}, is_fedrod_personal),
+        ({"name": "fedkd"}, lambda n: n.startswith("mentor_head.") or ".mentor." in n),
+    ],
+    ids=["ditto", "fedrod", "fedrod-personal-generic-head", "fedkd"],
+)
+def test_two_models_are_clipped_each_on_its_own(tiny_config, method, second):
+    """Ditto's ``w`` and ``v``, FedRoD's generic model (body and generic head) and personal
+    head, FedKD's mentee and mentor: two gradient-clipping groups, one per model."""
+    m = build(tiny_config(method=method)).method
+    names = m.optimised_names()
+    groups = clip_groups(m, {n: torch.zeros(1) for n in names})
+    expected = [{n for n in names if not second(n)}, {n for n in names if second(n)}]
+    assert all(expected) and sorted(map(set, groups), key=sorted) == sorted(expected, key=sorted)
 
 
 def test_ditto_personal_model_never_leaves_the_client(tiny_config):
@@ -254,6 +283,27 @@ def test_moon_keeps_its_previous_model_and_vectorises_with_it(tiny_config):
     assert_cohort_equals_alone(method, setup.model, jobs)
 
 
+def test_moon_client_joining_later_contrasts_against_its_untrained_model(tiny_config):
+    """A client first sampled in round 2 takes the initial model as its previous one (the
+    official code's pool holds every client's network, trained or not): its contrastive
+    term pushes away from it, where taking the received model would leave it at log 2,
+    without a gradient."""
+    setup = build(tiny_config(method={"name": "moon"}))
+    model, method, client = setup.model, setup.method, setup.clients[1]
+    body = method.body_names()
+    personal = method.init_client(model, setup.initial, client)
+    assert all(torch.equal(personal["own." + n], setup.initial[n]) for n in body)
+    later = perturbed({n: setup.initial[n] for n in method.shared_names}, scale=0.2, seed=8)  # round 2's
+    start = method.cohort_start(model, Job(later, personal, client, 0, 2))
+    assert all(torch.equal(start.consts["prev." + n], setup.initial[n]) for n in body)
+    batch = first_batch(setup, 1)
+    value, grads, _ = method.step_gradients(model)(start.params, start.consts, (batch,))
+    method.cfg = method.cfg.model_copy(update={"mu": 0.0})
+    ce, ce_grads, _ = method.step_gradients(model)(start.params, start.consts, (batch,))
+    assert 0 < float(value - ce) < math.log(2) - 1e-3  # z = z_glob, z_prev apart: below log 2
+    assert any(not torch.allclose(grads[n], ce_grads[n], atol=1e-7) for n in body)
+
+
 # ---------------------------------------------------------------- FedRep
 
 
@@ -297,7 +347,7 @@ def test_fedrep_head_never_leaves_the_client(tiny_config):
     for r in results:
         assert not any(n.startswith("head.") for n in r.uplink)
         assert {"head.weight", "head.bias"} <= set(r.personal)
-    with pytest.raises(ConfigError, match="method.head must be 'personal' for fedrep"):
+    with pytest.raises(ConfigError, match="head"):
         tiny_config(method={"name": "fedrep", "head": "shared"})
 
 

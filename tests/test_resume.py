@@ -23,7 +23,9 @@ def _scores(records):
     ]
 
 
-@pytest.mark.parametrize("method", ["fedlr", "federa", "local"])
+@pytest.mark.parametrize(
+    "method", ["fedlr", "federa", "local", "fedamp", "fedkd", "moon", "ditto", "fedmcp", "fdlora"]
+)
 def test_resume_equals_uninterrupted(tiny_config, tmp_path, method):
     common = {"method": {"name": method}, "train.rounds": 4, "partition.num_clients": 4}
     straight = tiny_config(**common, output_dir=str(tmp_path / "straight"))

@@ -13,12 +13,18 @@ every weight: ``trainable``, plus the head):
   personal state, never sent): it takes steps on ``F_i(v) + lambda/2 ||v - w^t||^2``, where
   ``w^t`` is the global model the client received this round, a constant of the round.
 
-One local step on the step's batch is one joint pure step (:meth:`Ditto.step_gradients`):
-the gradient of ``F_i(w) + F_i(v) + lambda/2 ||v - w^t||^2`` with respect to both groups,
-which is ``grad F_i(w)`` for ``w`` and ``grad F_i(v) + lambda (v - w^t)`` for ``v`` (the
-groups share no tensor), followed by ``train.optimizer`` on both. A client is scored with
-``v`` (:meth:`Ditto.eval_state`); its copy of the global model is scored beside it as
-``local_global``.
+Each batch gives one step of each model, as in the official code
+(github.com/litian96/ditto, ``flearn/trainers_MTL/ditto.py``: per batch, a step of the
+personal model on its penalised gradient, then one of the global model). Here the two
+steps are one joint pure step (:meth:`Ditto.step_gradients`): the gradient of
+``F_i(w) + F_i(v) + lambda/2 ||v - w^t||^2`` with respect to both models, which is
+``grad F_i(w)`` for ``w`` and ``grad F_i(v) + lambda (v - w^t)`` for ``v``, then each
+model's gradients clipped to ``train.max_grad_norm`` on their own (:meth:`Ditto.clip_group`)
+and ``train.optimizer`` on both. AdamW and SGD update every tensor from its own gradient
+and state, so the joint step is two separate optimizers with the same settings, one per
+model: neither model's step depends on the other's (but in float16 a step whose gradients
+overflow is skipped for both). A client is scored with ``v`` (:meth:`Ditto.eval_state`);
+its copy of the global model is scored beside it as ``local_global``.
 
 Readings and choices:
 
@@ -26,11 +32,12 @@ Readings and choices:
   of steps ``s``; here ``w`` and ``v`` step together, one step each per batch, with the
   same optimizer settings (``train``). The paper's solver is SGD; AdamW (the default
   ``train.optimizer``) sees the penalised gradient above.
-- **lambda** (``lam``, default 0.1). The paper selects lambda per device on validation
+- **lambda** (``lam``, default 1). The paper selects lambda per device on validation
   data, from {0.1, 1, 2} without attacks (from {0.05, 0.1, 0.2} under strong attacks), with
-  a fixed 0.1 or 1 for devices with few validation examples. fedpeft has one lambda for all
-  clients; 0.1 is the smallest candidate of the attack-free set. ``lam: 0`` is Local-only
-  training of ``v`` next to FedAvg; a large ``lam`` keeps ``v`` at ``w^t``.
+  a fixed 0.1 or 1 for devices with few validation examples; the official scripts for
+  clean data run a fixed ``--lam=1`` (``run_fashion_clean_ditto_lam1.sh``,
+  ``run_vehicle_clean_ditto_lam1.sh``). fedpeft has one lambda for all clients. ``lam: 0``
+  is Local-only training of ``v`` next to FedAvg; a large ``lam`` keeps ``v`` at ``w^t``.
 - **Where v starts** (``personal_init``). ``initial`` (default): every ``v_i`` starts as the
   initial model ``w^0`` (Algorithm 1 takes the ``v_i^0`` as an input; fedpeft takes ``w^0``
   for all), so a client never sampled is scored with the untrained initial model.
@@ -41,25 +48,32 @@ Readings and choices:
   ``v`` always holds a head of its own.
 - **Reported loss**: the personal model's ``F_i(v)`` on the step's batch (without the
   penalty), the loss of the model the client predicts with.
-- Ephemeral state: one optimizer state over both groups, reset every round or kept with
-  ``train.optimizer_state: keep`` (``opt.*`` entries; ``v``'s under ``opt.<key>.own.*``).
+- Ephemeral state: one optimizer state over both models (per tensor, so two optimizers'
+  worth), reset every round or kept with ``train.optimizer_state: keep`` (``opt.*``
+  entries; ``v``'s under ``opt.<key>.own.*``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal
 
 import torch
 from pydantic import Field
-from torch.func import grad
 
 from fedpeft.methods.base import ClientData, FitResult, Job, MethodConfig, Tensors, local_steps
-from fedpeft.methods.cohort import OPT, GradientFn, Start, StepInput, model_loss, model_scale, optimizer_state
+from fedpeft.methods.cohort import (
+    OWN,
+    GradientFn,
+    Start,
+    StepInput,
+    backprop_reporting,
+    model_loss,
+    model_scale,
+    optimizer_state,
+)
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.peft import AdapterSpec, LoraSpec, Trainable
 
-OWN = "own."  # personal keys of the personal model v: own.<parameter name>
 ANCHOR = "anchor."  # step constants: the global model w^t received this round
 
 
@@ -71,32 +85,13 @@ class DittoConfig(MethodConfig):
     lora: LoraSpec = Field(default_factory=LoraSpec)
     adapter: AdapterSpec = Field(default_factory=AdapterSpec)
     lam: float = Field(
-        0.1, ge=0, description="lambda: v minimises F_i(v) + lambda/2 ||v - w^t||^2 (0: v trains alone)."
+        1.0, ge=0, description="lambda: v minimises F_i(v) + lambda/2 ||v - w^t||^2 (0: v trains alone)."
     )
     personal_init: Literal["initial", "received"] = Field(
         "initial",
         description="Where the personal model v starts: the initial model w^0 (the paper), or the first "
         "global model the client receives.",
     )
-
-
-def backprop_reporting(
-    objective: Callable[[Tensors, Tensors, StepInput], tuple[torch.Tensor, torch.Tensor]], scale: float = 1.0
-) -> GradientFn:
-    """Like :func:`fedpeft.methods.cohort.backprop`, for an ``objective`` that returns
-    ``(value to differentiate, value to report)``: the reported loss need not be the
-    differentiated one (Ditto and FedRoD sum the losses of two models but report the
-    loss of the one the client predicts with)."""
-
-    def scaled(params: Tensors, consts: Tensors, batches: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
-        value, reported = objective(params, consts, batches)
-        return value * scale, reported
-
-    def gradients(params: Tensors, consts: Tensors, batches: StepInput):
-        grads, reported = grad(scaled, has_aux=True)(params, consts, batches)
-        return reported, {n: g / scale for n, g in grads.items()} if scale != 1.0 else grads, {}
-
-    return gradients
 
 
 def proximal(v: Tensors, anchor: Tensors) -> torch.Tensor:
@@ -111,9 +106,6 @@ class Ditto(FedAvgPeft):
         "Li, Hu, Beirami, Smith: Ditto: Fair and Robust Federated Learning Through Personalization "
         "(ICML 2021)"
     )
-
-    def trainable_kind(self) -> Trainable:
-        return self.cfg.trainable
 
     def model_names(self) -> list[str]:
         """The tensors of one model (``w``'s names; ``v`` holds the same under ``own.``)."""
@@ -135,6 +127,10 @@ class Ditto(FedAvgPeft):
     # ----- the local step, as pure functions (vectorised over a cohort by the engine)
     def optimised_names(self) -> list[str]:
         return [*self.model_names(), *(OWN + n for n in self.model_names())]
+
+    def clip_group(self, name: str) -> str:
+        """``w`` and ``v`` are clipped each on its own, as two optimizers would."""
+        return "personal" if name.startswith(OWN) else "global"
 
     def cohort_start(self, model, job: Job) -> Start:
         """``w`` (received, plus its personal head) and ``v`` (kept, or ``w`` for a client's
@@ -164,17 +160,9 @@ class Ditto(FedAvgPeft):
 
     def cohort_finish(self, job: Job, params: Tensors, opt: Tensors, metrics: dict[str, float]) -> FitResult:
         """``w`` up (its shared tensors); ``v`` (and a personal ``w``-head) stay."""
-        kept = {OPT + k: t for k, t in opt.items()} if self.train.optimizer_state == "keep" else {}
-        return FitResult(
-            uplink={n: params[n] for n in self.shared_names},
-            personal={
-                **{n: params[n] for n in self.personal_names},
-                **{OWN + n: params[OWN + n] for n in self.model_names()},
-                **kept,
-            },
-            num_examples=len(job.client.train),
-            metrics=metrics,
-        )
+        result = super().cohort_finish(job, params, opt, metrics)
+        result.personal.update({OWN + n: params[OWN + n] for n in self.model_names()})
+        return result
 
     # ----- evaluation
     def global_copy(self, received: Tensors, personal: Tensors) -> Tensors:

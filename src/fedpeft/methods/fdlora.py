@@ -64,6 +64,7 @@ from fedpeft.methods.base import (
 )
 from fedpeft.methods.cohort import (
     OPT,
+    OWN,
     Job,
     Start,
     derive_seed,
@@ -75,7 +76,6 @@ from fedpeft.methods.cohort import (
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.peft import LoraSpec
 
-OWN = "own."  # the personal module theta_p: own.<parameter name>
 MOMENTUM = "momentum."  # server extras: the outer optimiser's momentum buffers
 READY = "global_ready"  # server extras: 1 once theta_s^0 exists
 FUSIONS = ("adafusion", "random", "average", "sum", "personal", "global")

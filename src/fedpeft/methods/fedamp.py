@@ -36,39 +36,42 @@ What is implemented here, and the readings made:
   server's ``tensors``; before any upload, the initial model).
 - **Defaults** (``alpha_k = 1``, ``lam = 1``, ``sigma = 10``). The paper's experimental
   values are not in fedpeft's sources. PFLlib's reimplementation defaults to
-  ``alpha_k = lam = sigma = 1``; fedpeft takes its ``alpha_k`` and ``lam`` and ``sigma = 10``,
-  which keeps ``xi_ii >= 0`` for up to ten other clients whatever their distances (every
-  ``xi_ij <= alpha_k / sigma``). With more clients ``xi_ii`` can go negative (a gradient
-  step past the weighted mean of the others): the server then logs a warning once; raise
-  ``sigma`` or lower ``alpha_k``. ``sigma`` also sets the squared distance (over all sent
-  tensors) at which attention fades, so it depends on the model and the PEFT kind.
+  ``alpha_k = lam = sigma = 1``; fedpeft takes its ``alpha_k`` and ``lam`` and ``sigma = 10``.
+  Every ``xi_ij <= alpha_k / sigma``, so ``xi_ii >= 0`` whatever the distances while
+  ``alpha_k (n - 1) / sigma <= 1`` over the ``n`` clients that have uploaded (up to 11
+  here). PEFT models lie much closer together than ``sigma``, so each ``xi_ij`` is close
+  to ``alpha_k / sigma`` and beyond that many clients ``xi_ii`` goes negative: ``u_i``
+  would step past the weighted mean of the others, away from the client's own model. The
+  server refuses that: :meth:`FedAMP.aggregate` raises an error naming ``method.alpha_k``
+  and ``method.sigma`` and the numbers (lower the first or raise the second). fedpeft does
+  not choose ``alpha_k`` itself from the number of uploads: it is also in the client's
+  proximal weight ``lam / (2 alpha_k)``, which would then change from round to round.
+  ``sigma`` also sets the squared distance (over all sent tensors) at which attention
+  fades, so it depends on the model and the PEFT kind.
 - ``alpha_k`` is constant over rounds (PFLlib's help text mentions a step decaying as
   ``1 / sqrt(k)``, which fedpeft's sources cannot confirm). The paper writes
   ``xi_ij = alpha_k A'(.)`` (the factor 2 of the gradient of ``A(||.||^2)`` absorbed), as
   here; the proximal term is the squared norm (PFLlib's client uses the norm itself).
 - ``head: personal`` keeps the head on the client: it is neither sent nor part of ``u_i``,
   and takes plain steps on ``F_i`` (no proximal term).
-- There is no global model: the global test set scores the mean of the clients' own models.
+- There is no global model: each client's own model is scored on the global test set and
+  the engine averages the clients' scores.
 - Ephemeral state: the optimizer state lives for a round, or is kept with
   ``train.optimizer_state: keep`` (``opt.*``).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Literal
 
 import torch
 from pydantic import Field
 
 from fedpeft.methods.base import ClientData, FitResult, Job, MethodConfig, ServerState, Tensors, local_steps
-from fedpeft.methods.cohort import OPT, GradientFn, Start, backprop, model_loss, model_scale, optimizer_state
+from fedpeft.methods.cohort import OWN, GradientFn, Start, backprop, model_loss, model_scale, optimizer_state
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.peft import AdapterSpec, LoraSpec, Trainable
 
-log = logging.getLogger(__name__)
-
-OWN = "own."  # personal keys of the client's own model w_i: own.<parameter name>
 UPLOAD = "w."  # server extras: the latest upload of client c, flattened, as w.<c>
 
 
@@ -89,7 +92,7 @@ class FedAMPConfig(MethodConfig):
         10.0,
         gt=0,
         description="sigma of A(x) = 1 - exp(-x / sigma): the squared distance at which attention fades; "
-        "xi_ii >= 0 for any distances while alpha_k (clients - 1) / sigma <= 1.",
+        "xi_ii >= 0 for any distances while alpha_k (uploaded clients - 1) / sigma <= 1.",
     )
     lam: float = Field(
         1.0, ge=0, description="lambda: the local objective is F_i(w) + lam / (2 alpha_k) ||w - u_i||^2."
@@ -113,6 +116,15 @@ def attention_weights(models: torch.Tensor, i: int, alpha_k: float, sigma: float
 def cloud_model(models: torch.Tensor, i: int, alpha_k: float, sigma: float) -> torch.Tensor:
     """``u_i = sum_j xi_ij w_j`` (flattened, float32) for the models ``(n, d)``."""
     return (attention_weights(models, i, alpha_k, sigma) @ models.double()).float()
+
+
+def uploads(extras: Tensors) -> tuple[list[int], torch.Tensor]:
+    """The clients whose uploads ``extras`` holds (ascending) and their models ``(n, d)``,
+    float64."""
+    cids = sorted(int(k.removeprefix(UPLOAD)) for k in extras if k.startswith(UPLOAD))
+    if not cids:
+        return [], torch.zeros(0, 0, dtype=torch.float64)
+    return cids, torch.stack([extras[f"{UPLOAD}{c}"] for c in cids]).double()
 
 
 def proximal(params: Tensors, anchor: Tensors) -> torch.Tensor:
@@ -144,55 +156,59 @@ class FedAMP(FedAvgPeft):
 
     def __init__(self, cfg, train, seed: int = 0):
         super().__init__(cfg, train, seed)
-        self._warned = False
-
-    def trainable_kind(self) -> Trainable:
-        return self.cfg.trainable
+        #: the server extras the cloud models were last formed from, and those cloud models
+        self._clouds: tuple[Tensors, dict[int, torch.Tensor]] | None = None
 
     # ----- server
     def layout(self, server: ServerState) -> Tensors:
         """The server's tensors in the order of ``shared_names``: how uploads are flattened."""
         return {n: server.tensors[n] for n in self.shared_names}
 
-    def uploads(self, server: ServerState) -> tuple[list[int], torch.Tensor | None]:
-        """The clients that have uploaded (ascending) and their latest models ``(n, d)``."""
-        cids = sorted(int(k.removeprefix(UPLOAD)) for k in server.extras if k.startswith(UPLOAD))
+    def cloud_models(self, cids: list[int], models: torch.Tensor) -> dict[int, torch.Tensor]:
+        """``u_i`` (flattened, float32) of every client ``cids`` names, from their models
+        ``(n, d)``; an error where a self-weight ``xi_ii`` is negative (module docstring)."""
         if not cids:
-            return [], None
-        return cids, torch.stack([server.extras[f"{UPLOAD}{c}"] for c in cids])
+            return {}
+        alpha_k, sigma, n = self.cfg.alpha_k, self.cfg.sigma, len(cids)
+        xi = torch.stack([attention_weights(models, i, alpha_k, sigma) for i in range(n)])
+        worst = int(xi.diagonal().argmin())
+        if xi[worst, worst] < 0:
+            raise ValueError(
+                f"fedamp: with {n} uploaded clients, method.alpha_k = {alpha_k:g} and method.sigma = "
+                f"{sigma:g} give client {cids[worst]} the self-weight xi_ii = {float(xi[worst, worst]):.3g} "
+                f"< 0 (each other client weighs up to alpha_k / sigma = {alpha_k / sigma:.3g}): its cloud "
+                f"model would step past its neighbours' mean. Keep alpha_k (clients - 1) / sigma <= 1 (here "
+                f"{alpha_k * (n - 1) / sigma:.3g}): lower method.alpha_k, or raise method.sigma to at least "
+                f"{alpha_k * (n - 1):g}"
+            )
+        return dict(zip(cids, (xi @ models).float(), strict=True))
+
+    def clouds(self, server: ServerState) -> dict[int, torch.Tensor]:
+        """The cloud models of the clients that have uploaded, formed once per server
+        state (the engine asks for a downlink for every client it evaluates)."""
+        if self._clouds is None or self._clouds[0] is not server.extras:
+            self._clouds = (server.extras, self.cloud_models(*uploads(server.extras)))
+        return self._clouds[1]
 
     def downlink(self, server: ServerState, cid: int) -> Tensors:
         """``u_i`` for a client that has uploaded; the mean of the uploads (the server's
         tensors; the initial model before any upload) for one that has not."""
-        cids, models = self.uploads(server)
-        if cid not in cids:
-            return server.tensors
-        i = cids.index(cid)
-        xi = attention_weights(models, i, self.cfg.alpha_k, self.cfg.sigma)
-        if xi[i] < 0 and not self._warned:
-            self._warned = True
-            ratio = self.cfg.alpha_k * (len(cids) - 1) / self.cfg.sigma
-            log.warning(
-                "fedamp: self-weight xi_ii = %.3g < 0 for client %d (alpha_k (clients - 1) / sigma = %.3g "
-                "> 1): its cloud model extrapolates past its neighbours; raise method.sigma or lower "
-                "method.alpha_k",
-                float(xi[i]),
-                cid,
-                ratio,
-            )
-        return unflatten((xi @ models.double()).float(), self.layout(server))
+        cloud = self.clouds(server).get(cid)
+        return server.tensors if cloud is None else unflatten(cloud, self.layout(server))
 
     def aggregate(self, server: ServerState, results: list[FitResult], rnd: int) -> ServerState:
-        """Keep each client's upload (replacing its previous one); the server's tensors
-        become the mean of every client's latest upload (what newcomers receive)."""
+        """Keep each client's upload (replacing its previous one) and form the cloud models
+        (an error where a self-weight is negative); the server's tensors become the mean of
+        every client's latest upload (what newcomers receive)."""
         extras = dict(server.extras)
         for r in results:
             extras[f"{UPLOAD}{r.cid}"] = flatten(r.uplink, self.shared_names)
-        _, models = self.uploads(ServerState(server.tensors, extras))
-        return ServerState(unflatten(models.double().mean(0).float(), self.layout(server)), extras)
+        cids, models = uploads(extras)
+        self._clouds = (extras, self.cloud_models(cids, models))
+        return ServerState(unflatten(models.mean(0).float(), self.layout(server)), extras)
 
     def global_state(self, server: ServerState) -> Tensors | None:
-        return None  # one model per client: the global test scores the mean of theirs
+        return None  # one model per client, each scored on the global test set
 
     # ----- client: the local step as pure functions (vectorised over a cohort by the engine)
     def own_model(self, received: Tensors, personal: Tensors) -> Tensors:
@@ -219,17 +235,9 @@ class FedAMP(FedAvgPeft):
 
     def cohort_finish(self, job: Job, params: Tensors, opt: Tensors, metrics: dict[str, float]) -> FitResult:
         """All of ``w_i`` goes up; the client keeps it (``own.*``) for its next round."""
-        kept = {OPT + k: v for k, v in opt.items()} if self.train.optimizer_state == "keep" else {}
-        return FitResult(
-            uplink={n: params[n] for n in self.shared_names},
-            personal={
-                **{n: params[n] for n in self.personal_names},
-                **{OWN + n: params[n] for n in self.shared_names},
-                **kept,
-            },
-            num_examples=len(job.client.train),
-            metrics=metrics,
-        )
+        result = super().cohort_finish(job, params, opt, metrics)
+        result.personal.update({OWN + n: params[n] for n in self.shared_names})
+        return result
 
     def eval_state(self, model, received: Tensors, personal: Tensors, client: ClientData) -> Tensors:
         return self.own_model(received, personal)

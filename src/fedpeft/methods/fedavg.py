@@ -23,7 +23,9 @@ class FedAvgPeft(Method):
     kind: ClassVar[Trainable]
 
     def trainable_kind(self) -> Trainable:
-        return self.kind
+        """What is trainable: the config's ``trainable`` where the method has that option
+        (Ditto, MOON, Local-only...), else the class's ``kind``."""
+        return getattr(self.cfg, "trainable", None) or self.kind
 
     def prepare(self, model) -> None:
         lora = getattr(self.cfg, "lora", LoraSpec())

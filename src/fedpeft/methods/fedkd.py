@@ -11,8 +11,8 @@ larger network than the mentee; here both are LoRA adapters on the same frozen b
 added through HF PEFT as PF2LoRA adds its second adapter: the mentee is the ``default``
 adapter of rank ``lora.r`` (plus the head), the mentor the ``mentor`` adapter of rank
 ``mentor_rank`` (default 32, four times the default mentee rank; plus its own head,
-``mentor_head``, a copy of the initial head; a causal
-LM has no head and both use its frozen LM head). Both adapters are active in the model;
+``mentor_head``, a copy of the initial head; a causal LM has no head and both use its
+frozen LM head). Both adapters are active in the model;
 each model's forward pass sets the *other* adapter's ``lora_B`` to zero, which removes its
 ``B A x`` exactly, so a forward pass is a pure function of the tensors (vmappable).
 
@@ -45,36 +45,49 @@ better both models predict, the stronger they distil. Readings and choices:
 - The reported training loss is the task loss of the model the client predicts with.
 
 **Dynamic gradient approximation** (communication). The client's mentee *update*
-``Delta = (mentee after training) - (mentee received)`` goes up compressed: every matrix
-as its truncated SVD ``U diag(s) V^T`` keeping the fewest singular values whose energy
-``sum s_k^2`` reaches ``T`` of the total (:func:`kept_rank`), the factors sent as
-``<name>.svd_u``, ``<name>.svd_s``, ``<name>.svd_v``; a matrix whose factors would not be
-smaller than itself, and every 1-D tensor (biases, the head's bias), goes dense as
+``Delta = (mentee after training) - (mentee received)`` goes up compressed
+(:mod:`fedpeft.peft.svd`): every matrix as its truncated SVD ``U diag(s) V^T`` keeping the
+fewest singular values whose energy ``sum s_k^2`` reaches ``T`` of the total, the factors
+sent as ``<name>.svd_u``, ``<name>.svd_s``, ``<name>.svd_v``; a matrix whose factors would
+not be smaller than itself, and every 1-D tensor (biases, the head's bias), goes dense as
 ``<name>.delta``. The bytes counted are those of what is sent. ``T`` rises over the rounds
 from ``energy`` to ``energy_end`` (the paper's dynamic threshold; 0.95 -> 0.98 in the
-authors' code and PFLlib): ``T_t = energy + (energy_end - energy) t / train.rounds``. A
-client learns the round from its downlink, which then holds a zero-element tensor
-``round.<t>`` (no payload: round numbers are protocol metadata, as in Flower's config record);
-``energy_end: null`` keeps ``T = energy`` and sends no marker. The server reconstructs each
-update from its factors (:meth:`FedKD.uplink_as_shared`), averages them weighted by
-``|D_i|``, and adds the mean to the global mentee.
+authors' code and PFLlib): ``T_t = energy + (energy_end - energy) t / train.rounds``, the
+round ``t`` the client's job's (``Job.rnd``; a Flower node learns it from the server);
+``energy_end: null`` keeps ``T = energy``. The server reconstructs each update from its
+factors (:meth:`FedKD.uplink_as_shared`), averages them weighted by ``|D_i|``, and adds
+the mean to the global mentee.
 
 **The downlink is compressed too** (``compress_downlink``, default true, as the paper):
 the server compresses the round's mean update with the same ``T_t`` and applies the
 *compressed* update to its global mentee, so the server and every client that applies it
 hold the same mentee, bit for bit. A client keeps the mentee it last trained from
-(``own.<name>``, never sent). If it trained from the previous round's global mentee it
-receives the factors of the latest update only and adds them to its copy; otherwise (it
-has never trained, or missed a round: the paper has every client in every round) it
-receives the global mentee dense. The server keeps the latest update's factors and, per
-client that has trained, the round it last synchronised at.
+(``own.<name>``, never sent); the server keeps the latest update's factors and, per client
+that has trained, the version of the global mentee (the number of updates applied to it)
+that the client trained from. To a client it knows to hold the version before the
+current one it sends the factors of the latest update, which the client adds to its
+copy; to the others (a client that has never trained, or missed a round: the paper has
+every client in every round) the global mentee dense.
+
+The server's knowledge lags when it skips aggregating a round (a Flower server short of
+results): a client that trained in that round holds the current version already, while
+the server still takes it for one behind and sends it the same factors again. So a
+factor downlink also names the version it brings the client to (``version``, a float32
+scalar: 4 bytes of sync metadata), and the client keeps the version of its copy
+(``own.version``): holding that version already, it keeps its copy rather than apply the
+update twice (:meth:`FedKD.base_mentee`). A dense downlink carries no version (it would
+outgrow the dense state by those 4 bytes) and needs none: a client sent the dense mentee
+is sent it again until the server aggregates an update the client trained from it, so
+when factors next come, a copy taken from a dense downlink is one version behind.
 
 **The client's model** is its mentor (``personal_model: mentor``, default: the model that
 learned from its own data and from the global mentee; PFLlib's reimplementation scores it
-too); the mentee is scored beside it as
-``local_mentee`` (``personal_model: mentee`` swaps them). The global model is the global
+too); the mentee is scored beside it as ``local_mentee`` (``personal_model: mentee``
+swaps them). The global model is the global
 mentee (with ``head: personal`` there is none). Ephemeral state: one optimizer over both
-models, reset every round or kept with ``train.optimizer_state: keep``.
+models, reset every round or kept with ``train.optimizer_state: keep``; each model's
+gradients are clipped to ``train.max_grad_norm`` on their own (:meth:`FedKD.clip_group`),
+so the two models step as they would with an optimizer each.
 """
 
 from __future__ import annotations
@@ -87,7 +100,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 from torch import nn
-from torch.func import functional_call, grad
+from torch.func import functional_call
 
 from fedpeft.data.task import IGNORE
 from fedpeft.methods.base import (
@@ -101,19 +114,27 @@ from fedpeft.methods.base import (
     tensor_bytes,
     weighted_mean,
 )
-from fedpeft.methods.cohort import OPT, GradientFn, Start, StepInput, model_scale, optimizer_state
+from fedpeft.methods.cohort import (
+    OWN,
+    GradientFn,
+    Start,
+    StepInput,
+    backprop_reporting,
+    model_scale,
+    optimizer_state,
+    row_mean,
+)
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.peft import LoraSpec
+from fedpeft.peft.svd import DELTA, FACTORS, SVD_U, compress, decompress, reconstruct
 
 MENTOR = "mentor"  # the PEFT adapter name of the mentor
 MENTOR_HEAD = "mentor_head."  # the mentor's classifier
-OWN = "own."  # personal keys of the client's copy of the global mentee: own.<parameter name>
-SVD_U, SVD_S, SVD_V, DELTA = ".svd_u", ".svd_s", ".svd_v", ".delta"  # uplink / downlink suffixes
-FACTORS = (SVD_U, SVD_S, SVD_V)
-ROUND = "round."  # downlink marker (zero elements): round.<t>, the round being trained
+#: the global mentee's version (updates applied): in the server extras and a factor
+#: downlink; a client keeps its copy's as own.version
+VERSION = "version"
 UPDATE = "update."  # server extras: the latest global update's factors, update.<name>.svd_*
-SYNCED = "synced."  # server extras: synced.<client> = the round whose global mentee it trained from
-VERSION = "version"  # server extras: the rounds aggregated so far
+SYNCED = "synced."  # server extras: synced.<client> = the version the client last trained from
 EPS = 1e-6  # floor of L_t + L_s in the adaptive weight
 
 
@@ -159,77 +180,6 @@ class FedKDConfig(MethodConfig):
     )
 
 
-# ---------------------------------------------------------------- SVD compression
-
-
-def kept_rank(sigma: torch.Tensor, energy: float) -> int:
-    """The fewest leading singular values whose energy ``sum s_k^2`` reaches ``energy`` of
-    the total (0 for a zero matrix)."""
-    cum = sigma.double().square().cumsum(0)
-    if len(cum) == 0 or cum[-1] == 0:
-        return 0
-    return min(int((cum < energy * cum[-1]).sum()) + 1, len(sigma))
-
-
-def svd_factors(matrix: torch.Tensor, energy: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(U (m, k), s (k,), V (n, k))``, float32, with ``U diag(s) V^T`` the truncated SVD
-    of ``matrix`` keeping :func:`kept_rank` components; each component's sign is fixed so
-    that the largest entry of its ``U`` column is positive (an SVD is unique up to sign)."""
-    u, s, vh = torch.linalg.svd(matrix.double(), full_matrices=False)
-    k = kept_rank(s, energy)
-    u, s, v = u[:, :k], s[:k], vh[:k].T
-    if k:
-        sign = torch.sign(u.gather(0, u.abs().argmax(0, keepdim=True)))[0]
-        u, v = u * sign, v * sign
-    return u.float().contiguous(), s.float().contiguous(), v.float().contiguous()
-
-
-def reconstruct(u: torch.Tensor, s: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``U diag(s) V^T``."""
-    return (u * s) @ v.T
-
-
-def compressed(delta: torch.Tensor, energy: float) -> tuple[torch.Tensor, ...] | None:
-    """The SVD factors of a matrix when they are smaller than the matrix, else None (and
-    None for a tensor that is not a matrix)."""
-    if delta.dim() != 2:
-        return None
-    factors = svd_factors(delta, energy)
-    return factors if sum(f.numel() for f in factors) < delta.numel() else None
-
-
-def compress(deltas: Tensors, energy: float) -> Tensors:
-    """What a client sends for its update ``deltas``: a matrix's factors
-    (``<name>.svd_u/.svd_s/.svd_v``) when they are smaller, else the tensor (``<name>.delta``)."""
-    out = {}
-    for name, delta in deltas.items():
-        factors = compressed(delta, energy)
-        if factors is None:
-            out[name + DELTA] = delta
-        else:
-            out.update(zip((name + SVD_U, name + SVD_S, name + SVD_V), factors, strict=True))
-    return out
-
-
-def decompress(sent: Tensors) -> Tensors | None:
-    """The update :func:`compress` encoded, by parameter name; None for a malformed message."""
-    out = {}
-    for key, t in sent.items():
-        if key.endswith(DELTA):
-            out[key.removesuffix(DELTA)] = t
-        elif key.endswith(SVD_U):
-            name = key.removesuffix(SVD_U)
-            s, v = sent.get(name + SVD_S), sent.get(name + SVD_V)
-            if s is None or v is None or t.dim() != 2 or s.dim() != 1 or v.dim() != 2:
-                return None
-            if not t.shape[1] == s.shape[0] == v.shape[1]:
-                return None
-            out[name] = reconstruct(t, s, v)
-        elif not key.endswith((SVD_S, SVD_V)):
-            return None
-    return out
-
-
 # ---------------------------------------------------------------- distillation
 
 
@@ -255,45 +205,33 @@ def log_probs(task: str, logits: torch.Tensor, batch) -> torch.Tensor:
     return logits.log_softmax(-1)
 
 
-def _mean(values: torch.Tensor, batch, counted: torch.Tensor | None = None) -> torch.Tensor:
-    """The mean of per-row ``(B,)`` or per-token ``(B, L)`` values over the counted ones
-    of the batch's real rows (a cohort's padded rows have weight 0)."""
-    mask = torch.ones_like(values) if counted is None else counted.to(values.dtype)
+def token_mean(values: torch.Tensor, batch, counted: torch.Tensor) -> torch.Tensor:
+    """The mean of per-token values ``(B, L)`` over the ``counted`` tokens of the batch's
+    real rows (a cohort's padded rows have weight 0)."""
+    mask = counted.to(values.dtype)
     if "weight" in batch:
-        weight = batch["weight"].to(values.dtype)
-        mask = mask * (weight if values.dim() == 1 else weight.unsqueeze(1))
+        mask = mask * batch["weight"].to(values.dtype).unsqueeze(1)
     return (values * mask).sum() / mask.sum().clamp_min(1.0)
 
 
 def kl_of_log_probs(task: str, log_p: torch.Tensor, log_q: torch.Tensor, batch) -> torch.Tensor:
     """The mean of ``KL(p || q)`` (each over the last dimension) over what counts: the
-    batch's real rows, labelled tokens, or positions predicting a response token."""
+    batch's real rows (for a span, the mean of its start's and end's), labelled tokens, or
+    positions predicting a response token."""
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)
     labels = batch["labels"]
     if task == "lm":  # position t predicts token t + 1
-        return _mean(kl[:, :-1], batch, labels[:, 1:] != IGNORE)
+        return token_mean(kl[:, :-1], batch, labels[:, 1:] != IGNORE)
     if task == "tokens":
-        return _mean(kl, batch, labels != IGNORE)
-    return _mean(kl.mean(-1) if task == "span" else kl, batch)
-
-
-def distill_kl(model: nn.Module, target: torch.Tensor, logits: torch.Tensor, batch) -> torch.Tensor:
-    """The mean per-example KL divergence of ``logits``' predictions from ``target``'s, for
-    the task of ``model``: over classes (classification), over the vocabulary at each
-    response token (causal LM), at each labelled token (tagging), over the positions of
-    the span's start and end (extractive QA; their mean)."""
-    task = _task(model)
-    return kl_of_log_probs(task, log_probs(task, target, batch), log_probs(task, logits, batch), batch)
+        return token_mean(kl, batch, labels != IGNORE)
+    return row_mean(kl.mean(-1) if task == "span" else kl, batch)
 
 
 def hidden_mse(first: list[torch.Tensor], second: list[torch.Tensor], batch) -> torch.Tensor:
     """Mean over layers of the mean squared error between two models' hidden states
     ``(B, L, H)`` over the batch's real tokens."""
-    mask = batch["attention_mask"].float()
-    if "weight" in batch:
-        mask = mask * batch["weight"].unsqueeze(1)
     terms = [
-        ((a.float() - b.float()).square().sum(-1) * mask).sum() / (mask.sum() * a.shape[-1]).clamp_min(1.0)
+        token_mean((a.float() - b.float()).square().mean(-1), batch, batch["attention_mask"])
         for a, b in zip(first, second, strict=True)
     ]
     return sum(terms) / max(len(terms), 1)
@@ -406,51 +344,57 @@ class FedKD(FedAvgPeft):
         return {**tensors, **{n: torch.zeros_like(tensors[n]) for n in self.mentor_b}}
 
     # ----- communication
-    def energy_at(self, rnd: int | None) -> float:
+    def energy_at(self, rnd: int) -> float:
         """``T_t``: ``energy`` rising linearly to ``energy_end`` at the last round."""
         cfg = self.cfg
-        if cfg.energy_end is None or rnd is None:
+        if cfg.energy_end is None:
             return cfg.energy
         return cfg.energy + (cfg.energy_end - cfg.energy) * min(rnd, self.train.rounds) / self.train.rounds
 
     @staticmethod
-    def round_of(received: Tensors) -> int | None:
-        """The round a downlink was sent for (its ``round.<t>`` marker), if it has one."""
-        return next((int(k.removeprefix(ROUND)) for k in received if k.startswith(ROUND)), None)
+    def version(server: ServerState) -> float:
+        """The global mentee's version: the updates applied to it so far."""
+        return float(server.extras.get(VERSION, 0.0))
 
     def downlink(self, server: ServerState, cid: int) -> Tensors:
-        """The latest global update's factors for a client that trained from the previous
-        global mentee, dense tensors otherwise (and for every tensor not compressed), plus
-        the round marker when ``T`` follows a schedule."""
-        version = int(server.extras.get(VERSION, 0))
+        """The global mentee: for a client that trained from the version before, the latest
+        update's factors and the version they bring it to (dense tensors for every tensor
+        not compressed); for the others, dense."""
+        version = self.version(server)
         synced = server.extras.get(f"{SYNCED}{cid}")
-        in_sync = self.cfg.compress_downlink and synced is not None and int(synced) == version - 1
-        out = {}
-        for n in self.shared_names:
-            if in_sync and UPDATE + n + SVD_U in server.extras:
-                out.update({n + k: server.extras[UPDATE + n + k] for k in FACTORS})
-            else:
-                out[n] = server.tensors[n]
-        if self.cfg.energy_end is not None:
-            out[f"{ROUND}{version + 1}"] = torch.zeros(0)
+        one_behind = self.cfg.compress_downlink and synced is not None and float(synced) == version - 1
+        factored = [n for n in self.shared_names if one_behind and UPDATE + n + SVD_U in server.extras]
+        out = {n: server.tensors[n] for n in self.shared_names if n not in factored}
+        for n in factored:
+            out.update({n + k: server.extras[UPDATE + n + k] for k in FACTORS})
+        if factored:
+            out[VERSION] = torch.tensor(version, dtype=torch.float32)
         return out
 
     def base_mentee(self, received: Tensors, personal: Tensors) -> Tensors:
         """The global mentee a client holds on receiving ``received``: dense tensors as
-        they are, its kept copy plus the factors' update for the others."""
+        they are; where the latest update's factors came instead, its kept copy plus the
+        update, or the copy alone when it holds the downlink's version already (it trained
+        in a round the server then skipped; module docstring)."""
+        if all(n in received for n in self.shared_names):
+            return {n: received[n] for n in self.shared_names}
+        version, held = float(received[VERSION]), personal.get(OWN + VERSION)
+        lag = 1.0 if held is None else version - float(held)  # a copy from a dense downlink: one behind
+        missing = [n for n in self.shared_names if n not in received and OWN + n not in personal]
+        if missing or lag not in (0.0, 1.0):
+            holds = "no copy of it" if missing else f"its version {float(held):g}"
+            raise RuntimeError(
+                f"fedkd: the server sent the update to global mentee version {version:g}, but this client "
+                f"holds {holds}; it needs the global mentee dense"
+            )
         out = {}
         for n in self.shared_names:
             if n in received:
                 out[n] = received[n]
-            elif n + SVD_U in received:
-                if OWN + n not in personal:
-                    raise RuntimeError(
-                        f"fedkd: the server sent an update of {n} on top of a mentee this client "
-                        "does not hold"
-                    )
+            elif lag == 1.0:
                 out[n] = personal[OWN + n] + reconstruct(*(received[n + k] for k in FACTORS))
             else:
-                raise KeyError(f"fedkd: the downlink holds no {n}")
+                out[n] = personal[OWN + n]
         return out
 
     def uplink_as_shared(self, uplink: Tensors) -> Tensors:
@@ -461,23 +405,21 @@ class FedKD(FedAvgPeft):
 
     def aggregate(self, server: ServerState, results: list[FitResult], rnd: int) -> ServerState:
         """The clients' updates reconstructed and averaged by ``|D_i|``; the mean
-        compressed with ``T_rnd`` (``compress_downlink``) and added to the global mentee."""
+        compressed with ``T_rnd`` (``compress_downlink``) and added to the global mentee,
+        a version on; each client recorded as having trained from the version before."""
         updates = [self.uplink_as_shared(r.uplink) for r in results]
         mean = weighted_mean(updates, [r.num_examples for r in results])
-        energy = self.energy_at(rnd)
+        if self.cfg.compress_downlink:
+            sent = compress(mean, self.energy_at(rnd))
+        else:
+            sent = {n + DELTA: t for n, t in mean.items()}
+        step = decompress(sent)
+        version = self.version(server)
         extras = {k: v for k, v in server.extras.items() if not k.startswith(UPDATE)}
-        tensors = {}
-        for n in self.shared_names:
-            step = mean[n]
-            factors = compressed(step, energy) if self.cfg.compress_downlink else None
-            if factors is not None:
-                extras.update({UPDATE + n + k: f for k, f in zip(FACTORS, factors, strict=True)})
-                step = reconstruct(*factors)
-            tensors[n] = server.tensors[n] + step
-        extras[VERSION] = torch.tensor(rnd)
-        for r in results:
-            extras[f"{SYNCED}{r.cid}"] = torch.tensor(rnd - 1)
-        return ServerState(tensors, extras)
+        extras.update({UPDATE + k: t for k, t in sent.items() if k.endswith(FACTORS)})
+        extras[VERSION] = torch.tensor(version + 1, dtype=torch.float32)
+        extras.update({f"{SYNCED}{r.cid}": torch.tensor(version, dtype=torch.float32) for r in results})
+        return ServerState({n: server.tensors[n] + step[n] for n in self.shared_names}, extras)
 
     def global_state(self, server: ServerState) -> Tensors | None:
         """The global mentee (the mentor's tensors zero), unless the head is personal."""
@@ -492,12 +434,15 @@ class FedKD(FedAvgPeft):
         opt = optimizer_state(job.personal, {n: params[n] for n in self.optimised_names()}, self.train)
         return Start(params, opt, {}, local_steps(len(job.client.train), self.train))
 
+    def clip_group(self, name: str) -> str:
+        """The mentor and the mentee are clipped each on its own."""
+        return MENTOR if self.is_mentor(name) else "mentee"
+
     def step_gradients(self, model) -> GradientFn:
         """The gradient of :func:`mutual_loss` for both models; reported: the task loss of
         the model the client predicts with."""
         layers = transformer_layers(model) if self.cfg.hidden_distillation else None
-        scale, stop = model_scale(model), self.cfg.stop_gradient
-        report_mentor = self.cfg.personal_model == "mentor"
+        stop, report_mentor = self.cfg.stop_gradient, self.cfg.personal_model == "mentor"
 
         def forward(params: Tensors, batch) -> torch.Tensor:
             return functional_call(model, params, (batch["input_ids"], batch["attention_mask"]))
@@ -509,42 +454,37 @@ class FedKD(FedAvgPeft):
             with hidden_states(layers) as hidden_s:
                 logits_s = forward(self.as_mentee(params), batch)
             total, task_t, task_s = mutual_loss(model, logits_t, logits_s, batch, hidden_t, hidden_s, stop)
-            return total * scale, task_t if report_mentor else task_s
+            return total, task_t if report_mentor else task_s
 
-        def gradients(params: Tensors, consts: Tensors, batches: StepInput):
-            grads, reported = grad(objective, has_aux=True)(params, consts, batches)
-            return reported, {n: g / scale for n, g in grads.items()} if scale != 1.0 else grads, {}
-
-        return gradients
+        return backprop_reporting(objective, model_scale(model))
 
     def cohort_finish(self, job: Job, params: Tensors, opt: Tensors, metrics: dict[str, float]) -> FitResult:
         """The mentee's update goes up compressed; the client keeps its mentor, heads and
-        (``compress_downlink``) the global mentee it trained from."""
+        (``compress_downlink``) the global mentee it trained from, with its version if the
+        downlink named it."""
         base = self.base_mentee(job.received, job.personal)
         deltas = {n: params[n] - base[n] for n in self.shared_names}
-        uplink = compress(deltas, self.energy_at(self.round_of(job.received)))
-        own = {OWN + n: t.clone() for n, t in base.items()} if self.cfg.compress_downlink else {}
-        kept = {OPT + k: v for k, v in opt.items()} if self.train.optimizer_state == "keep" else {}
-        return FitResult(
-            uplink=uplink,
-            personal={**{n: params[n] for n in self.personal_names}, **own, **kept},
-            num_examples=len(job.client.train),
-            metrics={**metrics, "uplink_ratio": tensor_bytes(uplink) / max(tensor_bytes(deltas), 1)},
-        )
+        uplink = compress(deltas, self.energy_at(job.rnd))
+        ratio = tensor_bytes(uplink) / max(tensor_bytes(deltas), 1)
+        result = super().cohort_finish(job, params, opt, {**metrics, "uplink_ratio": ratio})
+        result.uplink = uplink
+        if self.cfg.compress_downlink:
+            result.personal.update({OWN + n: t.clone() for n, t in base.items()})
+            if VERSION in job.received:
+                result.personal[OWN + VERSION] = job.received[VERSION].clone()
+        return result
 
     # ----- evaluation
-    def mentor_model(self, received: Tensors, personal: Tensors) -> Tensors:
-        return self.as_mentor({**self.base_mentee(received, personal), **self.params_of(personal)})
-
-    def mentee_model(self, received: Tensors, personal: Tensors) -> Tensors:
-        return self.as_mentee({**self.base_mentee(received, personal), **self.params_of(personal)})
+    def client_models(self, received: Tensors, personal: Tensors) -> dict[str, Tensors]:
+        """The client's two models, ``mentor`` and ``mentee``, each as the tensors that compute it."""
+        state = {**self.base_mentee(received, personal), **self.params_of(personal)}
+        return {"mentor": self.as_mentor(state), "mentee": self.as_mentee(state)}
 
     def eval_state(self, model, received: Tensors, personal: Tensors, client: ClientData) -> Tensors:
-        if self.cfg.personal_model == "mentor":
-            return self.mentor_model(received, personal)
-        return self.mentee_model(received, personal)
+        """The model the client predicts with (``personal_model``)."""
+        return self.client_models(received, personal)[self.cfg.personal_model]
 
     def extra_eval_states(self, model, received: Tensors, personal: Tensors, client: ClientData) -> dict:
-        if self.cfg.personal_model == "mentor":
-            return {"mentee": self.mentee_model(received, personal)}
-        return {"mentor": self.mentor_model(received, personal)}
+        """The other model, scored as ``local_<other>``."""
+        models = self.client_models(received, personal)
+        return {name: state for name, state in models.items() if name != self.cfg.personal_model}

@@ -23,10 +23,13 @@ no global model.
 
 Readings and choices:
 
-- **head_epochs** defaults to 10, as in the paper's experiments and the official code
-  (``local_ep`` epochs of which ``local_rep_ep = 1`` train the representation, the rest
-  the head); the body phase takes fedpeft's local schedule, the same budget as the other
-  methods' rounds.
+- **head_epochs** defaults to 10, the head epochs of the paper's experiments and of the
+  official scripts (github.com/lgcollins/FedRep: ``models/Update.py`` trains
+  ``local_ep - local_rep_ep`` head epochs, then ``local_rep_ep`` representation epochs;
+  ``scripts/FedRep_*.sh`` run ``--local_ep 11 --local_rep_ep 1`` or ``--local_ep 15
+  --local_rep_ep 5``, 10 head epochs either way; the bare defaults of ``utils/options.py``,
+  ``local_ep`` 5 and ``local_rep_ep`` 1, would give 4). The body phase takes fedpeft's
+  local schedule, the same budget as the other methods' rounds.
 - Both phases use ``train.optimizer`` and ``train.lr``. With ``train.optimizer_state:
   keep`` each phase keeps its own state (``opt.*`` entries of the head and of the body
   tensors); with ``reset`` both start fresh every round.
@@ -41,7 +44,7 @@ import math
 from dataclasses import replace
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from fedpeft.methods.base import FitResult, Job, MethodConfig, Tensors, local_steps
 from fedpeft.methods.cohort import (
@@ -73,8 +76,8 @@ class FedRepConfig(MethodConfig):
     """Shared body, personal head, trained head first then body. Paper: FedRep (Collins et al., 2021)."""
 
     name: Literal["fedrep"] = "fedrep"
-    head: Literal["shared", "personal"] = Field(
-        "personal", description="Always personal: FedRep's head is each client's own."
+    head: Literal["personal"] = Field(
+        "personal", description="Always personal: FedRep's head never leaves the client."
     )
     trainable: Trainable = Field("lora", description="The shared body: what the body phase trains.")
     lora: LoraSpec = Field(default_factory=LoraSpec)
@@ -83,15 +86,6 @@ class FedRepConfig(MethodConfig):
     head_steps: int | None = Field(
         None, ge=1, description="Steps of the head phase each round (overrides head_epochs)."
     )
-
-    @field_validator("head")
-    @classmethod
-    def _personal_head(cls, head: str) -> str:
-        if head != "personal":
-            raise ValueError(
-                "method.head must be 'personal' for fedrep: FedRep's head never leaves the client"
-            )
-        return head
 
 
 class FedRep(FedAvgPeft):
@@ -107,9 +101,6 @@ class FedRep(FedAvgPeft):
     def __init__(self, cfg, train, seed: int = 0):
         super().__init__(cfg, train, seed)
         self.phase: Phase | None = None  # the phase the cohort loop is running
-
-    def trainable_kind(self) -> Trainable:
-        return self.cfg.trainable
 
     def head_steps(self, n: int) -> int:
         return self.cfg.head_steps or self.cfg.head_epochs * math.ceil(n / self.train.batch_size)
@@ -172,13 +163,8 @@ class FedRep(FedAvgPeft):
         return gradients
 
     def cohort_finish(self, job: Job, params: Tensors, opt: Tensors, metrics: dict[str, float]) -> FitResult:
-        """The phase's result: the other phase's kept optimizer state carried along."""
+        """The phase's result, with the other phase's kept optimizer state carried along."""
+        result = super().cohort_finish(job, params, opt, metrics)
         kept = {k: t for k, t in job.personal.items() if k.startswith(OPT)}
-        if self.train.optimizer_state == "keep":
-            kept.update({OPT + k: t for k, t in opt.items()})
-        return FitResult(
-            uplink={n: params[n] for n in self.shared_names},
-            personal={**{n: params[n] for n in self.personal_names}, **kept},
-            num_examples=len(job.client.train),
-            metrics=metrics,
-        )
+        result.personal = {**kept, **result.personal}
+        return result

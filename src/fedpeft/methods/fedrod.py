@@ -14,8 +14,10 @@ added in :meth:`FedRoD.prepare`). Per client:
   ``g(z).detach() + p(z.detach())``, so it gets no gradient into the body or the generic
   head, and those get none from it.
 
-One local step backprops both losses at once (the groups share no gradient path). The
-client's model predicts with ``g(z) + p(z)``; the global model is the generic model alone.
+One local step backprops both losses at once (the two parts share no gradient path), and
+each part's gradients are clipped to ``train.max_grad_norm`` on their own
+(:meth:`FedRoD.clip_group`). The client's model predicts with ``g(z) + p(z)``; the global
+model is the generic model alone.
 
 Readings and choices:
 
@@ -35,8 +37,9 @@ Readings and choices:
 - **head: personal** (an ablation; the paper shares the generic head) keeps the generic
   head on the client too: only the body is averaged and there is no global model.
 - **Reported loss**: the cross-entropy of the client's model ``g + p`` on the step's batch.
-- Ephemeral state: one optimizer state over all trainable tensors (the per-tensor AdamW
-  moments make it the same as the official code's separate optimizers for the two parts).
+- Ephemeral state: one optimizer state over all trainable tensors. AdamW and SGD update
+  every tensor from its own gradient and state, and each part is clipped on its own, so
+  this steps the two parts as two separate optimizers with the same settings would.
 """
 
 from __future__ import annotations
@@ -53,13 +56,13 @@ from fedpeft.methods.cohort import (
     GradientFn,
     Start,
     StepInput,
+    backprop_reporting,
     head_logits,
     model_features,
     model_scale,
     optimizer_state,
     row_mean,
 )
-from fedpeft.methods.ditto import backprop_reporting
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.peft import AdapterSpec, LoraSpec, Trainable
 
@@ -114,9 +117,6 @@ class FedRoD(FedAvgPeft):
     tasks = ("classification",)
     not_for = HEAD_NEEDED
 
-    def trainable_kind(self) -> Trainable:
-        return self.cfg.trainable
-
     def prepare(self, model) -> None:
         """The trainable body and generic head (``FedAvgPeft``), then the personal head: a
         linear layer like the generic head, at zero."""
@@ -152,6 +152,11 @@ class FedRoD(FedAvgPeft):
         return {**server.tensors, **self.zero_personal}
 
     # ----- the local step, as pure functions (vectorised over a cohort by the engine)
+    def clip_group(self, name: str) -> str:
+        """The generic model (body and generic head) and the personal head are clipped
+        each on its own."""
+        return "personal" if name.startswith(PERSONAL) else "generic"
+
     def cohort_start(self, model, job: Job) -> Start:
         """FedAvg's start, with the client's log label prior as a constant of its steps."""
         params = {**job.received, **self.params_of(job.personal)}

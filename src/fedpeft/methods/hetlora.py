@@ -69,7 +69,16 @@ from fedpeft.methods.base import (
     local_steps,
     weighted_mean,
 )
-from fedpeft.methods.cohort import OPT, GradientFn, Start, backprop, model_loss, model_scale, optimizer_state
+from fedpeft.methods.cohort import (
+    OPT,
+    OWN,
+    GradientFn,
+    Start,
+    backprop,
+    model_loss,
+    model_scale,
+    optimizer_state,
+)
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.peft import LoraSpec
 
@@ -304,9 +313,6 @@ class HETLoRA(FedAvgPeft):
         if self.cfg.personal_model == "own":
             return {"global": self.truncated_global(received, personal)}
         return {"own": self.own_state(received, personal)}
-
-
-OWN = "own."  # personal keys of the client's own (last locally trained) model
 
 
 def mask_components(state: Tensors, rank: int) -> Tensors:

@@ -26,17 +26,21 @@ Readings and choices:
   (``TaskModel.forward(pooled=True)``). The paper adds a projection head (a 2-layer MLP)
   for it; fedpeft's classifiers have none, and adding one would train more than the PEFT
   tensors, so ``z`` is the classifier's input itself.
-- **Before a client's first round** it has no previous local model: ``z_prev`` is taken
-  from the received global model, so ``z_prev = z_glob``, ``l_con = log 2`` and its
-  gradient vanishes (up to float rounding): that round trains as FedAvg. The official code
-  has an empty model pool in the first round (the positive pair alone: a constant loss of
-  0), which trains the same.
+- **Before a client's first round** its previous local model is its untrained one, the
+  initial model (:meth:`MOON.init_client`), as in the official code
+  (github.com/QinbinLi/MOON, ``main.py``: after round 1 the model pool holds every
+  client's network, trained or not, so a client joining later contrasts against its own
+  untrained network). In round 1 every client receives the initial model, so
+  ``z_prev = z_glob``, ``l_con = log 2`` and its gradient vanishes (up to float rounding):
+  round 1 trains as FedAvg, as in the official code, whose pool is empty in round 1 (the
+  positive pair alone: a constant loss of 0). A client first sampled later is pushed away
+  from the initial model.
 - **mu** (default 1) and **tau** (default 0.5): the paper tunes mu over {0.1, 1, 5, 10}
   and reports mu = 5 for CIFAR-10 and mu = 1 for CIFAR-100 and Tiny-ImageNet, with
   tau = 0.5 throughout; 1 is its choice on the larger label sets.
 - **Model buffer**: one previous model (the official code's default ``model_buffer_size``).
 - **Reported loss**: the whole local objective ``CE + mu * l_con``.
-- Memory: each client keeps a copy of its trained shared tensors (``own.*``), and a step
+- Memory: each client keeps a copy of its representation tensors (``own.*``), and a step
   computes two extra frozen forward passes (global and previous models).
 """
 
@@ -47,8 +51,9 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from fedpeft.methods.base import FitResult, Job, MethodConfig, Tensors, local_steps
+from fedpeft.methods.base import ClientData, FitResult, Job, MethodConfig, Tensors, local_steps
 from fedpeft.methods.cohort import (
+    OWN,
     GradientFn,
     Start,
     StepInput,
@@ -62,7 +67,6 @@ from fedpeft.methods.cohort import (
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.peft import AdapterSpec, LoraSpec, Trainable
 
-OWN = "own."  # personal keys of the client's previous local model (its representation tensors)
 GLOB, PREV = "glob.", "prev."  # step constants: the received global and the previous local model
 
 CLASSIFICATION_ONLY = {
@@ -102,21 +106,24 @@ class MOON(FedAvgPeft):
     tasks = ("classification",)
     not_for = CLASSIFICATION_ONLY
 
-    def trainable_kind(self) -> Trainable:
-        return self.cfg.trainable
-
     def body_names(self) -> list[str]:
         """The trainable tensors the representation depends on (all but the head)."""
         return [n for n in [*self.shared_names, *self.personal_names] if not n.startswith("head.")]
 
+    def init_client(self, model, initial: Tensors, client: ClientData) -> Tensors:
+        """FedAvg's personal state, and the untrained model as the previous local one
+        (``own.*``, its representation tensors)."""
+        state = super().init_client(model, initial, client)
+        state.update({OWN + n: initial[n].clone() for n in self.body_names()})
+        return state
+
     def cohort_start(self, model, job: Job) -> Start:
         """FedAvg's start, with the received global and the previous local representation
-        tensors as constants of every step (before the first round: the global ones)."""
+        tensors as constants of every step."""
         params = {**job.received, **self.params_of(job.personal)}
         opt = optimizer_state(job.personal, params, self.train)
         names = self.body_names()
-        prev = {n: job.personal.get(OWN + n, params[n]) for n in names}
-        consts = {**{GLOB + n: params[n] for n in names}, **{PREV + n: prev[n] for n in names}}
+        consts = {**{GLOB + n: params[n] for n in names}, **{PREV + n: job.personal[OWN + n] for n in names}}
         return Start(params, opt, consts, local_steps(len(job.client.train), self.train))
 
     def step_gradients(self, model) -> GradientFn:
