@@ -34,6 +34,3 @@ class Centralized(FedAvgPeft):
     config_cls = CentralizedConfig
     pooled = True
     communicates = False  # the data, not the model, was moved: no per-round traffic
-
-    def trainable_kind(self) -> Trainable:
-        return self.cfg.trainable

@@ -26,9 +26,6 @@ class LocalOnly(FedAvgPeft):
     name = "local"
     config_cls = LocalConfig
 
-    def trainable_kind(self) -> Trainable:
-        return self.cfg.trainable
-
     def split_trainable(self, model) -> None:
         self.personal_names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.shared_names = []
