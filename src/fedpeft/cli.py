@@ -208,13 +208,15 @@ def _print_summaries(summaries: list[dict]) -> None:
         g, loc = s.get("final_global") or {}, s.get("final_local") or {}
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         local = f"{fmt(loc.get(f'{name}_mean'))}±{fmt(loc.get(f'{name}_std'))}" if loc else "-"
+        rnd = s.get("best_round")  # none without a global test set (the cross-silo setting)
+        best = "-" if rnd is None else f"{fmt(s.get(f'best_global_{name}'))} ({rnd})"
         table.add_row(
             s["name"],
             s["method"],
             str(s["rounds"]),
             *(fmt(g.get(key)) for _, key in columns),
             local,
-            f"{fmt(s.get(f'best_global_{name}'))} ({s.get('best_round')})",
+            best,
             f"{s['total_bytes'] / 1e6:.2f}",
             f"{s['time_train']:.1f}",
         )
