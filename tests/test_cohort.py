@@ -23,6 +23,7 @@ from fedpeft.metrics.classification import predict
 from fedpeft.report.results import read_records
 
 VECTORISED = [
+    "c2a",
     "fdlora",
     "fedmcp",
     "fedft",

@@ -29,6 +29,7 @@ CLAIMS = {
     "perfedavg": lambda n: "lora_" in n or n.startswith("head."),
     "hetlora": lambda n: "lora_" in n or n.startswith("head."),
     "fdlora": lambda n: "lora_" in n or n.startswith("head."),
+    "c2a": lambda n: n.startswith(("hyper.", "head.")),
     "fedmcp": lambda n: ".adapter." in n or n.startswith(("head.", "global_head.")),
     "ditto": lambda n: "lora_" in n or n.startswith("head."),
     "moon": lambda n: "lora_" in n or n.startswith("head."),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Union
 
 from fedpeft.methods.base import Method, MethodConfig
+from fedpeft.methods.c2a import C2A
 from fedpeft.methods.centralized import Centralized
 from fedpeft.methods.ditto import Ditto
 from fedpeft.methods.fdlora import FDLoRA
@@ -40,6 +41,7 @@ REGISTRY: dict[str, type[Method]] = {
         HETLoRA,
         FedMCP,
         FDLoRA,
+        C2A,
         Ditto,
         MOON,
         FedRep,

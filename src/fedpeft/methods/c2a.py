@@ -1,0 +1,74 @@
+"""C2A: Client-Customized Adaptation, adapters generated per client by a hypernetwork.
+
+Paper: "Client-Customized Adaptation for Parameter-Efficient Federated Learning"
+(Kim et al., Findings of ACL 2023); METHODS.md, C2A section; the generator is
+:mod:`fedpeft.peft.hyper`.
+
+Each mini-batch's Houlsby adapters are generated from a client embedding built from
+the batch's label distribution (uniform at inference), the context of the hidden
+states entering each layer and a layer-index embedding; one factorised, Frobenius-
+normalised hypernetwork with a tied down-projection serves every layer. What is
+trained and aggregated (FedAvg, weights ``|D_i|``; sec. 3.5): the hypernetwork
+(``F_U``, ``S_U``), the label and context projections, the layer embeddings and the
+classifier head. Nothing else is trainable and nothing is personal (``head: personal``
+keeps the head on the client, as for the other FedAvg-family methods).
+
+Ablations (the paper's Table 3): ``hyper.label_embedding``, ``hyper.context_embedding``,
+``hyper.factorise``, ``hyper.normalise``. Paper settings: ``t = 8``, ``s = 64``,
+adapter rank ``r = 16`` (``adapter.bottleneck``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from torch.func import functional_call
+
+from fedpeft.methods.base import Method, MethodConfig, Tensors
+from fedpeft.methods.cohort import GradientFn, backprop, model_scale
+from fedpeft.peft import AdapterSpec
+from fedpeft.peft.hyper import HyperSpec, add_hyper_adapters
+
+
+class C2AConfig(MethodConfig):
+    """Hypernetwork-generated Houlsby adapters under FedAvg. Paper: C2A (Kim et al., 2023)."""
+
+    name: Literal["c2a"] = "c2a"
+    hyper: HyperSpec = Field(default_factory=HyperSpec)
+    adapter: AdapterSpec = Field(
+        default_factory=lambda: AdapterSpec(bottleneck=16),
+        description="Sites and rank r of the generated adapters (paper: r 16, GELU); the activation is GELU.",
+    )
+
+
+class C2A(Method):
+    name = "c2a"
+    paper = "C2A"
+    config_cls = C2AConfig
+    tasks = ("classification",)
+    not_for = {
+        "causal_lm": "its label embedding is a batch's class distribution, which a language model has not",
+        "token_classification": "its label embedding is a distribution over one class per example; a "
+        "tagger labels tokens",
+        "extractive_qa": "its label embedding is a distribution over one class per example; QA predicts spans",
+    }
+
+    def prepare(self, model) -> None:
+        if self.cfg.adapter.activation != "gelu":
+            raise ValueError("method.adapter.activation: C2A's generated adapters use GELU (the paper's)")
+        add_hyper_adapters(model, self.cfg.hyper, self.cfg.adapter, model.head.out_features)
+        for p in [*model.hyper.parameters(), *model.head.parameters()]:
+            p.requires_grad_(True)
+        self.split_trainable(model)
+
+    def step_gradients(self, model) -> GradientFn:
+        """Cross-entropy, with the batch's label distribution feeding the label embedding."""
+
+        def loss(params: Tensors, consts: Tensors, batches):
+            batch = batches[0]
+            with model.hyper.labelled(batch["labels"], batch.get("weight")):
+                logits = functional_call(model, params, (batch["input_ids"], batch["attention_mask"]))
+            return model.loss(logits, batch)
+
+        return backprop(loss, model_scale(model))
