@@ -79,7 +79,12 @@ class DataConfig(BaseModel):
         description="The class column (classification); for causal_lm an optional domain column that "
         "partitions clients (without it every example is in one domain).",
     )
-    group_column: str | None = Field(None, description="Column for the natural partition.")
+    group_column: str | None = Field(
+        None,
+        description="Column whose values group the examples, for partition.scheme natural (a client per "
+        "value) and groups (a group of clients per value, e.g. a language column). Source wordnet: 'pos' "
+        "(part of speech: noun, verb, adj, adv; the default there) or 'lexname'.",
+    )
     max_samples: int | None = Field(
         None, gt=0, description="Seeded subsample of the training pool (None: use all)."
     )
@@ -194,9 +199,15 @@ class PartitionConfig(BaseModel):
 
     model_config = Strict
 
-    scheme: Literal["iid", "dirichlet", "similarity", "natural"] = "dirichlet"
+    scheme: Literal["iid", "dirichlet", "similarity", "natural", "groups"] = Field(
+        "dirichlet",
+        description="iid; dirichlet (label skew, alpha); similarity (SCAFFOLD s); natural (one client per "
+        "value of data.group_column); groups (the C2A paper's language partition: clients divided into "
+        "groups, one per value of data.group_column, and each group's examples split among its clients "
+        "by the Dirichlet label skew: alpha, dirichlet_mode, min_size).",
+    )
     num_clients: int = Field(30, ge=1, description="M, the number of clients.")
-    alpha: float = Field(0.5, gt=0, description="Dirichlet concentration (scheme: dirichlet).")
+    alpha: float = Field(0.5, gt=0, description="Dirichlet concentration (schemes dirichlet, groups).")
     dirichlet_mode: Literal["per_class", "per_class_capped", "per_client"] = Field(
         "per_class",
         description="What the Dirichlet draws (scheme: dirichlet): per_class, each class's split over "
@@ -204,10 +215,17 @@ class PartitionConfig(BaseModel):
         "followed by C2A); per_client, each client's class mix Dir(alpha * class shares) at equal "
         "client sizes (FeDeRA, App. A.3).",
     )
+    clients_per_group: Literal["equal", "proportional"] = Field(
+        "equal",
+        description="scheme groups: how the clients are divided among the groups; equal, M // G each and "
+        "the M % G left over one each to the largest groups (C2A: 100 clients, 5 languages, 20 each); "
+        "proportional, one each and the rest in proportion to the groups' sizes. A group's clients are "
+        "consecutive ids, groups in order of first appearance in the data.",
+    )
     similarity: float = Field(
         0.5, ge=0, le=1, description="SCAFFOLD heterogeneity s; 0 is iid, 1 label-sorted."
     )
-    min_size: int = Field(10, ge=1, description="Smallest client size (scheme: dirichlet).")
+    min_size: int = Field(10, ge=1, description="Smallest client size (schemes dirichlet, groups).")
     local_test_fraction: float = Field(
         0.2, gt=0, lt=1, description="Share of each client's data kept as its local test split."
     )
@@ -338,6 +356,20 @@ class EvalConfig(BaseModel):
     batch_size: int = Field(128, ge=1)
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="data.task causal_lm.")
     max_answer_tokens: int = Field(30, ge=1, description="extractive_qa: the longest answer span predicted.")
+    drift: bool = Field(
+        False,
+        description="Client drift (the C2A paper's analysis, sec. 2.2 and 5.5): every round, the linear CKA "
+        "between the logits of each sampled client's model after its local round and those of the global "
+        "model it started the round from, on a fixed probe batch of the global test set; recorded as "
+        "'drift' (per client and mean) and plotted in drift_vs_round.png. Classification only; skipped, "
+        "with the reason recorded, for a method with no single global model.",
+    )
+    drift_probe: int = Field(
+        64,
+        ge=2,
+        description="eval.drift: examples in the probe batch, drawn once (seeded by the experiment seed) "
+        "from the global test set (all of it when it is smaller).",
+    )
 
 
 class ExportConfig(BaseModel):
@@ -416,6 +448,14 @@ class ExperimentConfig(BaseModel):
             )
         if self.partition.scheme == "natural" and not self.data.group_column and self.data.silos is None:
             raise ValueError("data.group_column is required when partition.scheme is 'natural'")
+        wordnet_groups = self.data.source == "wordnet" and self.data.task != "extractive_qa"  # pos by default
+        if self.partition.scheme == "groups" and not self.data.group_column and not wordnet_groups:
+            raise ValueError(
+                "data.group_column is required when partition.scheme is 'groups' (the column whose values "
+                "bind the groups of clients, e.g. a language column)"
+            )
+        if self.eval.drift:
+            self._check_drift()
         return self
 
     @model_validator(mode="before")
@@ -435,6 +475,17 @@ class ExperimentConfig(BaseModel):
         train = dict(data.get("train") or {})
         train.setdefault("clients_per_round", len(silos))
         return {**data, "partition": partition, "train": train}
+
+    def _check_drift(self) -> None:
+        if self.data.task != "classification":
+            raise ValueError(
+                f"eval.drift: client drift compares the logits of the classification head, and data.task "
+                f"{self.data.task} has none (use data.task classification)"
+            )
+        if self.data.silos is not None:
+            raise ValueError(
+                "eval.drift: the probe batch comes from the global test set, which data.silos has not"
+            )
 
     def _check_silos(self) -> None:
         p, silos = self.partition, self.data.silos

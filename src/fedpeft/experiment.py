@@ -61,6 +61,11 @@ def make_split(cfg: ExperimentConfig, corpus: Corpus) -> Split:
             )
         elif pc.scheme == "similarity":
             parts = P.partition_similarity(labels, pc.num_clients, pc.similarity, rng)
+        elif pc.scheme == "groups":
+            parts = P.partition_groups(
+                labels, group_values(cfg, corpus), pc.num_clients, pc.alpha, rng, min_size=pc.min_size,
+                mode=pc.dirichlet_mode, clients_per_group=pc.clients_per_group,
+            )  # fmt: skip
         else:
             parts = P.partition_natural(corpus.train_groups, pc.num_clients)
         train, test = P.split_local_test(parts, pc.local_test_fraction, rng)
@@ -68,12 +73,29 @@ def make_split(cfg: ExperimentConfig, corpus: Corpus) -> Split:
         if pc.val_fraction:  # a share of the whole client: of what the test split left
             train, val = P.split_local_test(train, pc.val_fraction / (1 - pc.local_test_fraction), rng)
     except P.PartitionError as err:
+        column = f"data.group_column {group_column(cfg)!r}, " if pc.scheme == "groups" else ""
         raise P.PartitionError(
             f"partition ({pc.scheme}: partition.num_clients={pc.num_clients}, "
-            f"partition.min_size={pc.min_size}, {len(labels)} training examples after "
+            f"partition.min_size={pc.min_size}, {column}{len(labels)} training examples after "
             f"data.max_samples): {err}"
         ) from None
     return Split(train, test, val)
+
+
+def group_column(cfg: ExperimentConfig) -> str | None:
+    """The column whose values group the examples: data.group_column, or WordNet's part of speech."""
+    wordnet = cfg.data.source == "wordnet" and cfg.data.task != "extractive_qa"
+    return cfg.data.group_column or ("pos" if wordnet else None)
+
+
+def group_values(cfg: ExperimentConfig, corpus: Corpus) -> np.ndarray:
+    """Each training example's value of the group column (``partition.scheme: groups``)."""
+    if corpus.train_groups is None:
+        raise P.PartitionError(
+            "the data has no group column: set data.group_column (the column whose values bind the "
+            "groups of clients, e.g. a language column)"
+        )
+    return corpus.train_groups
 
 
 def fingerprint(cfg: ExperimentConfig) -> str:
@@ -215,6 +237,7 @@ def make_engine(setup: Setup, on_round: Callable[[dict], None] | None) -> InProc
         eval_batch_size=cfg.eval.batch_size,
         cohort_size=None if cfg.train.cohort_size == "auto" else cfg.train.cohort_size,
         per_client_scores=cfg.data.silos is not None,
+        drift_probe=cfg.eval.drift_probe if cfg.eval.drift else 0,
     )
     metrics_path = out / "metrics.jsonl"
 
@@ -326,6 +349,16 @@ def open_output(setup: Setup) -> np.ndarray:
     return hist
 
 
+def client_groups(setup: Setup) -> dict[str, list[int]]:
+    """``partition.scheme: groups``: the clients of each value of the group column."""
+    split = setup.split
+    parts = [np.concatenate([a, b]) for a, b in zip(split.train, split.test, strict=True)]
+    out: dict[str, list[int]] = {}
+    for cid, value in enumerate(P.client_groups(setup.corpus.train_groups, parts)):
+        out.setdefault(str(value), []).append(cid)
+    return out
+
+
 def finish(
     setup: Setup,
     records: list[dict],
@@ -335,7 +368,7 @@ def finish(
     client_models: Callable[[ClientData], Tensors] | None = None,
 ) -> dict:
     """Write ``summary.json``, the exported adapters and the plots; returns the summary."""
-    from fedpeft.report.plots import plot_accuracy, plot_readouts, plot_variation  # matplotlib: slow import
+    from fedpeft.report.plots import plot_accuracy, plot_drift, plot_readouts, plot_variation  # slow import
 
     cfg, out = setup.cfg, Path(setup.cfg.output_dir)
     summary = R.summarize(
@@ -348,6 +381,7 @@ def finish(
             "clients_per_round": cfg.train.clients_per_round,
             "partition": cfg.partition.scheme,
             "mean_pairwise_js": P.mean_pairwise_js(hist),
+            **({"client_groups": client_groups(setup)} if cfg.partition.scheme == "groups" else {}),
             "class_names": setup.corpus.class_names,
             "params": param_counts(setup.model, setup.method),
             "communicated_params_per_client": sum(
@@ -361,4 +395,5 @@ def finish(
     plot_accuracy({cfg.name: records}, out)
     plot_variation({cfg.name: records}, out)
     plot_readouts(records, out)
+    plot_drift({cfg.name: records}, out)
     return summary

@@ -21,6 +21,12 @@ Schemes
 ``partition_natural``
     One client per natural group (writer, speaker, task, ...), optionally
     merged into fewer, size-balanced clients.
+``partition_groups``
+    The C2A paper's language partition (sec. 4.2, after Weller et al., 2022):
+    clients are divided into groups, each bound to one value of a column (a
+    language), and each group's examples are split among its clients by the
+    Dirichlet label skew above. Clients of a group are numbered consecutively,
+    groups in order of first appearance.
 
 Helpers split each client into local train/test parts, summarise label skew as
 per-client histograms and their mean pairwise Jensen-Shannon divergence, and
@@ -38,10 +44,14 @@ import numpy as np
 
 __all__ = [
     "DIRICHLET_MODES",
+    "GROUP_CLIENTS",
     "PartitionError",
+    "client_groups",
+    "group_client_counts",
     "label_histograms",
     "mean_pairwise_js",
     "partition_dirichlet",
+    "partition_groups",
     "partition_iid",
     "partition_natural",
     "partition_similarity",
@@ -410,6 +420,103 @@ def partition_natural(groups: np.ndarray | Sequence, num_clients: int | None = N
     if num_clients == len(members):
         return _finalise(members)
     return _finalise(_merge_balanced(members, num_clients))
+
+
+# --------------------------------------------------------------------------- #
+# Groups (one column value each), Dirichlet within
+# --------------------------------------------------------------------------- #
+
+GROUP_CLIENTS = ("equal", "proportional")
+"""How :func:`partition_groups` divides the clients among the groups:
+
+``equal``
+    ``M // G`` clients per group; the ``M % G`` left over go one each to the groups
+    with the most examples (the C2A paper: 100 clients, 5 languages, 20 each).
+``proportional``
+    One client per group, the other ``M - G`` in proportion to the groups' sizes
+    (largest remainder; ties to the larger, then the earlier group).
+"""
+
+
+def group_client_counts(sizes: Sequence[int], num_clients: int, how: str = "equal") -> np.ndarray:
+    """Clients per group for groups of ``sizes`` examples (``GROUP_CLIENTS``); each gets one at least.
+
+    Raises:
+        PartitionError: if there are fewer clients than groups, or ``how`` is unknown.
+    """
+    sizes = np.asarray(sizes, dtype=np.int64)
+    num_clients = _check_int("num_clients", num_clients, 1)
+    if how not in GROUP_CLIENTS:
+        raise PartitionError(f"clients_per_group must be one of {GROUP_CLIENTS}, got {how!r}")
+    num_groups = len(sizes)
+    if num_clients < num_groups:
+        raise PartitionError(
+            f"{num_groups} groups but num_clients={num_clients}: every group needs at least one client"
+        )
+    larger_first = np.argsort(-sizes, kind="stable")
+    if how == "equal":
+        counts = np.full(num_groups, num_clients // num_groups, dtype=np.int64)
+        counts[larger_first[: num_clients % num_groups]] += 1
+        return counts
+    rest = num_clients - num_groups
+    quota = rest * sizes / sizes.sum()
+    counts = 1 + np.floor(quota).astype(np.int64)
+    remainder = quota - np.floor(quota)
+    order = sorted(range(num_groups), key=lambda g: (-remainder[g], -sizes[g], g))
+    counts[order[: num_clients - int(counts.sum())]] += 1
+    return counts
+
+
+def partition_groups(
+    labels: np.ndarray | Sequence,
+    groups: np.ndarray | Sequence,
+    num_clients: int,
+    alpha: float,
+    rng: np.random.Generator,
+    min_size: int = 10,
+    mode: str = "per_class",
+    clients_per_group: str = "equal",
+    max_retries: int = 100,
+) -> list[np.ndarray]:
+    """Clients in groups, each group bound to one value of ``groups``; Dirichlet label skew within.
+
+    The distinct values of ``groups`` (in order of first appearance) each get a block of
+    consecutive clients (``clients_per_group``, see ``GROUP_CLIENTS``), and a group's
+    examples are split among its clients by :func:`partition_dirichlet` (``alpha``,
+    ``mode``, ``min_size``) on their labels. Every client therefore holds examples of one
+    group value only, and every example belongs to exactly one client.
+
+    Raises:
+        PartitionError: on invalid arguments, a missing group value, fewer clients than
+            groups, or a group with fewer than ``min_size`` examples per client.
+    """
+    labels = _check_labels(labels)
+    groups = _check_labels(groups, name="groups")
+    if len(groups) != len(labels):
+        raise PartitionError(f"groups has {len(groups)} values but labels has {len(labels)}")
+    missing = [i for i, g in enumerate(groups.tolist()) if g is None or (isinstance(g, float) and g != g)]
+    if missing:
+        raise PartitionError(f"the group value of example {missing[0]} (0-based) is missing")
+    members = _groups_in_order(groups)
+    values = [groups[m[0]] for m in members]
+    counts = group_client_counts([len(m) for m in members], num_clients, clients_per_group)
+    parts: list[np.ndarray] = []
+    for value, rows, count in zip(values, members, counts, strict=True):
+        if len(rows) < count * min_size:
+            raise PartitionError(
+                f"group {value!r} has {len(rows)} examples, too few for its {count} client(s) of "
+                f"min_size={min_size} each"
+            )
+        within = partition_dirichlet(labels[rows], int(count), alpha, rng, min_size, max_retries, mode)
+        parts += [rows[part] for part in within]
+    return _finalise(parts)
+
+
+def client_groups(groups: np.ndarray | Sequence, parts: Sequence[np.ndarray]) -> list:
+    """The group value of each client (that of its first example; None for an empty client)."""
+    groups = np.asarray(groups)
+    values = [groups[part[0]] if len(part) else None for part in parts]
+    return [v.item() if isinstance(v, np.generic) else v for v in values]
 
 
 # --------------------------------------------------------------------------- #

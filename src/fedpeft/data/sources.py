@@ -110,10 +110,11 @@ def load_hub(cfg: DataConfig, split: str) -> tuple[Columns, list[str] | None]:
 def _check_columns(table: Columns, origin: str, cfg: DataConfig, groups: bool = True) -> None:
     """The text, label (and, for training data, group) columns exist and every row has
     text and a label."""
-    wanted = [cfg.text_column, cfg.label_column] + ([cfg.group_column] if cfg.group_column and groups else [])
-    for col in wanted:
+    keys = ["text_column", "label_column"] + (["group_column"] if cfg.group_column and groups else [])
+    for key in keys:
+        col = getattr(cfg, key)
         if col not in table:
-            raise DataError(f"{origin}: no column {col!r} (columns: {sorted(table)})")
+            raise DataError(f"{origin}: no column {col!r} (data.{key}; columns: {sorted(table)})")
     for row, (text, label) in enumerate(zip(table[cfg.text_column], table[cfg.label_column], strict=True)):
         if not isinstance(text, str) or not text.strip():
             raise DataError(
@@ -245,6 +246,8 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
     keep = _subsample(len(train_labels), cfg.max_samples, rng)
     keep_test = _subsample(len(test_labels), cfg.max_test_samples, rng)
     group_col = cfg.group_column or ("pos" if cfg.source == "wordnet" and not qa else None)
+    if group_col and group_col not in table:
+        raise DataError(f"{origin}: no column {group_col!r} (data.group_column; columns: {sorted(table)})")
     groups = np.asarray(table[group_col], dtype=object)[keep] if group_col else None
     tags = {}
     if ner:

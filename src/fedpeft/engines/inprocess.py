@@ -8,6 +8,11 @@ Per round ``t``:  sample S of M clients (seeded by ``(seed, t)``) -> each fits w
 generators seeded by ``(seed, t, i)`` -> the method aggregates -> evaluate every
 ``eval.every`` rounds. Seeding per round and client (rather than carrying one RNG)
 makes a resumed run identical to an uninterrupted one.
+
+With ``eval.drift`` every round also records client drift, the C2A paper's analysis
+(sec. 2.2, 5.5): the linear CKA between the logits of each sampled client's model after
+its local round and those of the global model it started the round from, on one probe
+batch of the global test set drawn once (:meth:`InProcessEngine.drift`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedpeft.data.task import Encoded
+from fedpeft.data.task import Encoded, make_batch
 from fedpeft.engines.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from fedpeft.engines.store import ClientStore
 from fedpeft.methods.base import (
@@ -36,6 +41,7 @@ from fedpeft.methods.base import (
     tensor_bytes,
 )
 from fedpeft.methods.cohort import derive_seed, predict_cohort
+from fedpeft.metrics.cka import linear_cka
 from fedpeft.metrics.classification import mean_scores, spread
 from fedpeft.metrics.scorers import ClassificationScorer, Scorer
 
@@ -52,6 +58,18 @@ class Schedule:
     eval_batch_size: int = 128
     cohort_size: int | None = 1  # clients trained at once (None: probe the device's memory)
     per_client_scores: bool = False  # record each client's local-test scores (the cross-silo table)
+    drift_probe: int = 0  # eval.drift: examples in the client-drift probe batch (0: no drift)
+
+
+#: The random stream of the drift probe batch (beside ``[seed, rnd]``, the clients sampled in round rnd).
+DRIFT_STREAM = 0x44524946
+
+
+def drift_probe_rows(seed: int, available: int, size: int) -> np.ndarray:
+    """The global test rows of the client-drift probe batch: ``size`` of ``available``
+    (all when there are fewer), drawn without replacement, seeded by ``seed`` alone, sorted."""
+    rng = np.random.default_rng([seed, DRIFT_STREAM])
+    return np.sort(rng.choice(available, size=min(size, available), replace=False))
 
 
 def sample_clients(seed: int, rnd: int, population: int | Sequence[int], per_round: int) -> list[int]:
@@ -128,6 +146,10 @@ class InProcessEngine:
         self._loaded: tuple[torch.Tensor, ...] = ()
         self.cohort_size = schedule.cohort_size or 1  # with None, probed when the run starts
         self.scorer = scorer or ClassificationScorer(schedule.eval_batch_size)
+        self.probe: Encoded | None = None  # the client-drift probe batch, the same every round
+        if schedule.drift_probe:
+            rows = drift_probe_rows(schedule.seed, len(global_test), schedule.drift_probe)
+            self.probe = global_test.subset(rows)
 
     # ------------------------------------------------------------ state helpers
     def personal_of(self, client: ClientData) -> Tensors:
@@ -262,6 +284,66 @@ class InProcessEngine:
             out[f"local_{name}"] = spread(values)
         return out
 
+    # ------------------------------------------------------------ client drift
+    @torch.no_grad()
+    def logits(self, tensors: Tensors) -> torch.Tensor:
+        """``(P, C)`` float64 logits of the model holding ``tensors`` on the probe batch."""
+        self.load(tensors)
+        self.model.eval()
+        out = []
+        for start in range(0, len(self.probe), self.schedule.eval_batch_size):
+            rows = torch.arange(start, min(start + self.schedule.eval_batch_size, len(self.probe)))
+            batch = make_batch(self.probe, rows)
+            out.append(self.model(batch["input_ids"], batch["attention_mask"]).double().cpu())
+        return torch.cat(out)
+
+    def local_model(self, server: ServerState, result: FitResult) -> Tensors:
+        """Client ``result.cid``'s model after its local round (``server``: the state the
+        round started from), rebuilt from its result alone: what it received with its update
+        (:meth:`Method.uplink_as_shared`) in place of the shared tensors, and its new personal
+        state, combined as the method scores a client (:meth:`Method.eval_state`)."""
+        method = self.method
+        received = {**method.downlink(server, result.cid), **method.uplink_as_shared(result.uplink)}
+        self._loaded = ()  # eval_state may use the model (Per-FedAvg adapts one step)
+        state = method.eval_state(self.model, received, result.personal, self.clients[result.cid])
+        self._loaded = ()
+        return state
+
+    def drift(self, server: ServerState, results: list[FitResult]) -> dict:
+        """Client drift of this round's clients: per client, the linear CKA between the logits
+        of its model after its local round (:meth:`local_model`) and those of the global
+        model ``server`` it started from (:meth:`Method.global_state`) on the probe batch;
+        their mean and minimum. 1 when a client did not move. Skipped, with the reason, when
+        there is no single global model or a client's update is not its trained tensors
+        (only then can its model be rebuilt from the update)."""
+        method = self.method
+        if len(self.probe) < 2:  # CKA compares how examples relate: it needs two at least
+            return {"skipped": f"the probe batch has {len(self.probe)} example(s) (the global test set's)"}
+        global_tensors = method.global_state(server)
+        if global_tensors is None:
+            why = f"method {method.name} has no single global model (Method.global_state is None)"
+            return {"skipped": why}
+        shared = set(method.shared_names)
+        for r in results:
+            if not set(r.uplink) <= shared:
+                sent = sorted(set(r.uplink) - shared)[0]
+                return {
+                    "skipped": f"method {method.name}: client {r.cid}'s update is not its trained tensors "
+                    f"(it sends {sent!r}, no shared parameter), so its local model cannot be rebuilt from it"
+                }
+        reference = self.logits(global_tensors)
+        per_client = {}
+        for r in results:
+            per_client[str(r.cid)] = float(linear_cka(self.logits(self.local_model(server, r)), reference))
+        self._loaded = ()
+        values = list(per_client.values())
+        return {
+            "mean": float(np.mean(values)),
+            "min": float(np.min(values)),
+            "clients": per_client,
+            "probe": len(self.probe),
+        }
+
     # ------------------------------------------------------------ the run
     def start(self, resume: bool) -> tuple[ServerState, list[dict]]:
         """The server state and records to continue from; the client join applied to the model."""
@@ -301,6 +383,8 @@ class InProcessEngine:
             t2 = time.perf_counter()
             for name, analyze in self.analyzers.items():
                 record[name] = analyze(previous.tensors, server.tensors)
+            if self.probe is not None:  # timed with the evaluation
+                record["drift"] = self.drift(previous, results)
             if rnd % s.eval_every == 0 or rnd == s.rounds:
                 record.update(self.evaluate(server))
             record = close_record(rnd, record, records, (t0, t1, t2, time.perf_counter()), self.setup_info)

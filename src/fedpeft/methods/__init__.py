@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Union
 
+from fedpeft.methods.adamix import AdaMix
 from fedpeft.methods.base import Method, MethodConfig
 from fedpeft.methods.c2a import C2A
 from fedpeft.methods.centralized import Centralized
+from fedpeft.methods.compacter import Compacter
 from fedpeft.methods.ditto import Ditto
 from fedpeft.methods.fdlora import FDLoRA
 from fedpeft.methods.fedamp import FedAMP
@@ -24,6 +26,7 @@ from fedpeft.methods.local import LocalOnly
 from fedpeft.methods.moon import MOON
 from fedpeft.methods.perfedavg import PerFedAvg
 from fedpeft.methods.pf2lora import PF2LoRA
+from fedpeft.methods.prompt_tuning import PromptTuning
 
 if TYPE_CHECKING:
     from fedpeft.config import TrainConfig
@@ -35,6 +38,9 @@ REGISTRY: dict[str, type[Method]] = {
         FedBF,
         FedAP,
         FedLR,
+        PromptTuning,
+        Compacter,
+        AdaMix,
         FeDeRA,
         PF2LoRA,
         PerFedAvg,

@@ -237,7 +237,9 @@ def backprop_reporting(
 def stack_step(inputs: list[StepInput | None]) -> StepInput:
     """One step's inputs of every client of the cohort (None: the client has finished)
     stacked on a leading client axis, each batch of the step padded to the cohort's
-    most rows and longest row. A padded row has weight 0 and no real token."""
+    most rows and longest row. A padded row has weight 0 and no real token. Any other
+    entry of a batch (a method's per-step draws: AdaMix's routing) is stacked as it is,
+    of one shape for every client; a finished client's is zeros."""
     live = next(i for i in inputs if i is not None)
     out = []
     for k in range(len(live)):
@@ -261,7 +263,12 @@ def stack_step(inputs: list[StepInput | None]) -> StepInput:
             else:
                 labels[c, :n] = b["labels"]
             weight[c, :n] = 1.0
-        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels, "weight": weight})
+        extras = {
+            key: torch.stack([torch.zeros_like(first) if b is None else b[key] for b in batches]).to(device)
+            for key, first in live[k].items()
+            if key not in ("input_ids", "attention_mask", "labels", "weight")
+        }
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels, "weight": weight, **extras})
     return tuple(out)
 
 

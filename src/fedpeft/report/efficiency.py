@@ -1,6 +1,11 @@
-"""Time to target (FeDeRA paper, sec. 5.4 and app. B): what it costs to reach a score.
+"""Time and rounds to target: what it costs to reach a score.
 
-For a target value of the global accuracy, the first evaluated round reaching 90/95/99 %
+Rounds to target (C2A paper, sec. 5.3 and Table 4): per run, the first round whose
+global score reached the target, and the speed-up over a baseline run, baseline rounds
+divided by the run's rounds; :func:`rounds_to_target`.
+
+Time to target (FeDeRA paper, sec. 5.4 and app. B; :func:`time_to_target`): for a
+target value of the global accuracy, the first evaluated round reaching 90/95/99 %
 of it, with the bytes sent by then and the wall-clock split into local training,
 communication and decomposition. Clients are taken to work in parallel, each on its own
 link, as in the paper's testbed: a round costs its slowest client's training
@@ -65,4 +70,45 @@ def time_to_target(
                 simulated_train_s=sim_train,
             )
         rows.append(row)
+    return rows
+
+
+def first_round_reaching(records: list[dict], target: float, metric: str = "accuracy") -> int | None:
+    """The first evaluated round whose global ``metric`` is at least ``target`` (None: none)."""
+    for r in records:
+        value = (r.get("global") or {}).get(metric)
+        if value is not None and value >= target:
+            return r["round"]
+    return None
+
+
+def rounds_to_target(
+    runs: dict[str, list[dict]], target: float, baseline: str, metric: str = "accuracy"
+) -> list[dict]:
+    """The C2A paper's Table 4 for one target: per run (label -> its records), ``round``, the
+    first round its global ``metric`` reached ``target`` (None: not reached in the
+    ``rounds_run`` rounds it ran), and ``speedup`` relative to run ``baseline`` (a label of
+    ``runs``): baseline's rounds / the run's rounds. When only one of the two reached the
+    target the speed-up is a bound (``bound``: ``"<="`` when the run did not reach it, at most
+    baseline / (rounds_run + 1); ``">="`` when the baseline did not, at least
+    (baseline's rounds_run + 1) / run); neither: None. Rounds count evaluated rounds only
+    (with ``eval.every`` > 1 a round is the first evaluation at or above the target)."""
+    if baseline not in runs:
+        raise KeyError(f"baseline {baseline!r} is not one of the runs {sorted(runs)}")
+    reached = {label: first_round_reaching(records, target, metric) for label, records in runs.items()}
+    ran = {label: (records[-1]["round"] if records else 0) for label, records in runs.items()}
+    base, base_ran = reached[baseline], ran[baseline]
+    rows = []
+    for label in runs:
+        mine = reached[label]
+        speedup, bound = None, None
+        if mine is not None and base is not None:
+            speedup, bound = base / mine, "="
+        elif mine is None and base is not None:
+            speedup, bound = base / (ran[label] + 1), "<="
+        elif mine is not None:
+            speedup, bound = (base_ran + 1) / mine, ">="
+        rows.append(
+            {"run": label, "round": mine, "rounds_run": ran[label], "speedup": speedup, "bound": bound}
+        )
     return rows

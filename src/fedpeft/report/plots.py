@@ -1,4 +1,5 @@
-"""Plots: global accuracy against rounds and against cumulative bytes, for one or more runs."""
+"""Plots: global accuracy against rounds and against cumulative bytes, for one or more runs;
+LoRA update variation, per-client readouts and client drift."""
 
 from __future__ import annotations
 
@@ -118,3 +119,29 @@ def plot_readouts(records: list[dict], out_dir: Path) -> Path | None:
     if len(clients) <= 12:
         axes[0][-1].legend(fontsize=7)
     return save_figure(fig, out_dir / "client_readout.png")
+
+
+def plot_drift(runs: dict[str, list[dict]], out_dir: Path) -> Path | None:
+    """``drift_vs_round.png`` (``eval.drift``): per run, the mean over the round's clients of
+    the CKA between a client's logits after its local round and the global model's (a line),
+    and each client's value (dots); lower is more drift. None when no run recorded any."""
+    drifting = {
+        label: [r for r in records if "mean" in r.get("drift", {})] for label, records in runs.items()
+    }
+    drifting = {label: records for label, records in drifting.items() if records}
+    if not drifting:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, records) in enumerate(drifting.items()):
+        colour = colours[i % len(colours)]
+        points = [(r["round"], v) for r in records for v in r["drift"]["clients"].values()]
+        ax.scatter([p[0] for p in points], [p[1] for p in points], color=colour, alpha=0.3, s=8)
+        ax.plot([r["round"] for r in records], [r["drift"]["mean"] for r in records], color=colour,
+                marker="o", markersize=3, label=label)  # fmt: skip
+    ax.set_xlabel("round")
+    ax.set_ylabel("CKA(local logits, global logits)")
+    ax.set_title("client drift (line: mean over the round's clients; dots: each client)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return save_figure(fig, out_dir / "drift_vs_round.png")

@@ -3,7 +3,8 @@
 DIR/config.yaml      the fully resolved config the run used
 DIR/metrics.jsonl    one JSON object per completed round
 DIR/summary.json     final and best scores, bytes, parameter counts, times
-DIR/*.png            accuracy vs round and vs cumulative bytes; partition heatmap
+DIR/*.png            accuracy vs round and vs cumulative bytes; partition heatmap; client
+                     drift vs round (eval.drift)
 DIR/checkpoint.pt    last completed round (for --resume)
 DIR/adapter/         the exported global adapter
 """

@@ -1,0 +1,281 @@
+"""C2A against the PEFT baselines of its paper (C2A paper, sec. 4, Tables 1, 3 and 4,
+Figure 4's client drift), on the bundled MiniLM and the built-in WordNet corpus.
+
+The paper's setup (sec. 4.3): 100 clients, 25 % of them each round, one local epoch,
+batch 16, AdamW, FedAvg; labels Dirichlet(beta)-partitioned as FedNLP does
+(``partition.dirichlet_mode: per_class_capped``) at beta = 5.0, 1.0 and 0.1. Methods:
+full fine-tuning (``fedft``), Houlsby adapters (``fedap``, bottleneck 16), LoRA
+(``fedlr``, r 4 on query/value),
+Compacter, prompt tuning, BitFit (``fedbf``), AdaMix and C2A, each with its trainable
+share of the model (bottleneck and rank as the paper's shares imply: 0.455 % of
+DistilBERT is Houlsby bottleneck 16, 0.111 % LoRA r 4; Compacter and AdaMix at
+bottleneck 16, C2A r 16, t 8, s 64). Each method's ``train.lr`` and optimizer state are tuned
+(``--tune``) on seed 3, which the tables do not use, at beta 1.0 (the middle setting),
+by the global test accuracy after the last round; every table run uses the same
+clients, rounds and examples per round as the others.
+
+Printed: Table 1's layout (accuracy %, mean ± std over seeds, per beta); the ablation
+table (Table 3: without label embedding, context embedding, both, factorisation,
+normalisation) at the hardest beta; rounds to a target accuracy with the speed-up over
+the adapter baseline (Table 4, from ``fedpeft report``'s table); the client drift (CKA
+between each participating client's logits and the global model's on a fixed probe
+batch, per round: ``eval.drift``) plotted to ``--out/drift.png``; then whether the
+paper's claim held: C2A the best, and the least hurt as beta falls.
+
+    .venv/bin/python benchmarks/c2a.py --tune [--methods ...]
+    .venv/bin/python benchmarks/c2a.py [--seeds 0,1] [--betas 5.0,1.0,0.1] [--rounds 10]
+        [--examples 4000] [--out benchmarks/results/c2a]
+
+Runs are picked up from ``--out`` when finished (``tuning.run_or_reuse``); tuned settings
+live in ``--tuned-file`` (``benchmarks/tuned/c2a.json``). Set ``OMP_NUM_THREADS`` for the CPU threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+from tuning import LR_GRID, TUNED_DIR, read_tuned, run_or_reuse, tune_method, write_tuned
+
+from fedpeft.config import ExperimentConfig, load_config
+from fedpeft.report.results import read_records
+
+METHODS = {  # key: (row label, method config)
+    "fedft": ("Full Fine-tuning", {"name": "fedft"}),
+    "fedap": ("Adapter", {"name": "fedap", "adapter": {"bottleneck": 16}}),
+    "fedlr": ("LoRA", {"name": "fedlr", "lora": {"r": 4, "alpha": 8}}),
+    "compacter": ("Compacter", {"name": "compacter"}),
+    "prompt_tuning": ("Prompt-tuning", {"name": "prompt_tuning"}),
+    "fedbf": ("BitFit", {"name": "fedbf"}),
+    "adamix": ("AdaMix", {"name": "adamix"}),
+    "c2a": ("C2A", {"name": "c2a"}),
+}
+ABLATIONS = {  # the paper's Table 3
+    "c2a": ("C2A", {}),
+    "c2a-no-le": ("w/o LE", {"label_embedding": False}),
+    "c2a-no-ce": ("w/o CE", {"context_embedding": False}),
+    "c2a-no-le-ce": ("w/o LE,CE", {"label_embedding": False, "context_embedding": False}),
+    "c2a-no-fact": ("w/o Factorization", {"factorise": False}),
+    "c2a-no-norm": ("w/o Normalization", {"normalise": False}),
+}
+GRIDS = {"fedft": [2e-5, 5e-5, 1e-4], "prompt_tuning": [5e-3, 1e-2, 2e-2]}  # others: LR_GRID
+TUNING_SEED, TUNING_BETA = 3, 1.0
+TUNED_FILE = TUNED_DIR / "c2a.json"
+
+
+def method_config(name: str) -> dict:
+    if name in METHODS:
+        return METHODS[name][1]
+    return {"name": "c2a", "hyper": ABLATIONS[name][1]}
+
+
+def config(name: str, beta: float, seed: int, out: Path, args: argparse.Namespace, train: dict) -> ExperimentConfig:
+    return load_config(
+        None,
+        {
+            "name": f"c2a-bench-{name}-beta{beta:g}",
+            "seed": seed,
+            "output_dir": str(out),
+            "method": method_config(name),
+            "data": {"source": "wordnet", "max_samples": args.examples, "max_test_samples": args.test_examples,
+                     "max_length": args.max_length},
+            "partition": {"scheme": "dirichlet", "num_clients": args.clients, "alpha": beta,
+                          "dirichlet_mode": "per_class_capped"},
+            "train": {"rounds": args.rounds, "clients_per_round": args.clients // 4, "local_epochs": 1,
+                      "local_steps": None, "batch_size": 16, **train},
+            "eval": {"every": 1, "local": False, "drift": True, "drift_probe": 64},
+        },
+    )  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tune", action="store_true", help=f"tune lr and optimizer state (seed {TUNING_SEED})")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--betas", default="5.0,1.0,0.1")
+    ap.add_argument("--no-ablation", action="store_true")
+    ap.add_argument("--clients", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--examples", type=int, default=4000, help="training pool (all clients)")
+    ap.add_argument("--test-examples", type=int, default=1000)
+    ap.add_argument("--max-length", type=int, default=32)
+    ap.add_argument("--target", type=float, default=None, help="accuracy for the rounds-to-target table "
+                    "(default: 90%% of the adapter baseline's final accuracy at the hardest beta)")  # fmt: skip
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/c2a"))
+    ap.add_argument("--tuned-file", type=Path, default=TUNED_FILE)
+    args = ap.parse_args()
+    names = args.methods.split(",")
+    if unknown := [n for n in names if n not in METHODS]:
+        ap.error(f"--methods: unknown {unknown}; choose from {list(METHODS)}")
+    if args.tune:
+        tune(names, args)
+        return
+    seeds = [int(s) for s in args.seeds.split(",")]
+    betas = [float(b) for b in args.betas.split(",")]
+    settings = read_tuned(args.tuned_file, names)
+    runs: dict[str, dict[float, list[Path]]] = {}
+    for name in names:
+        for beta in betas:
+            for seed in seeds:
+                out = args.out / f"{name}-beta{beta:g}-seed{seed}"
+                run_or_reuse(config(name, beta, seed, out, args, settings[name]))
+                runs.setdefault(name, {}).setdefault(beta, []).append(out)
+    print(f"\nMiniLM, WordNet topics ({args.examples} training glosses), {args.clients} clients, 25 % a round, "
+          f"{args.rounds} rounds x 1 epoch x batch 16; Dirichlet (FedNLP capped); seeds {seeds}; global test "
+          "accuracy (%) after the last round, mean ± std over seeds\n")  # fmt: skip
+    print_table(runs, settings, betas)
+    hardest = min(betas)
+    if not args.no_ablation and "c2a" in names:
+        ablation = {}
+        for name in ABLATIONS:
+            for seed in seeds:
+                out = args.out / f"{name}-beta{hardest:g}-seed{seed}"
+                run_or_reuse(config(name, hardest, seed, out, args, settings["c2a"]))
+                ablation.setdefault(name, []).append(out)
+        print_ablation(ablation, hardest)
+    print_rounds_to_target(runs, hardest, args.target)
+    plot_drift(runs, hardest, args.out / "drift.png")
+    print_claim(runs, betas)
+
+
+def tune(names: list[str], args: argparse.Namespace) -> None:
+    print(f"tuning on seed {TUNING_SEED}, beta {TUNING_BETA:g}: global test accuracy after round {args.rounds}")
+    for name in names:
+
+        def score(train: dict, name: str = name) -> float:
+            out = args.out / "tune" / f"{name}-{train['lr']:g}-{train['optimizer_state']}"
+            run_or_reuse(config(name, TUNING_BETA, TUNING_SEED, out, args, train))
+            return read_records(out)[-1]["global"]["accuracy"]
+
+        best, report = tune_method(score, GRIDS.get(name, LR_GRID))
+        print(f"  {name}: {report}", flush=True)
+        write_tuned(args.tuned_file, {name: best})
+
+
+def final_accuracy(outs: list[Path]) -> np.ndarray:
+    return np.array([read_records(out)[-1]["global"]["accuracy"] for out in outs])
+
+
+def pm(values: np.ndarray) -> str:
+    return f"{100 * values.mean():.1f} ± {100 * values.std():.1f}"
+
+
+def params_share(out: Path) -> float:
+    from fedpeft.report.results import read_summary
+
+    params = read_summary(out)["params"]
+    return 100 * params["trainable"] / params["total"]
+
+
+def print_table(runs: dict[str, dict[float, list[Path]]], settings: dict, betas: list[float]) -> None:
+    print("| Methods | Params (%) | lr, optimizer state | " + " | ".join(f"beta={b:g}" for b in betas) + " |")
+    print("|---|---|---|" + "---|" * len(betas))
+    for name, by_beta in runs.items():
+        first = by_beta[betas[0]][0]
+        cells = [METHODS[name][0], f"{params_share(first):.3f}%",
+                 f"{settings[name]['lr']:g}, {settings[name]['optimizer_state']}"]  # fmt: skip
+        cells += [pm(final_accuracy(by_beta[b])) for b in betas]
+        print("| " + " | ".join(cells) + " |", flush=True)
+    print("\nParams: trainable parameters (head included) / all parameters of the trained model.")
+
+
+def print_ablation(ablation: dict[str, list[Path]], beta: float) -> None:
+    print(f"\nAblation (the paper's Table 3), beta {beta:g}, C2A's tuned rate for every variant\n")
+    print("| Methods | Params (%) | Accuracy (%) |")
+    print("|---|---|---|")
+    for name, outs in ablation.items():
+        print(f"| {ABLATIONS[name][0]} | {params_share(outs[0]):.3f}% | {pm(final_accuracy(outs))} |")
+
+
+def rounds_to(outs: list[Path], target: float) -> float:
+    """The mean over seeds of the first round whose global accuracy reached ``target``
+    (inf when a seed never did)."""
+    firsts = []
+    for out in outs:
+        hit = [r["round"] for r in read_records(out) if "global" in r and r["global"]["accuracy"] >= target]
+        firsts.append(hit[0] if hit else float("inf"))
+    return float(np.mean(firsts))
+
+
+def print_rounds_to_target(runs: dict[str, dict[float, list[Path]]], beta: float, target: float | None) -> None:
+    if "fedap" not in runs:
+        return
+    if target is None:
+        target = 0.9 * final_accuracy(runs["fedap"][beta]).mean()
+    base = rounds_to(runs["fedap"][beta], target)
+    print(f"\nRounds to {100 * target:.1f} % global accuracy (the paper's Table 4), beta {beta:g}, mean over "
+          "seeds; speed-up = the adapter's rounds / the method's\n")  # fmt: skip
+    print("| Methods | rounds | speed-up |")
+    print("|---|---|---|")
+    for name, by_beta in runs.items():
+        rounds = rounds_to(by_beta[beta], target)
+        reached = np.isfinite(rounds)
+        speed = f"{base / rounds:.2f}x" if reached and np.isfinite(base) else "-"
+        print(f"| {METHODS[name][0]} | {rounds:.1f} | {speed} |" if reached else f"| {METHODS[name][0]} | "
+              "not reached (some seed) | - |")  # fmt: skip
+
+
+def drift_curve(outs: list[Path]) -> tuple[list[int], list[float]] | None:
+    """Rounds and the mean over seeds of the mean client drift (CKA) each round."""
+    per_seed = []
+    for out in outs:
+        records = [r for r in read_records(out) if isinstance(r.get("drift"), dict) and "mean" in r["drift"]]
+        per_seed.append({r["round"]: r["drift"]["mean"] for r in records})
+    rounds = sorted(set.intersection(*(set(s) for s in per_seed))) if per_seed else []
+    if not rounds:
+        return None
+    return rounds, [float(np.mean([s[k] for s in per_seed])) for k in rounds]
+
+
+def plot_drift(runs: dict[str, dict[float, list[Path]]], beta: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, by_beta in runs.items():
+        curve = drift_curve(by_beta[beta])
+        if curve:
+            ax.plot(*curve, marker="o", label=METHODS[name][0])
+    ax.set_xlabel("round")
+    ax.set_ylabel("CKA(client logits, global logits)")
+    ax.set_title(f"Client drift, beta {beta:g} (higher: less drift)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"\ndrift plot: {path}")
+    for name, by_beta in runs.items():
+        curve = drift_curve(by_beta[beta])
+        if curve:
+            print(f"  {METHODS[name][0]}: mean drift CKA over rounds {np.mean(curve[1]):.3f}")
+
+
+def print_claim(runs: dict[str, dict[float, list[Path]]], betas: list[float]) -> None:
+    """The paper's claims (sec. 4.4): C2A is the best PEFT method at every beta and loses
+    the least accuracy as beta falls."""
+    if "c2a" not in runs:
+        return
+    peft = [n for n in runs if n not in ("c2a", "fedft")]
+    print("\nThe paper's claim:")
+    for beta in betas:
+        ours = final_accuracy(runs["c2a"][beta]).mean()
+        best = max(peft, key=lambda n: final_accuracy(runs[n][beta]).mean()) if peft else None
+        if best:
+            theirs = final_accuracy(runs[best][beta]).mean()
+            print(f"  beta {beta:g}: C2A {100 * ours:.1f} vs best other PEFT {METHODS[best][0]} "
+                  f"{100 * theirs:.1f} -> {'held' if ours > theirs else 'did not hold'}")  # fmt: skip
+    easy, hard = max(betas), min(betas)
+    drops = {n: final_accuracy(runs[n][easy]).mean() - final_accuracy(runs[n][hard]).mean() for n in runs}
+    least = min((n for n in drops if n != "fedft"), key=drops.get)
+    print(f"  accuracy lost from beta {easy:g} to {hard:g} (points): "
+          + ", ".join(f"{METHODS[n][0]} {100 * d:.1f}" for n, d in drops.items()))  # fmt: skip
+    print(f"  C2A the most robust PEFT method (smallest loss): {'held' if least == 'c2a' else 'did not hold'} "
+          f"(smallest: {METHODS[least][0]})")
+
+
+if __name__ == "__main__":
+    main()
