@@ -189,32 +189,34 @@ def print_ablation(ablation: dict[str, list[Path]], beta: float) -> None:
         print(f"| {ABLATIONS[name][0]} | {params_share(outs[0]):.3f}% | {pm(final_accuracy(outs))} |")
 
 
-def rounds_to(outs: list[Path], target: float) -> float:
-    """The mean over seeds of the first round whose global accuracy reached ``target``
-    (inf when a seed never did)."""
-    firsts = []
-    for out in outs:
-        hit = [r["round"] for r in read_records(out) if "global" in r and r["global"]["accuracy"] >= target]
-        firsts.append(hit[0] if hit else float("inf"))
-    return float(np.mean(firsts))
-
-
 def print_rounds_to_target(runs: dict[str, dict[float, list[Path]]], beta: float, target: float | None) -> None:
+    """Per seed, ``fedpeft report``'s rounds-to-target table (``rounds_to_target``) of every
+    method's run against the adapter's."""
+    from fedpeft.report.efficiency import rounds_to_target
+
     if "fedap" not in runs:
         return
     if target is None:
         target = 0.9 * final_accuracy(runs["fedap"][beta]).mean()
-    base = rounds_to(runs["fedap"][beta], target)
-    print(f"\nRounds to {100 * target:.1f} % global accuracy (the paper's Table 4), beta {beta:g}, mean over "
-          "seeds; speed-up = the adapter's rounds / the method's\n")  # fmt: skip
+    seeds = len(runs["fedap"][beta])
+    tables = [
+        {row["run"]: row for row in rounds_to_target(
+            {n: read_records(by_beta[beta][i]) for n, by_beta in runs.items()}, target, "fedap")}
+        for i in range(seeds)
+    ]  # fmt: skip
+    print(f"\nRounds to {100 * target:.1f} % global accuracy (the paper's Table 4), beta {beta:g}; per seed; "
+          "speed-up = the adapter's rounds / the method's (`fedpeft report <runs> --target "
+          f"{target:.4f} --baseline fedap` on one seed's runs)\n")  # fmt: skip
     print("| Methods | rounds | speed-up |")
     print("|---|---|---|")
-    for name, by_beta in runs.items():
-        rounds = rounds_to(by_beta[beta], target)
-        reached = np.isfinite(rounds)
-        speed = f"{base / rounds:.2f}x" if reached and np.isfinite(base) else "-"
-        print(f"| {METHODS[name][0]} | {rounds:.1f} | {speed} |" if reached else f"| {METHODS[name][0]} | "
-              "not reached (some seed) | - |")  # fmt: skip
+    for name in runs:
+        rows = [t[name] for t in tables]
+        rounds = " / ".join(str(r["round"]) if r["round"] is not None else f"> {r['rounds_run']}" for r in rows)
+        speed = " / ".join(
+            "-" if r["speedup"] is None else f"{'' if r['bound'] == '=' else r['bound']}{r['speedup']:.2f}x"
+            for r in rows
+        )
+        print(f"| {METHODS[name][0]} | {rounds} | {speed} |")
 
 
 def drift_curve(outs: list[Path]) -> tuple[list[int], list[float]] | None:
