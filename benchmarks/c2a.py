@@ -243,6 +243,7 @@ def plot_drift(runs: dict[str, dict[float, list[Path]]], beta: float, path: Path
         if curve:
             ax.plot(*curve, marker="o", label=METHODS[name][0])
     ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
     ax.set_ylabel("CKA(client logits, global logits)")
     ax.set_title(f"Client drift, beta {beta:g} (higher: less drift)")
     ax.legend(fontsize=8)
