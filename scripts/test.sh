@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# One worker per core; a test module stays on one worker (the deployment tests share one
-# federation per module).
-exec .venv/bin/python -m pytest -n auto --dist loadscope "$@"
+# One worker per core, tests dealt out one by one; a deployment module's tests stay on one
+# worker (marked xdist_group: they share one federation).
+exec .venv/bin/python -m pytest -n auto --dist loadgroup "$@"

@@ -169,31 +169,40 @@ def test_lm_cohort_equals_one_at_a_time(tiny_config, tiny_decoder, name):
     assert_cohort_equals_alone(setup, cids, name)
 
 
-def test_every_method_runs_on_instruction_tuning_or_says_why_not(tiny_config, tiny_decoder, tmp_path):
+def _registered() -> list[str]:
+    from fedpeft.methods import REGISTRY
+
+    return sorted(REGISTRY)
+
+
+@pytest.mark.parametrize("name", _registered())
+def test_every_method_runs_on_instruction_tuning_or_says_why_not(tiny_config, tiny_decoder, tmp_path, name):
     from fedpeft.config import ConfigError
     from fedpeft.experiment import run
     from fedpeft.methods import REGISTRY
     from fedpeft.report.results import read_records
 
-    for name in REGISTRY:
-        cfg = lm_config(tiny_config, tiny_decoder, method={"name": name}, output_dir=str(tmp_path / name),
-                        **{"train.rounds": 1, "train.local_steps": 2, "eval.generation.samples": 1,
-                           "eval.generation.max_new_tokens": 3})  # fmt: skip
-        if name == "fedbf":  # BitFit: a Llama has no bias terms to train
-            with pytest.raises(ValueError, match="nothing to train on this backbone"):
-                run(cfg)
-            continue
-        if "causal_lm" not in REGISTRY[name].tasks:  # defined for classification heads only: says why
-            with pytest.raises(
-                ConfigError, match=f"method.name {name}: not defined for data.task causal_lm; .+"
-            ):
-                run(cfg)
-            continue
-        run(cfg)
-        last = read_records(cfg.output_dir)[-1]
-        assert math.isfinite(last["loss"]), name
-        scores = last.get("global") or {}
-        assert "rouge_l" in scores or "rouge_l_mean" in last["local"], name
+    cfg = lm_config(tiny_config, tiny_decoder, method={"name": name}, output_dir=str(tmp_path / name),
+                    **{"train.rounds": 1, "train.local_steps": 2, "eval.generation.samples": 1,
+                       "eval.generation.max_new_tokens": 3})  # fmt: skip
+    if name == "fedbf":  # BitFit: a Llama has no bias terms to train
+        with pytest.raises(ValueError, match="nothing to train on this backbone"):
+            run(cfg)
+        return
+    if "causal_lm" not in REGISTRY[name].tasks:  # defined for classification heads only: says why
+        with pytest.raises(ConfigError, match=f"method.name {name}: not defined for data.task causal_lm; .+"):
+            run(cfg)
+        return
+    run(cfg)
+    last = read_records(cfg.output_dir)[-1]
+    assert math.isfinite(last["loss"]), name
+    scores = last.get("global") or {}
+    assert "rouge_l" in scores or "rouge_l_mean" in last["local"], name
+
+
+def test_a_personal_head_is_refused_on_a_causal_lm(tiny_config, tiny_decoder, tmp_path):
+    from fedpeft.experiment import run
+
     with pytest.raises(ValueError, match="no classification head"):
         run(lm_config(tiny_config, tiny_decoder, method={"name": "fedlr", "head": "personal"},
                       output_dir=str(tmp_path / "head")))  # fmt: skip

@@ -314,6 +314,11 @@ def test_secure_aggregation_gives_the_mean_without_showing_updates(tiny_config, 
     assert any((secure_state[n] != plain_state[n]).any() for n in plain_state)  # it really was quantised
     records = read_records(cfg.output_dir)
     assert all(r["secure_aggregation"] and r["clients_returned"] == [0, 1, 2, 3] for r in records)
+    # the round's loss is weighted by examples, as a plain round's (and in-process) is; the
+    # clients hold different numbers of examples, so an unweighted mean would differ
+    sizes = {node.cid: len(node.client.train) for node in apps._nodes.values()}
+    assert len(set(sizes.values())) > 1
+    assert records[0]["loss"] == pytest.approx(read_records(local_cfg.output_dir)[0]["loss"], rel=1e-6)
     # every reply to a training message carries masked integers only, never the update
     node = next(iter(apps._nodes.values()))
     shared = set(node.method.shared_names)

@@ -16,7 +16,8 @@ from fedpeft.flower import deploy
 from fedpeft.flower.certs import make_certificates
 from fedpeft.report.results import read_records, read_summary
 
-pytestmark = pytest.mark.deploy
+# one SuperLink federation per module: its tests stay on one xdist worker (scripts/test.sh)
+pytestmark = [pytest.mark.deploy, pytest.mark.xdist_group("flower_deploy")]
 
 PF2 = {"name": "pf2lora", "lora": {"r": 4, "alpha": 8}, "client_rank": 2, "client_alpha": 4}
 SMALL = {

@@ -16,7 +16,8 @@ from test_flower_deploy import PF2, SMALL
 from fedpeft.flower import deploy
 from fedpeft.report.results import read_records
 
-pytestmark = pytest.mark.deploy
+# one SuperLink federation per module: its tests stay on one xdist worker (scripts/test.sh)
+pytestmark = [pytest.mark.deploy, pytest.mark.xdist_group("flower_faults")]
 
 
 def test_node_killed_mid_round(tiny_config, tmp_path):

@@ -228,32 +228,56 @@ def report(
     runs: Annotated[list[Path], typer.Argument(help="Run directories to compare.")],
     out: Annotated[Path, typer.Option(help="Where to write the comparison plots.")] = Path("runs/report"),
     target: Annotated[
-        float | None,
+        list[float] | None,  # noqa: UP007
         typer.Option(
-            help="Target global score (accuracy; ROUGE-L for generation) for time-to-target "
-            "(default: the best of these runs)."
+            help="Target global score (accuracy; ROUGE-L for generation) for time-to-target and, with "
+            "--baseline, rounds-to-target (default: the best of these runs); repeatable."
+        ),
+    ] = None,
+    baseline: Annotated[
+        str | None,  # noqa: UP007
+        typer.Option(
+            help="Also print the rounds each run took to reach the target and its speed-up over this "
+            "run (the C2A paper's Table 4): baseline rounds / run rounds. A method name (e.g. fedap) "
+            "that exactly one run has, or a run directory's name."
         ),
     ] = None,
     bandwidth: Annotated[float, typer.Option(help="Client link bandwidth, Mbit/s.")] = 25.0,
     latency: Annotated[float, typer.Option(help="Client link latency per message, ms.")] = 0.0,
 ) -> None:
-    """Compare finished runs: a results table, time to 90/95/99 % of a target, and plots with
-    every run on one figure (accuracy vs rounds and bytes; LoRA update variation)."""
+    """Compare finished runs: a results table, time to 90/95/99 % of a target, rounds to the
+    target with speed-ups over a baseline (--baseline), and plots with every run on one figure
+    (accuracy vs rounds and bytes; LoRA update variation; client drift)."""
     from fedpeft.report import results as R
     from fedpeft.report.efficiency import Link, time_to_target
-    from fedpeft.report.plots import plot_accuracy, plot_variation
+    from fedpeft.report.plots import plot_accuracy, plot_drift, plot_variation
 
     try:
         summaries = [R.read_summary(d) for d in runs]
-        records = {f"{s['name']} ({d.name})": R.read_records(d) for s, d in zip(summaries, runs, strict=True)}
-    except (FileNotFoundError, json.JSONDecodeError) as err:
+        labels = [f"{s['name']} ({d.name})" for s, d in zip(summaries, runs, strict=True)]
+        records = {label: R.read_records(d) for label, d in zip(labels, runs, strict=True)}
+        base = _baseline_run(baseline, summaries, runs, labels) if baseline is not None else None
+    except (FileNotFoundError, json.JSONDecodeError, ValueError) as err:
         _fail(err)
     _print_summaries(summaries)
     name = summaries[0].get("headline", "accuracy")
-    if target is None:
-        target = max((s.get(f"best_global_{name}") or 0.0) for s in summaries)
+    targets = target or [max((s.get(f"best_global_{name}") or 0.0) for s in summaries)]
     link = Link(bandwidth, latency)
-    table = Table(title=f"time to target ({name} {target:.3f}; link {bandwidth:g} Mbit/s, {latency:g} ms)")
+    for goal in targets:
+        _print_time_to_target(records, goal, name, link, time_to_target)
+    if base is not None:
+        methods = {label: s["method"] for label, s in zip(labels, summaries, strict=True)}
+        for goal in targets:
+            _print_rounds_to_target(records, methods, goal, name, base)
+    out.mkdir(parents=True, exist_ok=True)
+    for path in [*plot_accuracy(records, out), plot_variation(records, out), plot_drift(records, out)]:
+        if path is not None:
+            console.print(f"plot: {path}")
+
+
+def _print_time_to_target(records: dict, target: float, name: str, link, time_to_target) -> None:
+    link_text = f"link {link.bandwidth_mbit:g} Mbit/s, {link.latency_ms:g} ms"
+    table = Table(title=f"time to target ({name} {target:.3f}; {link_text})")
     for col in ("run", "% of target", "round", "MB", "train s", "comm s", "decomp s", "total s"):
         table.add_column(col)
     for label, recs in records.items():
@@ -270,10 +294,48 @@ def report(
                 ]
             table.add_row(label, f"{row['fraction']:.0%}", *cells)
     console.print(table)
-    out.mkdir(parents=True, exist_ok=True)
-    for path in [*plot_accuracy(records, out), plot_variation(records, out)]:
-        if path is not None:
-            console.print(f"plot: {path}")
+
+
+def _baseline_run(baseline: str, summaries: list[dict], runs: list[Path], labels: list[str]) -> str:
+    """The label of the run ``--baseline`` names: the one run of that method, or the run
+    whose directory has that name (or path)."""
+    by_dir = [label for label, d in zip(labels, runs, strict=True) if baseline in (d.name, str(d))]
+    if len(by_dir) == 1:
+        return by_dir[0]
+    if by_dir:
+        raise ValueError(f"--baseline {baseline}: {len(by_dir)} run directories have that name; give a path")
+    by_method = [label for label, s in zip(labels, summaries, strict=True) if s["method"] == baseline]
+    if len(by_method) == 1:
+        return by_method[0]
+    if by_method:
+        raise ValueError(
+            f"--baseline {baseline}: {len(by_method)} runs are of method {baseline} "
+            f"({', '.join(by_method)}); give the baseline run's directory name instead"
+        )
+    methods = sorted({s["method"] for s in summaries})
+    raise ValueError(
+        f"--baseline {baseline}: no run is of that method (methods: {', '.join(methods)}) or in a "
+        f"directory of that name (directories: {', '.join(d.name for d in runs)})"
+    )
+
+
+def _print_rounds_to_target(records: dict, methods: dict, target: float, name: str, base: str) -> None:
+    """The C2A paper's Table 4 for one target: rounds to reach it, and speed-up over ``base``."""
+    from fedpeft.report.efficiency import rounds_to_target
+
+    table = Table(
+        title=f"rounds to target ({name} {target:.3f}); speed-up = rounds of {base} / rounds of the run"
+    )
+    for col in ("run", "method", "rounds", "speed-up"):
+        table.add_column(col)
+    for row in rounds_to_target(records, target, base, name):
+        rounds = str(row["round"]) if row["round"] is not None else f"not reached (> {row['rounds_run']})"
+        speedup = "-"
+        if row["speedup"] is not None:
+            prefix = {"=": "", "<=": "≤ ", ">=": "≥ "}[row["bound"]]
+            speedup = f"{prefix}×{row['speedup']:.2f}"
+        table.add_row(row["run"], methods[row["run"]], rounds, speedup)
+    console.print(table)
 
 
 @app.command()
@@ -321,17 +383,46 @@ CaOpt = Annotated[Path | None, typer.Option("--ca", help="CA certificate every p
 InsecureOpt = Annotated[
     bool, typer.Option("--insecure", help="Plain HTTP, no TLS (loopback and trials only).")
 ]
+HostOpt = Annotated[str, typer.Option(help="Interface the SuperLink listens on (0.0.0.0: all).")]
+PortOpt = Annotated[int, typer.Option(help="The SuperLink's port (one port: nodes and runs alike).")]
+CertOpt = Annotated[Path | None, typer.Option(help="SuperLink certificate (TLS).")]  # noqa: UP007
+KeyOpt = Annotated[Path | None, typer.Option(help="SuperLink private key (TLS).")]  # noqa: UP007
 
 
 def _tls(ca: Path | None, insecure: bool, cert: Path | None = None, key: Path | None = None):
-    from fedpeft.flower.deploy import Tls
+    """The TLS setting, its paths made absolute (Flower's processes run in other folders)."""
+    from fedpeft.flower.deploy import DeployError, Tls
 
     if insecure == (ca is not None):
         _fail(ValueError("give either --ca (TLS, the default for a deployment) or --insecure"))
-    for flag, path in (("--ca", ca), ("--cert", cert), ("--key", key)):
-        if path is not None and not path.is_file():
-            _fail(FileNotFoundError(f"{flag} {path}: no such file"))
-    return None if insecure else Tls(ca, cert, key)
+    if insecure:
+        for flag, path in (("--cert", cert), ("--key", key)):
+            if path is not None:
+                _fail(ValueError(f"{flag} {path}: a certificate with --insecure; give --ca too, or drop it"))
+        return None
+    tls = Tls(ca, cert, key)
+    try:
+        tls.check()
+    except DeployError as err:
+        _fail(err)
+    return tls
+
+
+def _say(prefix: str):
+    from rich.markup import escape
+
+    return lambda line: console.print(f"[bold]{prefix}:[/] {escape(line)}", soft_wrap=True)
+
+
+def _join_hint(address: str, ca: Path | None) -> str:
+    security = f"--ca {ca}" if ca is not None else "--insecure"
+    return f"fedpeft join --superlink {address} {security} --partition-id N --state-dir DIR"
+
+
+def _public_address(host: str, port: int) -> str:
+    from fedpeft.flower.connect import WILDCARDS, join_address
+
+    return join_address("<this host>" if host in WILDCARDS else host, port)
 
 
 @app.command()
@@ -341,48 +432,104 @@ def serve(
     resume: Annotated[bool, typer.Option(help="Continue from the last completed round.")] = False,
     superlink: Annotated[
         str | None,  # noqa: UP007
-        typer.Option(help="Address of a running SuperLink (HOST:PORT); default: start one here."),
+        typer.Option(
+            help="A running SuperLink (HOST:PORT, e.g. from `fedpeft superlink`) to submit the run to; "
+            "default: start one here for this run only."
+        ),
     ] = None,
-    host: Annotated[str, typer.Option(help="Interface the SuperLink started here listens on.")] = "0.0.0.0",
-    port: Annotated[int, typer.Option(help="Port of the SuperLink started here.")] = 9092,
+    host: HostOpt = "0.0.0.0",
+    port: PortOpt = 9092,
     ca: CaOpt = None,
-    cert: Annotated[Path | None, typer.Option(help="SuperLink certificate (TLS).")] = None,  # noqa: UP007
-    key: Annotated[Path | None, typer.Option(help="SuperLink private key (TLS).")] = None,  # noqa: UP007
+    cert: CertOpt = None,
+    key: KeyOpt = None,
     insecure: InsecureOpt = False,
     workdir: Annotated[Path | None, typer.Option(help="Flower's files (default: OUTPUT_DIR/flower).")] = None,  # noqa: UP007
 ) -> None:
-    """Run the experiment over Flower: start a SuperLink (unless --superlink is given),
-    submit the experiment and follow it until its last round. Clients join with
-    ``fedpeft join``; results land in the config's output_dir as with ``fedpeft run``."""
+    """Run the experiment over Flower and follow it until its last round; results land in
+    the config's output_dir as with ``fedpeft run``. Clients join with ``fedpeft join`` and
+    receive the config from here. Without --superlink a SuperLink is started for this run
+    and stopped after it; with --superlink the run goes to a long-lived one."""
     from fedpeft.flower import deploy
+    from fedpeft.flower.connect import local_address, wait_for_superlink
 
     try:
         cfg = _config(config, set_)
+        deploy.check_deployable(cfg)
     except ConfigError as err:
         _fail(err)
+    if superlink is not None and (cert is not None or key is not None):
+        _fail(
+            ValueError("--cert/--key: for the SuperLink serve starts itself; with --superlink give --ca only")
+        )
     tls = _tls(ca, insecure, cert, key)
     work = (workdir or Path(cfg.output_dir) / "flower").resolve()
     link = None
     try:
         if superlink is None:
             link = deploy.start_superlink(work, host, port, tls, log=work / "superlink.log")
-            superlink = f"127.0.0.1:{port}"
-            console.print(f"SuperLink listening on {host}:{port} (log: {work / 'superlink.log'})")
-            console.print(
-                f"clients join with: fedpeft join --superlink <this host>:{port} --partition-id N ..."
-            )
+            superlink = local_address(host, port, tls)
+            log = work / "superlink.log"
+            console.print(f"SuperLink on {host}:{port} for this run (log: {log})", soft_wrap=True)
+            console.print(f"clients join with: {_join_hint(_public_address(host, port), ca)}", soft_wrap=True)
+        else:
+            wait_for_superlink(superlink, tls, max_wait=10, say=_say("fedpeft serve"))
         status = deploy.submit(cfg, superlink, workdir=work, tls=tls, resume=resume)
     except deploy.DeployError as err:
         _fail(err)
     finally:
         if link is not None:
             deploy.stop(link)
+            console.print(
+                "SuperLink stopped. Nodes wait up to their --max-wait for the next `fedpeft serve` on this "
+                "port; for several runs keep one up with `fedpeft superlink` and use `serve --superlink`.",
+                soft_wrap=True,
+            )
     traffic = status.get("network-traffic", {})
     megabytes = traffic.get("total-bytes", 0) / 1e6
     console.print(f"run {status['run-id']}: {status['status']}, {megabytes:.2f} MB on the wire")
     from fedpeft.report.results import read_summary
 
     _print_summaries([read_summary(Path(cfg.output_dir))])
+
+
+@app.command()
+def superlink(
+    host: HostOpt = "0.0.0.0",
+    port: PortOpt = 9092,
+    ca: CaOpt = None,
+    cert: CertOpt = None,
+    key: KeyOpt = None,
+    insecure: InsecureOpt = False,
+    workdir: Annotated[Path, typer.Option(help="The SuperLink's files (database, log).")] = Path(
+        "runs/superlink"
+    ),
+) -> None:
+    """Run a long-lived SuperLink until stopped (Ctrl-C): nodes join it once and take part in
+    every run submitted with ``fedpeft serve CONFIG --superlink HOST:PORT``."""
+    from fedpeft.flower import deploy
+
+    tls = _tls(ca, insecure, cert, key)
+    work = workdir.resolve()
+    try:
+        link = deploy.start_superlink(work, host, port, tls, log=work / "superlink.log")
+    except deploy.DeployError as err:
+        _fail(err)
+    address = _public_address(host, port)
+    console.print(
+        f"SuperLink listening on {host}:{port} until stopped (log: {work / 'superlink.log'})", soft_wrap=True
+    )
+    console.print(f"clients join with: {_join_hint(address, ca)}", soft_wrap=True)
+    security = f"--ca {ca}" if ca is not None else "--insecure"
+    console.print(f"runs start with: fedpeft serve CONFIG --superlink {address} {security}", soft_wrap=True)
+    try:
+        code = link.wait()
+    except KeyboardInterrupt:
+        code = 0
+    finally:
+        deploy.stop(link)
+    if code:
+        _fail(deploy.DeployError(f"flower-superlink exited with code {code} (log: {work / 'superlink.log'})"))
+    console.print("SuperLink stopped")
 
 
 @app.command()
@@ -399,27 +546,70 @@ def join(
     state_dir: Annotated[Path, typer.Option(help="Where this client keeps its state.")] = Path(
         ".fedpeft-node"
     ),
-    port: Annotated[int, typer.Option(help="Local port of this node's app runtime.")] = 9094,
+    port: Annotated[
+        int | None,  # noqa: UP007
+        typer.Option(help="Local port of this node's app runtime (default: a free one)."),
+    ] = None,
+    max_wait: Annotated[
+        float,
+        typer.Option(
+            min=1,
+            help="Seconds to wait for an unreachable SuperLink (at the start, or once lost) before "
+            "giving up with the reason.",
+        ),
+    ] = 300,
     ca: CaOpt = None,
     insecure: InsecureOpt = False,
 ) -> None:
-    """Join a federation as one client: runs a Flower SuperNode until stopped (Ctrl-C).
-    The node trains and evaluates on its own data; its personal state never leaves it."""
-    import os
+    """Join a federation as one client, until stopped (Ctrl-C). The node receives the
+    experiment's config from the server with each run, trains and evaluates on its own data,
+    and keeps its personal state (never sent) in --state-dir. It rejoins a restarted
+    SuperLink, and gives up after --max-wait seconds without one, saying why."""
+    import contextlib
+    import signal
 
     from fedpeft.flower import deploy
+    from fedpeft.flower.connect import split_address
+    from fedpeft.flower.join import run_node
 
     tls = _tls(ca, insecure)
     if data_file is not None and not data_file.is_file():
         _fail(FileNotFoundError(f"--data-file {data_file}: no such file"))
-    cmd = deploy.supernode_command(
-        superlink, partition_id, state_dir, data_file=data_file, tls=tls, port=port
-    )
-    home = state_dir.resolve() / "flwr-home"
+    try:
+        split_address(superlink)
+    except deploy.DeployError as err:
+        _fail(err)
+    state = state_dir.resolve()
+
+    def command() -> list[str]:
+        return deploy.supernode_command(
+            superlink, partition_id, state, data_file=data_file, tls=tls, port=port or deploy.free_port()
+        )
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    with contextlib.suppress(ValueError):  # not the main thread (an embedding program): leave it
+        signal.signal(signal.SIGTERM, interrupt)
     console.print(
-        f"client {partition_id} joining {superlink} ({'TLS' if tls else 'no TLS'}); state in {state_dir}"
+        f"client {partition_id} joining {superlink} ({'TLS' if tls else 'no TLS'}); state in {state_dir}",
+        soft_wrap=True,
     )
-    os.execvpe(cmd[0], cmd, deploy.flower_env(home))
+    try:
+        run_node(
+            command,
+            deploy.flower_env(state / "flwr-home"),
+            superlink,
+            tls,
+            cid=partition_id,
+            max_wait=max_wait,
+            log_path=state / "supernode.log",
+            say=_say("fedpeft join"),
+        )
+    except deploy.DeployError as err:
+        _fail(err)
+    except KeyboardInterrupt:
+        console.print(f"client {partition_id}: stopped")
 
 
 @app.command()

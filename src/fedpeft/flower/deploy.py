@@ -12,7 +12,12 @@
 
 Every process gets its own ``FLWR_HOME`` and an environment that keeps Flower off the
 network (no telemetry, no update check, no dependency installation at run time: the
-package is already installed on every machine).
+package is already installed on every machine). Certificate paths are made absolute
+(:class:`Tls`), as are the config's paths: these processes run in other folders.
+
+``fedpeft superlink`` keeps one SuperLink up for run after run; ``fedpeft join`` checks
+the SuperLink's address and keeps its node joined (:mod:`fedpeft.flower.connect`,
+:mod:`fedpeft.flower.join`).
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +52,19 @@ class Tls:
     ca: Path
     cert: Path | None = None
     key: Path | None = None
+
+    def __post_init__(self) -> None:
+        # absolute from here on: the SuperLink, the nodes and the ``flwr`` CLI run in other
+        # working directories than the command that was given the paths
+        self.ca = Path(self.ca).expanduser().resolve()
+        self.cert = None if self.cert is None else Path(self.cert).expanduser().resolve()
+        self.key = None if self.key is None else Path(self.key).expanduser().resolve()
+
+    def check(self) -> None:
+        """:class:`DeployError` naming the first of the given files that does not exist."""
+        for flag, path in (("--ca", self.ca), ("--cert", self.cert), ("--key", self.key)):
+            if path is not None and not path.is_file():
+                raise DeployError(f"{flag} {path}: no such file")
 
 
 def flower_env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -89,11 +106,14 @@ def start_superlink(
     workdir: Path, host: str, port: int, tls: Tls | None, log: Path | None = None
 ) -> subprocess.Popen:
     """``flower-superlink`` on ``host:port``; returns once it answers its health check."""
+    from fedpeft.flower.connect import local_address
+
     if tls is None:
         security = ["--insecure"]
     else:
         if tls.cert is None or tls.key is None:
             raise DeployError("a TLS SuperLink needs its certificate and key (--cert, --key) besides --ca")
+        tls.check()
         security = [
             "--ssl-ca-certfile",
             str(tls.ca),
@@ -106,27 +126,29 @@ def start_superlink(
     cmd = [_script("flower-superlink"), *security, "--host", host, "--port", str(port),
            "--disable-runtime-dependency-installation", "--database", database]  # fmt: skip
     proc = _spawn(cmd, workdir, workdir / "home-superlink", log)
-    wait_healthy(proc, "127.0.0.1" if host in ("0.0.0.0", "::") else host, port, tls, log)
+    wait_healthy(proc, local_address(host, port, tls), tls, log)
     return proc
 
 
 def wait_healthy(
-    proc: subprocess.Popen, host: str, port: int, tls: Tls | None, log: Path | None, timeout: float = 120
+    proc: subprocess.Popen, address: str, tls: Tls | None, log: Path | None, timeout: float = 120
 ) -> None:
-    import ssl
+    """Return once the SuperLink ``proc`` answers its health check at ``address``."""
+    from fedpeft.flower.connect import probe
 
-    scheme = "https" if tls else "http"
-    context = ssl.create_default_context(cafile=str(tls.ca)) if tls else None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = log.read_text()[-2000:] if log and log.exists() else ""
             raise DeployError(f"flower-superlink exited with code {proc.returncode}:\n{tail}")
-        url = f"{scheme}://{host}:{port}/health"
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2, context=context):
+        problem = probe(address, tls, timeout=2)
+        if problem is None:
             return
+        if problem.lasting:
+            stop(proc)
+            raise DeployError(f"the SuperLink just started at {address}: {problem.why}")
         time.sleep(0.3)
-    raise DeployError(f"flower-superlink on {host}:{port} not healthy after {timeout:g} s")
+    raise DeployError(f"flower-superlink at {address} not healthy after {timeout:g} s")
 
 
 def node_config(partition_id: int, state_dir: Path, data_file: Path | None = None) -> str:
@@ -260,6 +282,21 @@ def run_status(home: Path, run_id: int) -> dict:
     return {}
 
 
+def check_deployable(cfg: ExperimentConfig) -> None:
+    """A :class:`ConfigError` naming the key when ``cfg`` asks for what a deployed run
+    cannot do (a task other than classification; client drift)."""
+    if cfg.data.task != "classification":
+        raise ConfigError(
+            f"data.task {cfg.data.task}: deployed (Flower) runs are classification only so far; run it "
+            "in-process with `fedpeft run`"
+        )
+    if cfg.eval.drift:
+        raise ConfigError(
+            "eval.drift: client drift is measured by the in-process engine (`fedpeft run`); a deployed "
+            "server never holds a client's model after its round. Set eval.drift: false to deploy"
+        )
+
+
 def submit(
     cfg: ExperimentConfig,
     superlink: str,
@@ -272,11 +309,7 @@ def submit(
 ) -> dict:
     """Run ``cfg`` on the federation behind ``superlink`` (its Control API address) and
     wait for the end; returns Flower's final record of the run (status, traffic)."""
-    if cfg.data.task != "classification":
-        raise ConfigError(
-            f"data.task {cfg.data.task}: deployed (Flower) runs are classification only so far; run it "
-            "in-process with `fedpeft run`"
-        )
+    check_deployable(cfg)
     cfg = absolute_paths(cfg)
     home = workdir / "home-cli"
     write_connection(home, superlink, tls)

@@ -79,8 +79,9 @@ class OneRound(Strategy):
         self.instructions = instructions  # node id -> (client id, FitIns)
         self.uplink_like = uplink_like
         self.result: FitResult | None = None
-        self.returned: list[int] = []
-        self.metrics: list[dict] = []
+        self.returned: list[int] = []  # client ids, ascending
+        self.metrics: list[dict] = []  # each returned client's fit metrics, in that order
+        self.num_examples: list[int] = []  # and its number of examples (sent in the clear)
 
     def configure_fit(self, server_round, parameters, client_manager):
         return [(_Node(node, cid), ins) for node, (cid, ins) in self.instructions.items()]
@@ -94,9 +95,11 @@ class OneRound(Strategy):
         mean = unpack(parameters_to_ndarrays(first.parameters), json.dumps(sorted(self.uplink_like)))
         mean = {n: t.to(self.uplink_like[n].dtype) for n, t in mean.items()}
         mean = codec.check_tensors(mean, self.uplink_like, "securely aggregated update")
+        results = sorted(results, key=lambda pair: pair[0].cid)
         total = sum(res.num_examples for _, res in results)
-        self.returned = sorted(proxy.cid for proxy, _ in results)
+        self.returned = [proxy.cid for proxy, _ in results]
         self.metrics = [dict(res.metrics) for _, res in results]
+        self.num_examples = [res.num_examples for _, res in results]
         self.result = FitResult(mean, {}, total, {})
         return None, {}  # fedpeft keeps the state; the workflow's copy is not used
 

@@ -182,7 +182,14 @@ class FlowerServer:
     def wait_for_nodes(self) -> None:
         want = self.deploy.min_nodes or self.cfg.train.clients_per_round
         deadline = time.monotonic() + self.deploy.connect_timeout
+        told = -1
         while (have := len(list(self.grid.get_node_ids()))) < want:
+            if have != told:
+                self.log(
+                    f"waiting for nodes: {have} of deploy.min_nodes={want} connected (clients join with "
+                    f"`fedpeft join`; deploy.connect_timeout={self.deploy.connect_timeout:g} s)"
+                )
+                told = have
             if time.monotonic() > deadline:
                 raise DeploymentError(
                     f"{have} of deploy.min_nodes={want} nodes connected within "
@@ -297,7 +304,12 @@ class FlowerServer:
             **({"dropped": {str(c): why for c, why in sorted(dropped.items())}} if dropped else {}),
             "nodes": len(peers),
             "secure_aggregation": True,
-            "loss": float(np.mean([m["loss"] for m in per_client])) if per_client else float("nan"),
+            # weighted by examples, as a plain round and the in-process engine weigh it
+            "loss": float(
+                np.average([m.get("loss", np.nan) for m in per_client], weights=outcome.num_examples)
+            )
+            if per_client
+            else float("nan"),
             "fit": {k: float(np.mean([m[k] for m in per_client if k in m])) for k in names},
             "bytes_down": counted.down,
             "bytes_up": counted.up,

@@ -1,0 +1,186 @@
+"""``fedpeft join``: one client's SuperNode, kept joined while a SuperLink is there.
+
+On its own, ``flower-supernode`` retries an unreachable SuperLink forever, printing only
+"Connection attempt failed", and dies with a 401 traceback when the SuperLink it reaches
+was restarted (a new SuperLink does not know the node). :func:`run_node` runs it as a
+child and:
+
+1. checks the address first (:func:`~fedpeft.flower.connect.wait_for_superlink`): a lasting
+   problem (TLS against ``--insecure``, a CA that does not vouch for the certificate) ends
+   the command at once, nothing listening is retried for up to ``max_wait`` seconds, and
+   either way the one line says the address and the cause;
+2. echoes the node's output (all of it also goes to ``STATE_DIR/supernode.log``) without
+   the retry chatter and the 401 traceback;
+3. watches the SuperLink while the node runs: unreachable for ``max_wait`` seconds, the
+   node is stopped with one line that says so;
+4. when the node stops because the SuperLink no longer knows it (``fedpeft serve`` without
+   ``--superlink`` starts a new SuperLink for every run), starts a new one for the same
+   client and state directory: the node outlives runs, as long as the next run starts
+   within ``max_wait`` seconds of the last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+from fedpeft.flower import connect
+from fedpeft.flower.deploy import DeployError, Tls, stop
+
+WATCH_SECONDS = 2.0  # how often a running node's SuperLink is checked
+QUICK_EXIT_SECONDS = 30.0  # a node that stops sooner than this after starting stopped "at once"
+MAX_QUICK_EXITS = 3  # rejoins in a row that stop at once before giving up
+RETRY_CHATTER = "Connection attempt failed"
+# a log record of Flower (coloured level, then ":") or of uvicorn ("INFO:     ...")
+LOG_LINE = re.compile(r"^(\x1b\[[0-9;]*m)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b[^:]*:")
+TRACEBACK_HEADS = (
+    "Traceback (most recent call last):",
+    "Exception in thread",
+    "Exception ignored in",
+    "During handling of the above exception",
+    "The above exception was the direct cause",
+)
+
+
+class Echo:
+    """The node's output for the terminal: everything goes to the log file; Flower's retry
+    chatter, the tracebacks of a node the SuperLink forgot (401) and its exit noise do not
+    reach the terminal (the supervisor says what happened in one line instead). Log lines
+    other threads print in the middle of a traceback are told apart from it."""
+
+    def __init__(self, out: IO[str], log: IO[str]):
+        self.out, self.log = out, log
+        self.block: list[str] = []  # a traceback being read
+        self.forgotten = False  # the SuperLink answered 401: it does not know this node
+        self.after_swallowed = False  # just after a hidden traceback (its notes, chained ones)
+
+    def feed(self, line: str) -> None:
+        self.log.write(line)
+        self.log.flush()
+        if LOG_LINE.match(line):  # a log record, even in the middle of a traceback
+            if RETRY_CHATTER not in line:
+                self._write(line)
+            return
+        if self.block:
+            self.block.append(line)
+            if not (line.startswith((" ", "\t", *TRACEBACK_HEADS)) or not line.strip()):
+                self._end_block(line)  # the exception's own line ends a traceback
+            return
+        if line.startswith(TRACEBACK_HEADS):
+            self.block = [line]
+            return
+        if self.after_swallowed and (not line.strip() or line.startswith("For more information check")):
+            return  # httpx's second line of the 401 message, blank lines between tracebacks
+        self.after_swallowed = False
+        if "401 Unauthorized" in line:
+            self.forgotten = True
+        self._write(line)
+
+    def _end_block(self, last: str) -> None:
+        text, self.block = "".join(self.block), []
+        chained = text.startswith(("During handling", "The above exception"))
+        if "401 Unauthorized" in text:
+            self.forgotten = True
+        exiting = last.startswith(("SystemExit: 0", "KeyboardInterrupt"))
+        if "401 Unauthorized" in text or (chained and self.after_swallowed) or exiting:
+            self.after_swallowed = True  # Flower stopping itself: the supervisor says why
+        else:
+            self.after_swallowed = False
+            self._write(text)
+
+    def _write(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.block:
+            self._write("".join(self.block))
+            self.block = []
+
+
+def _pump(stream: IO[bytes], echo: Echo) -> None:
+    with contextlib.suppress(ValueError):  # the log closed under a straggling app process
+        for raw in iter(stream.readline, b""):
+            echo.feed(raw.decode(errors="replace"))
+
+
+def run_node(
+    command: Callable[[], list[str]],
+    env: dict[str, str],
+    address: str,
+    tls: Tls | None,
+    *,
+    cid: int,
+    max_wait: float,
+    log_path: Path,
+    say: Callable[[str], None] = print,
+    out: IO[str] = sys.stdout,
+) -> None:
+    """Keep client ``cid``'s SuperNode (``command()``: its command line, asked afresh for
+    every start) joined to the SuperLink at ``address`` until stopped (KeyboardInterrupt)
+    or until :class:`DeployError`, whose message is the one line to show."""
+    quick_exits = 0
+    while True:
+        connect.wait_for_superlink(address, tls, max_wait, say)
+        say(f"client {cid}: joining the SuperLink at {address} (node log: {log_path})")
+        started = time.monotonic()
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "a") as log:
+            echo = Echo(out, log)
+            proc = subprocess.Popen(command(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            reader = threading.Thread(target=_pump, args=(proc.stdout, echo), daemon=True)
+            reader.start()
+            try:
+                _watch(proc, address, tls, max_wait, say)
+            finally:
+                if proc.poll() is None:
+                    stop(proc)
+                reader.join(10)
+                echo.close()
+        # the node stopped by itself
+        if not (echo.forgotten or proc.returncode == 0):
+            raise DeployError(f"flower-supernode exited with code {proc.returncode} (log: {log_path})")
+        quick_exits = quick_exits + 1 if time.monotonic() - started < QUICK_EXIT_SECONDS else 0
+        if quick_exits >= MAX_QUICK_EXITS:
+            raise DeployError(
+                f"flower-supernode stopped right after joining {address}, {quick_exits} times in a "
+                f"row (log: {log_path})"
+            )
+        say(
+            f"client {cid}: the SuperLink at {address} no longer knows this node (it was restarted, "
+            "e.g. by a new `fedpeft serve`); rejoining"
+        )
+
+
+def _watch(proc: subprocess.Popen, address: str, tls: Tls | None, max_wait: float, say) -> None:
+    """Return when ``proc`` ends; :class:`DeployError` once the SuperLink has not answered
+    for ``max_wait`` seconds (the caller stops the node)."""
+    lost_since: float | None = None
+    while proc.poll() is None:
+        time.sleep(WATCH_SECONDS)
+        if proc.poll() is not None:
+            return
+        problem = connect.probe(address, tls)
+        if problem is None:
+            if lost_since is not None:
+                say(f"the SuperLink at {address} answers again")
+            lost_since = None
+            continue
+        now = time.monotonic()
+        if lost_since is None:
+            lost_since = now
+            say(f"lost the SuperLink at {address}: {problem.why}; waiting up to {max_wait:g} s (--max-wait)")
+        elif now - lost_since >= max_wait:
+            raise DeployError(
+                f"lost the SuperLink at {address} for {max_wait:g} s (--max-wait): {problem.why}. "
+                "`fedpeft serve` without --superlink stops its SuperLink when its run ends; to keep "
+                "nodes up across runs, start one with `fedpeft superlink` and submit runs to it with "
+                "`fedpeft serve CONFIG --superlink HOST:PORT`"
+            )
