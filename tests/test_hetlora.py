@@ -84,10 +84,13 @@ def test_ranks_are_drawn_in_range(tiny_config):
 
 
 def test_rank_draw_mixes_in_the_experiment_seed(tiny_config):
-    draws = [
-        [build(tiny_config(seed=seed, method={"name": "hetlora"})).method.initial_rank(c) for c in range(20)]
-        for seed in (0, 1, 3)
-    ]
+    from fedpeft.methods import build_method
+
+    def method(seed: int):  # as experiment.attach_method builds it: with the experiment's seed
+        cfg = tiny_config(seed=seed, method={"name": "hetlora"})
+        return build_method(cfg.method, cfg.train, cfg.seed)
+
+    draws = [[method(seed).initial_rank(c) for c in range(20)] for seed in (0, 1, 3)]
     assert draws[0] != draws[1] and draws[0] != draws[2] and draws[1] != draws[2]
 
 
