@@ -444,6 +444,14 @@ def serve(
     key: KeyOpt = None,
     insecure: InsecureOpt = False,
     workdir: Annotated[Path | None, typer.Option(help="Flower's files (default: OUTPUT_DIR/flower).")] = None,  # noqa: UP007
+    max_wait: Annotated[
+        float,
+        typer.Option(
+            min=1,
+            help="With --superlink: seconds to wait for it to answer (it may still be starting) before "
+            "giving up with the reason.",
+        ),
+    ] = 60,
 ) -> None:
     """Run the experiment over Flower and follow it until its last round; results land in
     the config's output_dir as with ``fedpeft run``. Clients join with ``fedpeft join`` and
@@ -472,7 +480,7 @@ def serve(
             console.print(f"SuperLink on {host}:{port} for this run (log: {log})", soft_wrap=True)
             console.print(f"clients join with: {_join_hint(_public_address(host, port), ca)}", soft_wrap=True)
         else:
-            wait_for_superlink(superlink, tls, max_wait=10, say=_say("fedpeft serve"))
+            wait_for_superlink(superlink, tls, max_wait=max_wait, say=_say("fedpeft serve"))
         status = deploy.submit(cfg, superlink, workdir=work, tls=tls, resume=resume)
     except deploy.DeployError as err:
         _fail(err)
