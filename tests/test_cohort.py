@@ -114,7 +114,7 @@ def assert_cohort_equals_alone(setup, cids, name) -> None:
                 # exact gradient is 0, and Adam (which divides by the gradient's size) turns
                 # float noise into steps of size lr. Only its bound is the same either way.
                 tol = 2 * lr * joint.metrics["steps"] if "key.bias" in key else 1e-5
-                torch.testing.assert_close(b[key], a[key], atol=tol, rtol=1e-4, msg=f"{name} {cid} {key}")
+                torch.testing.assert_close(b[key], a[key], atol=tol, rtol=1e-4, msg=lambda m: f"{name} {cid} {key}: {m}")
 
 
 def _jobs(setup, cids, rnd=1):
@@ -157,8 +157,13 @@ def test_functional_round_equals_autograd_with_torch_adamw(tiny_config):
 def test_cohort_equals_one_at_a_time(tiny_config, name):
     """Clients of different sizes (so different step counts, in epochs mode) trained as
     one cohort get the rounds they get alone; a client that finishes early stays put."""
+    # C2A's Frobenius normalisation leaves some of F_U's gradients near zero, and Adam (which
+    # divides by the gradient's size) turns their float noise into steps of ~1e-5; under SGD
+    # its cohort and lone runs agree to 1e-9. The shared Adam path is checked by the others.
+    optimizer = "sgd" if name == "c2a" else "adamw"
     cfg = tiny_config(method={"name": name}, **{"train.local_steps": None, "train.local_epochs": 1,
-                                                 "train.optimizer_state": "keep"})  # fmt: skip
+                                                 "train.optimizer_state": "keep",
+                                                 "train.optimizer": optimizer})  # fmt: skip
     setup = build(cfg)
     cids = list(range(len(setup.clients)))
     if name == "hetlora":  # masked ranks: clients of different ranks in one cohort
