@@ -286,12 +286,15 @@ def export(
     """Save the global model under ``out/adapter`` (its shared tensors only: personal state
     never enters the global export) and, given ``client_models`` (in-process runs with
     ``export.personal``), each client's own model under ``out/adapter/clients/<cid>``.
-    Every directory gets ``fedpeft_model.json``: the task and backbone; for classification
-    the pooling and label names; for a causal LM the system prompt its training used."""
+    Every directory gets ``fedpeft_model.json``: the task, backbone and method; for
+    classification the pooling and label names; for a causal LM the system prompt its
+    training used; which model it is (``part``: ``global`` or ``client``, and ``client``,
+    its id); and the run's resolved ``config``, from which :func:`fedpeft.load_export`
+    rebuilds the model, so that a directory loads on its own, wherever it is copied."""
     target = out / "adapter"
     shutil.rmtree(target, ignore_errors=True)  # never leave a previous run's adapter behind
     method, exported, cfg = setup.method, {}, setup.cfg
-    info: dict = {"task": cfg.data.task, "backbone": cfg.model.backbone}
+    info: dict = {"task": cfg.data.task, "backbone": cfg.model.backbone, "method": method.name}
     if cfg.data.task == "causal_lm":
         info["gguf_file"] = resolve_backbone(cfg.model)[1]
         info["system_prompt"] = cfg.data.system_prompt
@@ -301,15 +304,17 @@ def export(
         info["id2label"] = dict(enumerate(setup.corpus.tag_names))
     else:
         info.update(pooling=cfg.model.pooling, id2label=dict(enumerate(setup.corpus.class_names)))
+    config = {"config": cfg.model_dump(mode="json")}
     if method.shared_names:
         shared = {n: server_tensors[n] for n in method.shared_names}
         exported["global"] = str(method.export(setup.model, shared, target))
-        R.write_json(target / "fedpeft_model.json", info)
+        R.write_json(target / "fedpeft_model.json", {**info, "part": "global", **config})
     if client_models is not None and setup.cfg.export.personal:
         for client in setup.clients:
             client_dir = target / "clients" / str(client.cid)
             method.export(setup.model, client_models(client), client_dir)
-            R.write_json(client_dir / "fedpeft_model.json", info)
+            client_info = {**info, "part": "client", "client": client.cid, **config}
+            R.write_json(client_dir / "fedpeft_model.json", client_info)
         exported["clients"] = str(target / "clients")
     return exported or None
 

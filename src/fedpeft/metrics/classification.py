@@ -9,14 +9,23 @@ from fedpeft.data.task import Encoded, make_batch
 
 
 @torch.no_grad()
-def predict(model: torch.nn.Module, data: Encoded, batch_size: int = 128) -> np.ndarray:
-    """Arg-max predictions of ``model`` over ``data``, in order."""
+def logits(model: torch.nn.Module, data: Encoded, batch_size: int = 128) -> torch.Tensor:
+    """The outputs of ``model`` (in eval mode) over ``data``, in order, on the CPU: ``(N, C)``
+    for classification. What :func:`predict` takes the arg-max of, and what a loaded
+    export (:func:`fedpeft.load_export`) returns for texts."""
     model.eval()
     out = []
     for start in range(0, len(data), batch_size):
         batch = make_batch(data, torch.arange(start, min(start + batch_size, len(data))))
-        out.append(model(**batch).argmax(-1).cpu())
-    return torch.cat(out).numpy() if out else np.zeros(0, dtype=np.int64)
+        out.append(model(**batch).cpu())
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+def predict(model: torch.nn.Module, data: Encoded, batch_size: int = 128) -> np.ndarray:
+    """Arg-max predictions of ``model`` over ``data``, in order."""
+    if len(data) == 0:
+        return np.zeros(0, dtype=np.int64)
+    return logits(model, data, batch_size).argmax(-1).numpy()
 
 
 def scores(preds: np.ndarray, labels: np.ndarray) -> dict[str, float]:
