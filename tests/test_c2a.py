@@ -35,8 +35,11 @@ def generated(model, batch, labels=None) -> dict[str, torch.Tensor]:
     seen, handles = {}, []
     for name, module in model.named_modules():
         if isinstance(module, GeneratedAdapter):
-            hook = lambda mod, args, out, name=name: seen.__setitem__(name, mod.hyper.adapter(mod.layer).detach().clone())  # noqa: E731
-            handles.append(module.register_forward_hook(hook))
+
+            def keep(mod, args, out, name=name):
+                seen[name] = mod.hyper.adapter(mod.layer).detach().clone()
+
+            handles.append(module.register_forward_hook(keep))
     with torch.no_grad():
         if labels is None:
             model(batch["input_ids"], batch["attention_mask"])
@@ -119,7 +122,7 @@ def test_client_embedding_is_the_papers_sum_at_layer_zero(tiny_config):
 
 def test_site_applies_the_tied_adapter():
     """``A(h) = U GELU(U^T h) + h`` with the down-projection tied to ``U^T``."""
-    from fedpeft.peft.hyper import HyperSpec, Hypernetwork
+    from fedpeft.peft.hyper import Hypernetwork, HyperSpec
 
     hyper = Hypernetwork(dim=6, rank=3, num_layers=1, num_classes=4, spec=HyperSpec())
     u = torch.randn(6, 3)
@@ -131,7 +134,7 @@ def test_site_applies_the_tied_adapter():
 
 
 def test_padded_rows_change_neither_context_nor_label_distribution():
-    from fedpeft.peft.hyper import HyperSpec, Hypernetwork
+    from fedpeft.peft.hyper import Hypernetwork, HyperSpec
 
     hidden = torch.randn(3, 4, 5)
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
@@ -162,4 +165,3 @@ def test_parameter_counts_follow_the_formula(tiny_config, factorise):
     assert not method.personal_names
     # the adapters' weights are generated, never parameters: the backbone holds none
     assert not [n for n, p in model.backbone.named_parameters() if p.requires_grad]
-

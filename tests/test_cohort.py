@@ -114,7 +114,10 @@ def assert_cohort_equals_alone(setup, cids, name) -> None:
                 # exact gradient is 0, and Adam (which divides by the gradient's size) turns
                 # float noise into steps of size lr. Only its bound is the same either way.
                 tol = 2 * lr * joint.metrics["steps"] if "key.bias" in key else 1e-5
-                torch.testing.assert_close(b[key], a[key], atol=tol, rtol=1e-4, msg=lambda m: f"{name} {cid} {key}: {m}")
+                where = f"{name} {cid} {key}"
+                torch.testing.assert_close(
+                    b[key], a[key], atol=tol, rtol=1e-4, msg=lambda m, w=where: f"{w}: {m}"
+                )
 
 
 def _jobs(setup, cids, rnd=1):

@@ -59,6 +59,7 @@ KEEP = {"train.optimizer_state": "keep"}
 FDLORA = {"name": "fdlora", "sync_every": 1}  # all three stages (local, outer step, sync) in 2 rounds
 CASES = [({"name": "fedlr"}, {}), (PF2, {}), ({"name": "federa"}, {}), (HET, KEEP), ({"name": "fedmcp"}, {}),
          (FDLORA, {}), ({"name": "c2a"}, {})]  # fmt: skip
+PERSONAL_CASES = [(PF2, {}), (PF2, KEEP), (HET, KEEP), ({"name": "fedmcp"}, {}), (FDLORA, {})]
 
 
 @pytest.mark.parametrize(("method", "over"), CASES)
@@ -91,7 +92,7 @@ def test_same_metrics_as_in_process(tiny_config, tmp_path, method, over):
     assert all(r["dropped"] == {} for r in b if "dropped" in r)  # no update refused
 
 
-@pytest.mark.parametrize(("method", "over"), [(PF2, {}), (PF2, KEEP), (HET, KEEP), ({"name": "fedmcp"}, {}), (FDLORA, {})])
+@pytest.mark.parametrize(("method", "over"), PERSONAL_CASES)
 def test_personal_state_stays_on_the_nodes(tiny_config, tmp_path, method, over):
     """Personal parameters, kept optimizer state (``opt.*``) and HETLoRA's own adapter
     (``own.*``) never appear in a message; each node keeps them on its own disk."""

@@ -51,7 +51,8 @@ class C2A(Method):
         "causal_lm": "its label embedding is a batch's class distribution, which a language model has not",
         "token_classification": "its label embedding is a distribution over one class per example; a "
         "tagger labels tokens",
-        "extractive_qa": "its label embedding is a distribution over one class per example; QA predicts spans",
+        "extractive_qa": "its label embedding is a distribution over one class per example; QA "
+        "predicts spans",
     }
 
     def prepare(self, model) -> None:

@@ -90,7 +90,9 @@ class Hypernetwork(nn.Module):
             w = w / torch.linalg.matrix_norm(w)
         return w.reshape(self.dim, self.rank, self.spec.embedding_dim)
 
-    def client_embedding(self, layer: int, hidden: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
+    def client_embedding(
+        self, layer: int, hidden: torch.Tensor | None, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         """``I_l`` (``t``) of the current batch at layer ``layer``, from the hidden states
         entering it ``(B, T, d)`` and the batch's attention mask ``(B, T)``."""
         emb = self.layers.weight[layer]
@@ -144,7 +146,9 @@ class Hypernetwork(nn.Module):
     def adapter(self, layer: int) -> torch.Tensor:
         """This batch's ``U_l``; an error outside a forward pass of the task model."""
         if layer not in self._adapters:
-            raise RuntimeError(f"C2A: no adapter generated for layer {layer} (the layer's pre-hook did not run)")
+            raise RuntimeError(
+                f"C2A: no adapter generated for layer {layer} (the layer's pre-hook did not run)"
+            )
         return self._adapters[layer]
 
 
