@@ -70,7 +70,15 @@ def method_config(name: str) -> dict:
     return {"name": "c2a", "hyper": ABLATIONS[name][1]}
 
 
-def config(name: str, beta: float, seed: int, out: Path, args: argparse.Namespace, train: dict) -> ExperimentConfig:
+def config(
+    name: str, beta: float, seed: int, out: Path, args: argparse.Namespace, train: dict, tuning: bool = False
+) -> ExperimentConfig:
+    """A table run scores every round (rounds to target) and records drift; a tuning run,
+    read only after its last round, scores that round alone (evaluation draws no random
+    numbers, so its training is the same)."""
+    scored = {"every": 1, "drift": True, "drift_probe": 64}
+    if tuning:
+        scored = {"every": args.rounds, "drift": False}
     return load_config(
         None,
         {
@@ -84,7 +92,7 @@ def config(name: str, beta: float, seed: int, out: Path, args: argparse.Namespac
                           "dirichlet_mode": "per_class_capped"},
             "train": {"rounds": args.rounds, "clients_per_round": args.clients // 4, "local_epochs": 1,
                       "local_steps": None, "batch_size": 16, **train},
-            "eval": {"every": 1, "local": False, "drift": True, "drift_probe": 64},
+            "eval": {"local": False, **scored},
         },
     )  # fmt: skip
 
@@ -146,7 +154,7 @@ def tune(names: list[str], args: argparse.Namespace) -> None:
 
         def score(train: dict, name: str = name) -> float:
             out = args.out / "tune" / f"{name}-{train['lr']:g}-{train['optimizer_state']}"
-            run_or_reuse(config(name, TUNING_BETA, TUNING_SEED, out, args, train))
+            run_or_reuse(config(name, TUNING_BETA, TUNING_SEED, out, args, train, tuning=True))
             return read_records(out)[-1]["global"]["accuracy"]
 
         best, report = tune_method(score, GRIDS.get(name, LR_GRID))
