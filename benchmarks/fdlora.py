@@ -19,9 +19,11 @@ FDLoRA keeps its paper's outer optimiser (lr 1e-3, Nesterov momentum 0.5), and t
 ``fdlora-fedavg-outer`` shows it with the FedAvg outer step (lr 1, no momentum). The row
 ``fdlora-long-stage1`` gives stage 1 the paper's three local epochs (45 steps, a client of
 mean size) where the other rows give it one round's steps: it reads more examples in
-round 1 than any other method, so it stands beside the comparison, not in it.
+round 1 than any other method, so it stands beside the comparison, not in it. With
+``--lm``, ``--tune`` also tunes the causal-LM rows, in their own setting on seed 3, by
+their clients' mean local-test loss.
 
-    .venv/bin/python benchmarks/fdlora.py --tune [--methods ...]
+    .venv/bin/python benchmarks/fdlora.py --tune [--methods ...] [--lm]
     .venv/bin/python benchmarks/fdlora.py [--alphas 0.1,0.5,1.0] [--seeds 0,1] [--lm]
 """
 
@@ -77,23 +79,29 @@ def config(name: str, alpha: float, seed: int, out: Path, args: argparse.Namespa
     )  # fmt: skip
 
 
-def lm_config(name: str, seed: int, out: Path, args: argparse.Namespace, train: dict):
-    method = {"fdlora": {"name": "fdlora", "lora": {"r": 8, "alpha": 16}, "compare_fusions": True},
-              "local": {"name": "local", "lora": {"r": 8, "alpha": 16}},
-              "fedavg": {"name": "fedlr", "lora": {"r": 8, "alpha": 16}}}[name]  # fmt: skip
+LM_METHODS = {
+    "fdlora": {"name": "fdlora", "lora": {"r": 8, "alpha": 16}, "compare_fusions": True},
+    "local": {"name": "local", "lora": {"r": 8, "alpha": 16}},
+    "fedavg": {"name": "fedlr", "lora": {"r": 8, "alpha": 16}},
+}
+
+
+def lm_config(name: str, seed: int, out: Path, train: dict, tuning: bool = False):
+    """The causal-LM run: a tuning run is scored by perplexity only (one token generated)."""
+    generation = {"samples": 1, "max_new_tokens": 1} if tuning else {"samples": 16, "max_new_tokens": 24}
     return load_config(
         None,
         {
             "name": f"lm-{name}",
             "seed": seed,
             "output_dir": str(out),
-            "method": method,
+            "method": LM_METHODS[name],
             "model.backbone": "bundled-smollm2",
             "data": {"task": "causal_lm", "source": "wordnet", "max_samples": 300, "max_test_samples": 16,
                      "max_length": 64, "system_prompt": "Answer with one short line."},
             "partition": {"scheme": "dirichlet", "num_clients": 3, "alpha": 0.5, "min_size": 20},
             "train": {"rounds": 4, "clients_per_round": 3, "local_steps": 4, "batch_size": 8, **train},
-            "eval": {"every": 4, "generation": {"samples": 16, "max_new_tokens": 24}},
+            "eval": {"every": 4, "generation": generation},
         },
     )  # fmt: skip
 
@@ -114,7 +122,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--examples", type=int, default=1500)
-    ap.add_argument("--lm", action="store_true", help="also the causal-LM run (SmolLM2; slow on a CPU)")
+    ap.add_argument("--lm", action="store_true", help="also the causal-LM runs (SmolLM2; slow on a CPU)")
     ap.add_argument("--tuned-file", type=Path, default=TUNED_FILE)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/fdlora"))
     args = ap.parse_args()
@@ -130,6 +138,8 @@ def main() -> None:
             best, report = tune_method(score, LR_GRID)
             print(f"{name}: {report}", flush=True)
             write_tuned(args.tuned_file, {name: best})
+        if args.lm:
+            tune_lm(args)
         return
     seeds, alphas = [int(s) for s in args.seeds.split(",")], [float(a) for a in args.alphas.split(",")]
     tuned = read_tuned(args.tuned_file, names)
@@ -167,20 +177,34 @@ def main() -> None:
         lm_table(args, seeds[0])
 
 
+def tune_lm(args: argparse.Namespace) -> None:
+    """Each causal-LM method's rate on seed 3, by its clients' mean local-test loss."""
+    for name in LM_METHODS:
+
+        def score(train: dict, name=name) -> float:
+            out = args.out / "tune" / f"lm-{name}-{train['lr']:g}-{train['optimizer_state']}"
+            run_or_reuse(lm_config(name, TUNING_SEED, out, train, tuning=True))
+            return -read_records(out)[-1]["local"]["nll_mean"]
+
+        best, report = tune_method(score, LR_GRID)
+        print(f"lm-{name}: {report}", flush=True)
+        write_tuned(args.tuned_file, {f"lm-{name}": best})
+
+
 def lm_table(args: argparse.Namespace, seed: int) -> None:
-    """FDLoRA, Local and FedAvg on definition generation, at the learning rates tuned for
-    them on that task (``benchmarks/generation.py --tune --methods fdlora,fedlr,local``)."""
-    gen = read_tuned(TUNED_DIR / "generation.json", ["fdlora", "fedlr", "local"])
-    rates = {"fdlora": gen["fdlora"], "fedavg": gen["fedlr"], "local": gen["local"]}
+    """FDLoRA, Local and FedAvg on definition generation, each at its rate tuned on that
+    task (``--tune --lm``)."""
+    tuned = read_tuned(args.tuned_file, [f"lm-{name}" for name in LM_METHODS])
     print("\nSmolLM2, WordNet definition generation, 3 clients (alpha 0.5), 4 rounds x 4 steps x 8: "
           "clients' own models on their local test splits (mean over clients)\n")  # fmt: skip
-    print("| method | ROUGE-L | BLEU | perplexity |")
-    print("|---|---|---|---|")
-    for name, train in rates.items():
+    print("| method | lr | ROUGE-L | BLEU | perplexity |")
+    print("|---|---|---|---|---|")
+    for name in LM_METHODS:
+        train = tuned[f"lm-{name}"]
         out = args.out / f"lm-{name}-seed{seed}"
-        run_or_reuse(lm_config(name, seed, out, args, train))
+        run_or_reuse(lm_config(name, seed, out, train))
         local = read_records(out)[-1]["local"]
-        print(f"| {name} | {local['rouge_l_mean']:.3f} | {local['bleu_mean']:.2f} | "
+        print(f"| {name} | {train['lr']:g} | {local['rouge_l_mean']:.3f} | {local['bleu_mean']:.2f} | "
               f"{local['perplexity_mean']:.1f} |", flush=True)  # fmt: skip
 
 

@@ -39,11 +39,9 @@ METHODS = {
     "federa": {"name": "federa", "lora": {"r": 8, "alpha": 16}},
     "pf2lora": {"name": "pf2lora", "lora": {"r": 8, "alpha": 16}, "client_rank": 2, "client_alpha": 4},
     "local": {"name": "local", "lora": {"r": 8, "alpha": 16}},
-    # not in the default table: tuned here for benchmarks/fdlora.py --lm (FDLoRA's own task)
-    "fdlora": {"name": "fdlora", "lora": {"r": 8, "alpha": 16}},
 }
 TABLE = ["fedlr", "federa", "pf2lora", "local"]
-PERSONAL = ("local", "fdlora")  # tuned by their clients' own models (local test splits)
+PERSONAL = ("local",)  # tuned by their clients' own models (local test splits)
 GRID = [5e-4, 1e-3, 2e-3]
 TUNING_SEED = 3
 TUNED_FILE = TUNED_DIR / "generation.json"
