@@ -86,8 +86,8 @@ def config(
             "seed": seed,
             "output_dir": str(out),
             "method": method_config(name),
-            "data": {"source": "wordnet", "max_samples": args.examples, "max_test_samples": args.test_examples,
-                     "max_length": args.max_length},
+            "data": {"source": "wordnet", "max_samples": args.examples,
+                     "max_test_samples": args.test_examples, "max_length": args.max_length},
             "partition": {"scheme": "dirichlet", "num_clients": args.clients, "alpha": beta,
                           "dirichlet_mode": "per_class_capped"},
             "train": {"rounds": args.rounds, "clients_per_round": args.clients // 4, "local_epochs": 1,
@@ -109,8 +109,9 @@ def main() -> None:
     ap.add_argument("--examples", type=int, default=4000, help="training pool (all clients)")
     ap.add_argument("--test-examples", type=int, default=1000)
     ap.add_argument("--max-length", type=int, default=32)
-    ap.add_argument("--target", type=float, default=None, help="accuracy for the rounds-to-target table "
-                    "(default: 90%% of the adapter baseline's final accuracy at the hardest beta)")  # fmt: skip
+    ap.add_argument("--target", type=float, default=None,
+                    help="accuracy for the rounds-to-target table (default: 90%% of the adapter "
+                    "baseline's final accuracy at the hardest beta)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/c2a"))
     ap.add_argument("--tuned-file", type=Path, default=TUNED_FILE)
     args = ap.parse_args()
@@ -130,7 +131,8 @@ def main() -> None:
                 out = args.out / f"{name}-beta{beta:g}-seed{seed}"
                 run_or_reuse(config(name, beta, seed, out, args, settings[name]))
                 runs.setdefault(name, {}).setdefault(beta, []).append(out)
-    print(f"\nMiniLM, WordNet topics ({args.examples} training glosses), {args.clients} clients, 25 % a round, "
+    print(f"\nMiniLM, WordNet topics ({args.examples} training glosses), {args.clients} clients, "
+          "25 % a round, "
           f"{args.rounds} rounds x 1 epoch x batch 16; Dirichlet (FedNLP capped); seeds {seeds}; global test "
           "accuracy (%) after the last round, mean ± std over seeds\n")  # fmt: skip
     print_table(runs, settings, betas)
@@ -149,7 +151,9 @@ def main() -> None:
 
 
 def tune(names: list[str], args: argparse.Namespace) -> None:
-    print(f"tuning on seed {TUNING_SEED}, beta {TUNING_BETA:g}: global test accuracy after round {args.rounds}")
+    print(
+        f"tuning on seed {TUNING_SEED}, beta {TUNING_BETA:g}: global test accuracy after round {args.rounds}"
+    )
     for name in names:
 
         def score(train: dict, name: str = name) -> float:
@@ -197,7 +201,9 @@ def print_ablation(ablation: dict[str, list[Path]], beta: float) -> None:
         print(f"| {ABLATIONS[name][0]} | {params_share(outs[0]):.3f}% | {pm(final_accuracy(outs))} |")
 
 
-def print_rounds_to_target(runs: dict[str, dict[float, list[Path]]], beta: float, target: float | None) -> None:
+def print_rounds_to_target(
+    runs: dict[str, dict[float, list[Path]]], beta: float, target: float | None
+) -> None:
     """Per seed, ``fedpeft report``'s rounds-to-target table (``rounds_to_target``) of every
     method's run against the adapter's."""
     from fedpeft.report.efficiency import rounds_to_target
@@ -219,7 +225,9 @@ def print_rounds_to_target(runs: dict[str, dict[float, list[Path]]], beta: float
     print("|---|---|---|")
     for name in runs:
         rows = [t[name] for t in tables]
-        rounds = " / ".join(str(r["round"]) if r["round"] is not None else f"> {r['rounds_run']}" for r in rows)
+        rounds = " / ".join(
+            str(r["round"]) if r["round"] is not None else f"> {r['rounds_run']}" for r in rows
+        )
         speed = " / ".join(
             "-" if r["speedup"] is None else f"{'' if r['bound'] == '=' else r['bound']}{r['speedup']:.2f}x"
             for r in rows
@@ -284,8 +292,10 @@ def print_claim(runs: dict[str, dict[float, list[Path]]], betas: list[float]) ->
     least = min((n for n in drops if n != "fedft"), key=drops.get)
     print(f"  accuracy lost from beta {easy:g} to {hard:g} (points): "
           + ", ".join(f"{METHODS[n][0]} {100 * d:.1f}" for n, d in drops.items()))  # fmt: skip
-    print(f"  C2A the most robust PEFT method (smallest loss): {'held' if least == 'c2a' else 'did not hold'} "
-          f"(smallest: {METHODS[least][0]})")
+    print(
+        f"  C2A the most robust PEFT method (smallest loss): {'held' if least == 'c2a' else 'did not hold'} "
+        f"(smallest: {METHODS[least][0]})"
+    )
 
 
 if __name__ == "__main__":

@@ -161,7 +161,9 @@ def main() -> None:
     print_throughput(args, names, tuned)
 
 
-def print_throughput(args: argparse.Namespace, names: list[str], tuned: dict, repeats: int | None = None) -> None:
+def print_throughput(
+    args: argparse.Namespace, names: list[str], tuned: dict, repeats: int | None = None
+) -> None:
     """Training tokens/s of each method's local step, measured side by side: one client's
     local round per method, methods interleaved, a warm-up round then the median of
     ``args.repeats``."""
@@ -179,7 +181,9 @@ def print_throughput(args: argparse.Namespace, names: list[str], tuned: dict, re
         method.join(setup.model, method.join_message(server))
         personal = method.init_client(setup.model, setup.initial, client)
         setups[name] = setup
-        jobs[name] = Job(method.downlink(server, client.cid), personal, client, derive_seed(0, 1, client.cid), rnd=1)
+        jobs[name] = Job(
+            method.downlink(server, client.cid), personal, client, derive_seed(0, 1, client.cid), rnd=1
+        )
     seconds: dict[str, list[float]] = {n: [] for n in names}
     tokens: dict[str, float] = {}
     for rep in range(1 + args.repeats):
@@ -191,8 +195,8 @@ def print_throughput(args: argparse.Namespace, names: list[str], tuned: dict, re
                 seconds[name].append(time.perf_counter() - start)
                 tokens[name] = result.metrics["tokens"]
     speed = {n: tokens[n] / float(np.median(seconds[n])) for n in names}
-    print(f"\ntraining speed, side by side ({torch.get_num_threads()} threads, {args.steps} steps x 8 examples "
-          f"of client 0, median of {args.repeats} rounds):")  # fmt: skip
+    print(f"\ntraining speed, side by side ({torch.get_num_threads()} threads, {args.steps} steps "
+          f"x 8 examples of client 0, median of {args.repeats} rounds):")  # fmt: skip
     for name in names:
         print(f"  {name}: {speed[name]:.0f} tokens/s ({speed[name] / speed[names[0]]:.2f}x {names[0]})")
 
