@@ -3,10 +3,10 @@ Figure 4's client drift), on the bundled MiniLM and the built-in WordNet corpus.
 
 The paper's setup (sec. 4.3): 100 clients, 25 % of them each round, one local epoch,
 batch 16, AdamW, FedAvg (here 20 rounds on a 4,000-gloss pool, about 3 local steps a
-client and round, where the paper's Table 4 counts up to 100 rounds: a CPU budget); labels Dirichlet(beta)-partitioned as FedNLP does
-(``partition.dirichlet_mode: per_class_capped``) at beta = 5.0, 1.0 and 0.1. Methods:
-full fine-tuning (``fedft``), Houlsby adapters (``fedap``, bottleneck 16), LoRA
-(``fedlr``, r 4 on query/value),
+client and round, where the paper's Table 4 counts up to 100 rounds: a CPU budget);
+labels Dirichlet(beta)-partitioned as FedNLP does (``partition.dirichlet_mode:
+per_class_capped``) at beta = 5.0, 1.0 and 0.1. Methods: full fine-tuning (``fedft``),
+Houlsby adapters (``fedap``, bottleneck 16), LoRA (``fedlr``, r 4 on query/value),
 Compacter, prompt tuning, BitFit (``fedbf``), AdaMix and C2A, each with its trainable
 share of the model (bottleneck and rank as the paper's shares imply: 0.455 % of
 DistilBERT is Houlsby bottleneck 16, 0.111 % LoRA r 4; Compacter and AdaMix at
