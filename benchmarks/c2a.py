@@ -80,6 +80,10 @@ def config(
     scored = {"every": 1, "drift": True, "drift_probe": 32}
     if tuning:
         scored = {"every": args.rounds, "drift": False}
+    if method_config(name)["name"] == "c2a":
+        # C2A's adapters depend on the batch (its context is pooled over it): the authors
+        # evaluate in batches of the training size; other methods do not depend on it
+        scored["batch_size"] = 16
     return load_config(
         None,
         {
