@@ -165,3 +165,58 @@ def test_parameter_counts_follow_the_formula(tiny_config, factorise):
     assert not method.personal_names
     # the adapters' weights are generated, never parameters: the backbone holds none
     assert not [n for n, p in model.backbone.named_parameters() if p.requires_grad]
+
+
+AUTHORS_CODE = {"normalise_scope": "slice", "generator_bias": True, "tie": "view", "adapter_bias": True,
+                "context_pool": "mean"}  # fmt: skip
+
+
+def test_authors_code_options_generate_as_their_code_does(tiny_config):
+    """The authors'-code readings: ``B_U`` added to every ``(d x r)`` slice of ``W_U``,
+    each slice then of unit norm; ``U_0`` from the batch's *mean* context; and the site
+    ``h + GELU(h U + b_r) V + b_d`` with ``V`` = ``U``'s entries read as ``r x d``."""
+    setup = c2a_setup(tiny_config, **AUTHORS_CODE)
+    model, hyper = setup.model, setup.model.hyper
+    with torch.no_grad():  # move the zero-initialised biases off zero, so that they count
+        hyper.B_U.normal_()
+        for b in hyper.adapter_biases:
+            b.normal_()
+    d, r, t = hyper.dim, hyper.rank, hyper.spec.embedding_dim
+    w = (hyper.F_U @ hyper.S_U).reshape(d, r, t) + hyper.B_U.unsqueeze(-1)
+    expected_w = torch.stack([w[:, :, k] / w[:, :, k].norm() for k in range(t)], dim=-1)
+    torch.testing.assert_close(hyper.weight(), expected_w)
+    assert [hyper.weight()[:, :, k].norm().item() for k in range(t)] == pytest.approx([1.0] * t, abs=1e-5)
+
+    batch = batch_of(setup, slice(0, 6))
+    u0 = next(u for n, u in generated(model, batch).items() if ".layer.0." in n)
+    with torch.no_grad():
+        h = model.backbone.embeddings(input_ids=batch["input_ids"])
+        m = batch["attention_mask"].unsqueeze(-1).float()
+        pooled = torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=-1)
+        context = hyper.context.weight @ pooled.mean(0) + hyper.context.bias
+        c = hyper.num_classes
+        emb = (
+            hyper.label.weight @ torch.full((c,), 1 / c) + hyper.label.bias + context + hyper.layers.weight[0]
+        )
+        torch.testing.assert_close(u0, torch.einsum("drt,t->dr", expected_w, emb), atol=1e-6, rtol=1e-5)
+
+    hyper._adapters = {0: u0}
+    x = torch.randn(2, 5, d)
+    b_r, b_d = hyper.adapter_biases
+    manual = x + torch.nn.functional.gelu(x @ u0 + b_r) @ u0.reshape(r, d) + b_d
+    torch.testing.assert_close(GeneratedAdapter(hyper, 0)(x), manual.detach())
+
+
+def test_authors_code_options_add_their_parameters_to_what_is_sent(tiny_config):
+    """``B_U`` (``d r``) and the two adapter biases (``r + d``) are trained and sent."""
+    paper, code = c2a_setup(tiny_config), c2a_setup(tiny_config, **AUTHORS_CODE)
+    d, r = paper.model.hyper.dim, paper.model.hyper.rank
+
+    def sent(setup):
+        return tensor_bytes(setup.method.downlink(setup.method.init_server(setup.model), 0)) // 4
+
+    def trained(setup):
+        return sum(p.numel() for p in setup.model.parameters() if p.requires_grad)
+
+    assert trained(code) - trained(paper) == d * r + r + d
+    assert sent(code) - sent(paper) == d * r + r + d

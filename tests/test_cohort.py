@@ -179,6 +179,18 @@ def test_cohort_equals_one_at_a_time(tiny_config, name):
     assert_cohort_equals_alone(setup, cids, name)
 
 
+def test_c2a_authors_code_readings_cohort_equals_one_at_a_time(tiny_config):
+    """C2A with every authors'-code option (slice norms, generator and adapter biases, the
+    viewed down-projection, mean-pooled context): the vectorised cohort gets each client's
+    lone round (SGD, as for C2A above)."""
+    hyper = {"normalise_scope": "slice", "generator_bias": True, "tie": "view", "adapter_bias": True,
+             "context_pool": "mean"}  # fmt: skip
+    train = {"train.local_steps": None, "train.local_epochs": 1, "train.optimizer": "sgd"}
+    cfg = tiny_config(method={"name": "c2a", "hyper": hyper}, **train)
+    setup = build(cfg)
+    assert_cohort_equals_alone(setup, list(range(len(setup.clients))), "c2a")
+
+
 @pytest.mark.parametrize("name", ["fedlr", "local"])
 def test_whole_runs_agree_whatever_the_cohort_size(tiny_config, tmp_path, name):
     common = {"method": {"name": name}, "train.clients_per_round": 4, "train.rounds": 3}

@@ -40,6 +40,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -59,6 +60,30 @@ class HyperSpec(BaseModel):
     context_embedding: bool = Field(True, description="Use the context embeddings F_l (ablation: off).")
     factorise: bool = Field(True, description="W_U = F_U S_U (ablation: one (d r) x t matrix).")
     normalise: bool = Field(True, description="Divide W_U by its Frobenius norm (ablation: off).")
+    # the authors' code (yeachan-kr/c2a, blocks.py) where it departs from the paper's equations
+    normalise_scope: Literal["matrix", "slice"] = Field(
+        "matrix",
+        description="'matrix': norm_F of the whole W_U (the paper); 'slice': each of its t "
+        "(d x r) slices to unit norm (the authors' code).",
+    )
+    generator_bias: bool = Field(
+        False,
+        description="A zero-initialised (d x r) bias added to every slice of W_U before "
+        "normalising (the authors' code; the paper has none).",
+    )
+    tie: Literal["transpose", "view"] = Field(
+        "transpose",
+        description="The down-projection: U^T (the paper) or U's entries read as an "
+        "(r x d) matrix (the authors' code).",
+    )
+    adapter_bias: bool = Field(
+        False, description="Two shared, zero-initialised adapter biases, r and d (the authors' code)."
+    )
+    context_pool: Literal["max", "mean"] = Field(
+        "max",
+        description="Pooling of the examples' contexts over the batch: max (the paper's "
+        "equation 4) or mean (the authors' code).",
+    )
 
 
 class Hypernetwork(nn.Module):
@@ -74,6 +99,12 @@ class Hypernetwork(nn.Module):
             self.S_U = nn.Parameter(torch.randn(s, rank * t) * 1e-2)
         else:
             self.W_U = nn.Parameter(torch.randn(dim, rank * t) * 1e-2)
+        self.B_U = nn.Parameter(torch.zeros(dim, rank)) if spec.generator_bias else None
+        self.adapter_biases = (
+            nn.ParameterList([nn.Parameter(torch.zeros(rank)), nn.Parameter(torch.zeros(dim))])
+            if spec.adapter_bias
+            else None
+        )
         self.label = nn.Linear(num_classes, t) if spec.label_embedding else None
         self.context = nn.Linear(dim, t) if spec.context_embedding else None
         self.layers = nn.Embedding(num_layers, t)
@@ -84,11 +115,16 @@ class Hypernetwork(nn.Module):
 
     # ----- the generator
     def weight(self) -> torch.Tensor:
-        """``W_U`` as a ``(d, r, t)`` tensor: ``norm_F(F_U S_U)`` reshaped."""
+        """``W_U`` as a ``(d, r, t)`` tensor: ``norm_F(F_U S_U)`` reshaped (with the
+        authors'-code options: ``+ B_U`` on every slice, each slice normalised)."""
         w = self.F_U @ self.S_U if self.spec.factorise else self.W_U
+        w = w.reshape(self.dim, self.rank, self.spec.embedding_dim)
+        if self.B_U is not None:
+            w = w + self.B_U.unsqueeze(-1)
         if self.spec.normalise:
-            w = w / torch.linalg.matrix_norm(w)
-        return w.reshape(self.dim, self.rank, self.spec.embedding_dim)
+            slices = self.spec.normalise_scope == "slice"
+            w = w / torch.linalg.vector_norm(w, dim=(0, 1) if slices else None, keepdim=slices)
+        return w
 
     def client_embedding(
         self, layer: int, hidden: torch.Tensor | None, mask: torch.Tensor | None
@@ -102,7 +138,8 @@ class Hypernetwork(nn.Module):
                 labels = torch.full((self.num_classes,), 1.0 / self.num_classes, device=emb.device)
             emb = emb + self.label(labels.to(self.label.weight.dtype))
         if self.context is not None:
-            emb = emb + self.context(batch_context(hidden, mask).to(self.context.weight.dtype))
+            context = batch_context(hidden, mask, self.spec.context_pool)
+            emb = emb + self.context(context.to(self.context.weight.dtype))
         return emb
 
     def generate(self, embedding: torch.Tensor) -> torch.Tensor:
@@ -152,9 +189,10 @@ class Hypernetwork(nn.Module):
         return self._adapters[layer]
 
 
-def batch_context(hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def batch_context(hidden: torch.Tensor, mask: torch.Tensor | None, pool: str = "max") -> torch.Tensor:
     """``max_j normalise(meanpool(h(x_j)))`` ``(d,)`` over the batch's real rows (those
-    with an attention token): the input of the context embedding."""
+    with an attention token): the input of the context embedding (``pool="mean"``: the
+    mean over those rows instead of the max)."""
     hidden = hidden.float()
     if mask is None:
         mask = torch.ones(hidden.shape[:2], device=hidden.device)
@@ -162,12 +200,17 @@ def batch_context(hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tens
     pooled = (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)  # (B, d)
     pooled = nn.functional.normalize(pooled, dim=-1)
     real = mask.sum(1) > 0  # (B,)
+    if pool == "mean":
+        weight = real.to(pooled.dtype).unsqueeze(-1)
+        return (pooled * weight).sum(0) / weight.sum().clamp_min(1.0)
     pooled = torch.where(real.unsqueeze(-1), pooled, torch.finfo(pooled.dtype).min)
     return torch.where(real.any(), pooled.max(0).values, 0.0)
 
 
 class GeneratedAdapter(nn.Module):
-    """``h + U GELU(U^T h)`` with this batch's ``U`` of layer ``layer`` from ``hyper``."""
+    """``h + U GELU(U^T h)`` with this batch's ``U`` of layer ``layer`` from ``hyper``
+    (``hyper.spec.tie == "view"``: ``U^T`` replaced by ``U``'s entries read as ``r x d``;
+    ``adapter_bias``: ``h + GELU(h U + b_r) D + b_d``)."""
 
     def __init__(self, hyper: Hypernetwork, layer: int):
         super().__init__()
@@ -176,7 +219,11 @@ class GeneratedAdapter(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         u = self.hyper.adapter(self.layer).to(h.dtype)  # (d, r)
-        return h + nn.functional.gelu(h @ u) @ u.T
+        down = u.T if self.hyper.spec.tie == "transpose" else u.reshape(u.shape[1], u.shape[0])
+        biases = self.hyper.adapter_biases
+        if biases is None:
+            return h + nn.functional.gelu(h @ u) @ down
+        return h + nn.functional.gelu(h @ u + biases[0].to(h.dtype)) @ down + biases[1].to(h.dtype)
 
 
 LAYER_INDEX = re.compile(r"^(.*?\.(\d+))\.")  # "encoder.layer.3.attention.output.dense" -> encoder.layer.3, 3
