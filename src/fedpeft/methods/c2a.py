@@ -14,7 +14,9 @@ classifier head. Nothing else is trainable and nothing is personal (``head: pers
 keeps the head on the client, as for the other FedAvg-family methods).
 
 Ablations (the paper's Table 3): ``hyper.label_embedding``, ``hyper.context_embedding``,
-``hyper.factorise``, ``hyper.normalise``. Paper settings: ``t = 8``, ``s = 64``,
+``hyper.factorise``, ``hyper.normalise``. The authors' code where it departs from the
+paper's equations: ``hyper.normalise_scope``, ``generator_bias``, ``tie``, ``adapter_bias``,
+``context_pool`` (defaults: the paper). Paper settings: ``t = 8``, ``s = 64``,
 adapter rank ``r = 16`` (``adapter.bottleneck``).
 """
 
