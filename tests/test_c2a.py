@@ -97,6 +97,21 @@ def test_without_label_and_context_embeddings_adapters_are_per_layer_constants(t
         torch.testing.assert_close(u, w @ hyper.layers.weight[layer].detach())
 
 
+def layer0_embedding_by_hand(model, batch, pool) -> torch.Tensor:
+    """``I_0`` at inference: the embeddings' output (the hidden states entering layer 0)
+    mean-pooled per example, L2-normalised, pooled over the batch by ``pool``, projected;
+    plus the label embedding of the uniform distribution and ``E_0``."""
+    hyper = model.hyper
+    with torch.no_grad():
+        h = model.backbone.embeddings(input_ids=batch["input_ids"])
+        m = batch["attention_mask"].unsqueeze(-1).float()
+        pooled = torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=-1)
+        context = hyper.context.weight @ pool(pooled) + hyper.context.bias
+        c = hyper.num_classes
+        label = hyper.label.weight @ torch.full((c,), 1 / c) + hyper.label.bias
+        return label + context + hyper.layers.weight[0]
+
+
 def test_client_embedding_is_the_papers_sum_at_layer_zero(tiny_config):
     """``U_0`` rebuilt by hand: the embeddings' output (the hidden states entering layer
     0) mean-pooled per example, L2-normalised, max-pooled over the batch, projected; plus
@@ -106,14 +121,8 @@ def test_client_embedding_is_the_papers_sum_at_layer_zero(tiny_config):
     model, hyper = setup.model, setup.model.hyper
     batch = batch_of(setup, slice(0, 6))
     u0 = next(u for n, u in generated(model, batch).items() if ".layer.0." in n)
+    emb = layer0_embedding_by_hand(model, batch, lambda pooled: pooled.max(0).values)
     with torch.no_grad():
-        h = model.backbone.embeddings(input_ids=batch["input_ids"])
-        m = batch["attention_mask"].unsqueeze(-1).float()
-        pooled = torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=-1)
-        context = hyper.context.weight @ pooled.max(0).values + hyper.context.bias
-        c = hyper.num_classes
-        label = hyper.label.weight @ torch.full((c,), 1 / c) + hyper.label.bias
-        emb = label + context + hyper.layers.weight[0]
         w = hyper.F_U @ hyper.S_U
         w = (w / w.norm()).reshape(hyper.dim, hyper.rank, -1)
         torch.testing.assert_close(u0, torch.einsum("drt,t->dr", w, emb), atol=1e-6, rtol=1e-5)
@@ -189,16 +198,8 @@ def test_authors_code_options_generate_as_their_code_does(tiny_config):
 
     batch = batch_of(setup, slice(0, 6))
     u0 = next(u for n, u in generated(model, batch).items() if ".layer.0." in n)
-    with torch.no_grad():
-        h = model.backbone.embeddings(input_ids=batch["input_ids"])
-        m = batch["attention_mask"].unsqueeze(-1).float()
-        pooled = torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=-1)
-        context = hyper.context.weight @ pooled.mean(0) + hyper.context.bias
-        c = hyper.num_classes
-        emb = (
-            hyper.label.weight @ torch.full((c,), 1 / c) + hyper.label.bias + context + hyper.layers.weight[0]
-        )
-        torch.testing.assert_close(u0, torch.einsum("drt,t->dr", expected_w, emb), atol=1e-6, rtol=1e-5)
+    emb = layer0_embedding_by_hand(model, batch, lambda pooled: pooled.mean(0))
+    torch.testing.assert_close(u0, torch.einsum("drt,t->dr", expected_w, emb).detach(), atol=1e-6, rtol=1e-5)
 
     hyper._adapters = {0: u0}
     x = torch.randn(2, 5, d)
