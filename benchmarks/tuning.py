@@ -37,7 +37,7 @@ def tune_method(
     at an end of the grid, the grid grows by a factor of 2 past that end (``extend``
     times at most), so the rate chosen is bracketed unless it is still at an end after
     the last extension (the report then shows it at the grid's end). Then ``keep`` at
-    the best rate."""
+    the best rate (at each of them, when rates tie)."""
     rates = sorted(grid)
     scores = {(lr, "reset"): score({"lr": lr, "optimizer_state": "reset"}) for lr in rates}
     for _ in range(extend):
@@ -47,8 +47,9 @@ def tune_method(
         new = best * 2 if best == rates[-1] else best / 2
         rates = sorted([*rates, new])
         scores[(new, "reset")] = score({"lr": new, "optimizer_state": "reset"})
-    lr = max(rates, key=lambda x: scores[(x, "reset")])
-    scores[(lr, "keep")] = score({"lr": lr, "optimizer_state": "keep"})
+    top = max(scores[(x, "reset")] for x in rates)
+    for lr in (x for x in rates if scores[(x, "reset")] == top):
+        scores[(lr, "keep")] = score({"lr": lr, "optimizer_state": "keep"})
     best_lr, state = max(scores, key=scores.get)
     report = ", ".join(f"{x:g}/{st}: {acc:.3f}" for (x, st), acc in sorted(scores.items()))
     return {"lr": best_lr, "optimizer_state": state, "grid": report}, f"{report} -> lr {best_lr:g}, {state}"
