@@ -28,7 +28,7 @@ TUNED_DIR = Path(__file__).parent / "tuned"
 
 
 def tune_method(
-    score: Callable[[dict], float], grid: list[float] = LR_GRID, extend: int = 2
+    score: Callable[[dict], float], grid: list[float] = LR_GRID, extend: int = 2, keep: bool = True
 ) -> tuple[dict, str]:
     """``(best setting, one-line report)``; ``score(setting)`` runs the method with
     ``train`` overrides ``setting`` on the tuning seed and returns the score to maximise.
@@ -37,7 +37,8 @@ def tune_method(
     at an end of the grid, the grid grows by a factor of 2 past that end (``extend``
     times at most), so the rate chosen is bracketed unless it is still at an end after
     the last extension (the report then shows it at the grid's end). Then ``keep`` at
-    the best rate (at each of them, when rates tie)."""
+    the best rate (at each of them, when rates tie), unless ``keep`` is False (a method
+    whose kept per-client state does not fit the machine)."""
     rates = sorted(grid)
     scores = {(lr, "reset"): score({"lr": lr, "optimizer_state": "reset"}) for lr in rates}
     for _ in range(extend):
@@ -48,7 +49,7 @@ def tune_method(
         rates = sorted([*rates, new])
         scores[(new, "reset")] = score({"lr": new, "optimizer_state": "reset"})
     top = max(scores[(x, "reset")] for x in rates)
-    for lr in (x for x in rates if scores[(x, "reset")] == top):
+    for lr in (x for x in rates if keep and scores[(x, "reset")] == top):
         scores[(lr, "keep")] = score({"lr": lr, "optimizer_state": "keep"})
     best_lr, state = max(scores, key=scores.get)
     report = ", ".join(f"{x:g}/{st}: {acc:.3f}" for (x, st), acc in sorted(scores.items()))
