@@ -13,6 +13,7 @@ import re
 import shutil
 import signal
 import ssl
+import sys
 import threading
 import time
 from pathlib import Path
@@ -229,6 +230,41 @@ def test_node_output_filter_shows_other_tracebacks():
     for line in ["Traceback (most recent call last):\n", '  File "a.py", line 1\n', "ValueError: bad\n"]:
         other.feed(line)
     assert not other.forgotten and out.getvalue().endswith("ValueError: bad\n")
+
+
+PORT_TAKEN_LINE = (  # what uvicorn prints for the node's runtime API
+    "ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', {port}): "
+    "address already in use"
+)
+
+
+def test_join_restarts_a_node_whose_port_was_taken(tmp_path, monkeypatch):
+    """Another program binds the node's port between choosing and binding it: the node is
+    started again on a new port; it keeps happening: one line that says so."""
+    from fedpeft.flower import join
+
+    monkeypatch.setattr(join.connect, "wait_for_superlink", lambda *a, **k: None)
+    ports: list[int] = []
+
+    def taken() -> list[str]:
+        ports.append(free_port())
+        line = PORT_TAKEN_LINE.format(port=ports[-1])
+        return [sys.executable, "-c", f"print({line!r}); raise SystemExit(1)"]
+
+    said: list[str] = []
+    run = dict(cid=4, max_wait=5, log_path=tmp_path / "node.log", say=said.append, out=io.StringIO())
+    gave_up = r"could not bind its local port, 3 times in a row: address already in use"
+    with pytest.raises(join.DeployError, match=gave_up):
+        join.run_node(taken, {}, "127.0.0.1:1", None, **run)
+    assert len(set(ports)) == 3  # a new port each time
+    assert sum("port was taken meanwhile; starting it on another" in s for s in said) == 2
+
+    # taken once, then the node runs (and ends: here it leaves at once, which is its own error)
+    commands = iter([taken(), *[[sys.executable, "-c", "pass"]] * 3])
+    said.clear()
+    with pytest.raises(join.DeployError, match=r"stopped right after joining 127.0.0.1:1, 3 times in a row"):
+        join.run_node(lambda: next(commands), {}, "127.0.0.1:1", None, **run)
+    assert "port was taken meanwhile" in said[1]
 
 
 def test_example_configs_load_and_match_the_guide(tmp_path, monkeypatch):

@@ -85,10 +85,19 @@ def flower_env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str
     }
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now, never one this process handed out before (the kernel
+    may offer a just-released port again, before whoever got it has bound it)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def _script(name: str) -> str:

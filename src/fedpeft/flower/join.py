@@ -16,7 +16,9 @@ child and:
 4. when the node stops because the SuperLink no longer knows it (``fedpeft serve`` without
    ``--superlink`` starts a new SuperLink for every run), starts a new one for the same
    client and state directory: the node outlives runs, as long as the next run starts
-   within ``max_wait`` seconds of the last.
+   within ``max_wait`` seconds of the last;
+5. when another program took the node's local port between choosing and binding it
+   (several nodes started at once on one machine), starts it again on a new port.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from fedpeft.flower.deploy import DeployError, Tls, stop
 WATCH_SECONDS = 2.0  # how often a running node's SuperLink is checked
 QUICK_EXIT_SECONDS = 30.0  # a node that stops sooner than this after starting stopped "at once"
 MAX_QUICK_EXITS = 3  # rejoins in a row that stop at once before giving up
+MAX_PORT_TRIES = 3  # starts in a row whose local port was taken before giving up
+PORT_TAKEN = "address already in use"
 RETRY_CHATTER = "Connection attempt failed"
 # a log record of Flower (coloured level, then ":") or of uvicorn ("INFO:     ...")
 LOG_LINE = re.compile(r"^(\x1b\[[0-9;]*m)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b[^:]*:")
@@ -60,10 +64,13 @@ class Echo:
         self.block: list[str] = []  # a traceback being read
         self.forgotten = False  # the SuperLink answered 401: it does not know this node
         self.after_swallowed = False  # just after a hidden traceback (its notes, chained ones)
+        self.port_taken = False  # the node could not bind its local port
 
     def feed(self, line: str) -> None:
         self.log.write(line)
         self.log.flush()
+        if PORT_TAKEN in line.lower():
+            self.port_taken = True
         if LOG_LINE.match(line):  # a log record, even in the middle of a traceback
             if RETRY_CHATTER not in line:
                 self._write(line)
@@ -126,7 +133,7 @@ def run_node(
     """Keep client ``cid``'s SuperNode (``command()``: its command line, asked afresh for
     every start) joined to the SuperLink at ``address`` until stopped (KeyboardInterrupt)
     or until :class:`DeployError`, whose message is the one line to show."""
-    quick_exits = 0
+    quick_exits = port_tries = 0
     while True:
         connect.wait_for_superlink(address, tls, max_wait, say)
         say(f"client {cid}: joining the SuperLink at {address} (node log: {log_path})")
@@ -145,6 +152,16 @@ def run_node(
                 reader.join(10)
                 echo.close()
         # the node stopped by itself
+        if echo.port_taken:  # another program took its port between choosing and binding it
+            port_tries += 1
+            if port_tries >= MAX_PORT_TRIES:
+                raise DeployError(
+                    f"flower-supernode could not bind its local port, {port_tries} times in a row: "
+                    f"address already in use (log: {log_path}); pass a free one with --port"
+                )
+            say(f"client {cid}: the node's local port was taken meanwhile; starting it on another")
+            continue
+        port_tries = 0
         if not (echo.forgotten or proc.returncode == 0):
             raise DeployError(f"flower-supernode exited with code {proc.returncode} (log: {log_path})")
         quick_exits = quick_exits + 1 if time.monotonic() - started < QUICK_EXIT_SECONDS else 0
