@@ -281,7 +281,7 @@ def plot_drift(runs: dict[str, dict[float, list[Path]]], beta: float, path: Path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(8.5, 4))
     for name, by_beta in runs.items():
         curve = drift_curve(by_beta[beta])
         if curve:
@@ -290,7 +290,7 @@ def plot_drift(runs: dict[str, dict[float, list[Path]]], beta: float, path: Path
     ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
     ax.set_ylabel("CKA(client logits, global logits)")
     ax.set_title(f"Client drift, beta {beta:g} (higher: less drift)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the curves
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
