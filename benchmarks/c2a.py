@@ -25,7 +25,7 @@ batch, per round: ``eval.drift``) plotted to ``--out/drift.png``; then whether t
 paper's claim held: C2A the best, and the least hurt as beta falls.
 
     .venv/bin/python benchmarks/c2a.py --tune [--methods ...]
-    .venv/bin/python benchmarks/c2a.py [--seeds 0,1] [--betas 5.0,1.0,0.1] [--rounds 20]
+    .venv/bin/python benchmarks/c2a.py [--seeds 0,1,2] [--betas 5.0,1.0,0.1] [--rounds 20]
         [--examples 4000] [--out benchmarks/results/c2a]
 
 Runs are picked up from ``--out`` when finished (``tuning.run_or_reuse``); tuned settings
@@ -128,7 +128,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tune", action="store_true", help=f"tune lr and optimizer state (seed {TUNING_SEED})")
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--betas", default="5.0,1.0,0.1")
     ap.add_argument("--no-ablation", action="store_true")
     ap.add_argument("--clients", type=int, default=100)

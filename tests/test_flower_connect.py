@@ -266,6 +266,13 @@ def test_join_restarts_a_node_whose_port_was_taken(tmp_path, monkeypatch):
         join.run_node(lambda: next(commands), {}, "127.0.0.1:1", None, **run)
     assert "port was taken meanwhile" in said[1]
 
+    # the user chose the port (--port): retrying cannot free it, so say so at once
+    ports.clear()
+    said.clear()
+    with pytest.raises(join.DeployError, match=r"local port 4242 \(--port\): address already in use"):
+        join.run_node(taken, {}, "127.0.0.1:1", None, fixed_port=4242, **run)
+    assert len(ports) == 1 and not any("starting it on another" in s for s in said)
+
 
 def test_example_configs_load_and_match_the_guide(tmp_path, monkeypatch):
     my = load_config(ROOT / "examples" / "my.yaml")

@@ -612,6 +612,7 @@ def join(
             cid=partition_id,
             max_wait=max_wait,
             log_path=state / "supernode.log",
+            fixed_port=port,
             say=_say("fedpeft join"),
         )
     except deploy.DeployError as err:

@@ -18,7 +18,8 @@ child and:
    client and state directory: the node outlives runs, as long as the next run starts
    within ``max_wait`` seconds of the last;
 5. when another program took the node's local port between choosing and binding it
-   (several nodes started at once on one machine), starts it again on a new port.
+   (several nodes started at once on one machine), starts it again on a new port (a port
+   the user chose with --port is not retried: the error names it).
 """
 
 from __future__ import annotations
@@ -127,12 +128,14 @@ def run_node(
     cid: int,
     max_wait: float,
     log_path: Path,
+    fixed_port: int | None = None,
     say: Callable[[str], None] = print,
     out: IO[str] = sys.stdout,
 ) -> None:
     """Keep client ``cid``'s SuperNode (``command()``: its command line, asked afresh for
     every start) joined to the SuperLink at ``address`` until stopped (KeyboardInterrupt)
-    or until :class:`DeployError`, whose message is the one line to show."""
+    or until :class:`DeployError`, whose message is the one line to show. ``fixed_port``:
+    the local port the user chose (``--port``); taken, it is not retried."""
     quick_exits = port_tries = 0
     while True:
         connect.wait_for_superlink(address, tls, max_wait, say)
@@ -154,6 +157,11 @@ def run_node(
         # the node stopped by itself
         if echo.port_taken:  # another program took its port between choosing and binding it
             port_tries += 1
+            if fixed_port is not None:
+                raise DeployError(
+                    f"flower-supernode could not bind its local port {fixed_port} (--port): address "
+                    f"already in use (log: {log_path}); pass another, or leave --port out"
+                )
             if port_tries >= MAX_PORT_TRIES:
                 raise DeployError(
                     f"flower-supernode could not bind its local port, {port_tries} times in a row: "
