@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fedpeft.engines import checkpoint as C
-from fedpeft.engines.store import ClientStore
+from fedpeft.engines.store import ClientStore, StoreError
 from fedpeft.experiment import build, fingerprint, run
 from fedpeft.report.results import read_records
 from tests.test_resume import Killed, _scores
@@ -64,7 +64,8 @@ def test_commit_keeps_the_checkpointed_files_until_the_next_one(tmp_path):
     store[2] = _state(22)  # a state written after that checkpoint, then an interruption
     store.commit()
     # A resume from the second index gets exactly its states back; the newer file is removed.
-    reopened = ClientStore.open(tmp_path, second)
+    reopened, resets = ClientStore.open(tmp_path, second)
+    assert resets == {}
     assert torch.equal(reopened[1]["a"], _state(11)["a"]) and torch.equal(reopened[2]["a"], _state(2)["a"])
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.glob("*/*")) == sorted(second.values())
 
@@ -74,7 +75,7 @@ def test_missing_store_file_is_a_clear_resume_error(tiny_config):
     run(cfg)
     for path in (cfg.output_dir / C.STORE_DIR).glob("*/*"):
         path.unlink()
-    with pytest.raises(C.ResumeError, match="files of the checkpoint are missing"):
+    with pytest.raises(StoreError, match=r"client \d+: its state file .*clients/.*safetensors is missing"):
         C.load_checkpoint(cfg.output_dir / "checkpoint.pt", fingerprint(cfg))
 
 

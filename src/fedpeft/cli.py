@@ -16,7 +16,10 @@ from rich.table import Table
 from fedpeft.config import ConfigError, ExperimentConfig, load_config
 from fedpeft.report.results import headline
 
-app = typer.Typer(add_completion=False, no_args_is_help=False, help=__doc__)
+# an error that escapes a command is one traceback, never a dump of every frame's locals
+app = typer.Typer(
+    add_completion=False, no_args_is_help=False, help=__doc__, pretty_exceptions_show_locals=False
+)
 warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 console = Console()
 
@@ -41,7 +44,7 @@ def _config(path: Path | None, sets: list[str] | None) -> ExperimentConfig:
     return load_config(path, _overrides(sets))
 
 
-def _fail(err: Exception) -> None:
+def _fail(err: Exception | str) -> None:
     console.print(f"[bold red]error:[/] {err}", soft_wrap=True)  # paths in one piece, to copy
     raise typer.Exit(2)
 
@@ -49,7 +52,18 @@ def _fail(err: Exception) -> None:
 @app.command()
 def run(
     config: ConfigArg = None,
-    resume: Annotated[bool, typer.Option(help="Continue from the last completed round.")] = False,
+    resume: Annotated[
+        bool, typer.Option(help="Continue from the last completed round (the newest checkpoint that reads).")
+    ] = False,
+    resume_from: Annotated[
+        int | None,  # noqa: UP007
+        typer.Option(
+            "--resume-from",
+            metavar="ROUND",
+            help="Continue from round ROUND's kept checkpoint (checkpoint.keep says how many are kept); "
+            "the later ones are deleted.",
+        ),
+    ] = None,
     export_personal: Annotated[
         bool,
         typer.Option(
@@ -58,12 +72,17 @@ def run(
             "under adapter/clients/<cid>/ (the config key export.personal).",
         ),
     ] = False,
+    debug: Annotated[
+        bool,
+        typer.Option("--debug", help="On an error, also print its full traceback (always in fedpeft.log)."),
+    ] = False,
     set_: SetOpt = None,
 ) -> None:
     """Run a federated experiment and write its results directory."""
     from transformers.utils import logging as hf_logging
 
     from fedpeft.experiment import run as run_experiment
+    from fedpeft.report.runlog import LOG_FILE, close_log, is_expected, one_line, open_log
 
     hf_logging.disable_progress_bar()
 
@@ -71,6 +90,9 @@ def run(
         cfg = _config(config, [*(set_ or []), *(["export.personal=true"] if export_personal else [])])
     except ConfigError as err:
         _fail(err)
+    log = open_log(Path(cfg.output_dir))
+    start = "resume" if resume or resume_from is not None else "start"
+    log.info("%s %s: method %s, %d rounds", start, cfg.name, cfg.method.name, cfg.train.rounds)
     console.print(
         f"[bold]{cfg.name}[/]: method [cyan]{cfg.method.name}[/], {cfg.partition.num_clients} clients "
         f"({cfg.partition.scheme}), {cfg.train.rounds} rounds -> {cfg.output_dir}"
@@ -88,22 +110,40 @@ def run(
 
         last_acc = ""
 
+        def say(line: str) -> None:
+            progress.console.print(f"[yellow]note:[/] {line}", soft_wrap=True)
+            log.warning(line)
+
         def on_round(r: dict) -> None:
             nonlocal last_acc
             if r.get("global"):
                 name = headline(r["global"])
                 last_acc = f"{name} {r['global'][name]:.3f} (round {r['round']})"
-            progress.update(
-                task,
-                completed=r["round"],
-                description=f"round {r['round']} | {len(r['clients'])} clients "
-                f"| loss {r['loss']:.3f} | {last_acc}",
+            trouble = "".join(
+                f" | {len(r[key])} {what}"
+                for key, what in (("dropped", "dropped"), ("state_resets", "reset"))
+                if r.get(key)
             )
+            line = f"round {r['round']} | {len(r['clients'])} clients{trouble} | loss {r['loss']:.3f}"
+            line += f" | {last_acc}" if last_acc else ""
+            progress.update(task, completed=r["round"], description=line)
+            log.info(line)
+            for key in ("dropped", "state_resets"):
+                for cid, why in r.get(key, {}).items():
+                    log.warning("round %d: client %s %s: %s", r["round"], cid, key.replace("_", " "), why)
 
         try:
-            summary = run_experiment(cfg, resume=resume, on_round=on_round)
-        except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as err:
-            _fail(err)
+            summary = run_experiment(cfg, resume=resume, on_round=on_round, resume_from=resume_from, say=say)
+        except Exception as err:  # noqa: BLE001 -- every failure: one line here, the traceback in the log
+            log.error("%s", one_line(err), exc_info=err)
+            close_log(log)
+            progress.stop()
+            if debug:
+                console.print_exception()
+            where = Path(cfg.output_dir) / LOG_FILE
+            _fail(one_line(err) + ("" if is_expected(err) else f"; traceback in {where} (--debug prints it)"))
+    log.info("done: %s", cfg.output_dir)
+    close_log(log)
     _print_summaries([summary])
 
 

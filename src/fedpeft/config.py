@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fedpeft.methods import method_config_union
 
@@ -325,6 +325,13 @@ class TrainConfig(BaseModel):
         description="Autocast precision of the forward pass; parameters and optimizer state stay "
         "float32 (fp16 adds loss scaling).",
     )
+    on_corrupt_state: Literal["stop", "reset"] = Field(
+        "stop",
+        description="A client's stored personal state (output_dir/clients/) that is missing or does not "
+        "match its checksum, found when a run resumes or when the client comes up: stop, a one-line error "
+        "naming the client and the file; reset, that client starts again from the method's initial "
+        "personal state, recorded as state_resets in metrics.jsonl. Not part of the run's identity.",
+    )
 
 
 class GenerationConfig(BaseModel):
@@ -384,6 +391,22 @@ class ExportConfig(BaseModel):
     )
 
 
+class CheckpointConfig(BaseModel):
+    """What a run keeps on disk to resume from (``checkpoint: false`` is short for
+    ``checkpoint: {enabled: false}``)."""
+
+    model_config = Strict
+
+    enabled: bool = Field(True, description="Save the server's and the clients' state every round.")
+    keep: int = Field(
+        2,
+        ge=1,
+        description="Checkpoints kept: the newest (checkpoint.pt) and keep - 1 earlier ones "
+        "(checkpoint.round<N>.pt). A resume whose newest cannot be read falls back to an earlier one; "
+        "--resume-from N resumes from round N's.",
+    )
+
+
 class DeployConfig(BaseModel):
     """How a networked (Flower) run treats slow, failing and missing clients."""
 
@@ -430,7 +453,12 @@ class ExperimentConfig(BaseModel):
     eval: EvalConfig = EvalConfig()
     export: ExportConfig = ExportConfig()
     deploy: DeployConfig = DeployConfig()
-    checkpoint: bool = Field(True, description="Save server and client state every round.")
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+    @field_validator("checkpoint", mode="before")
+    @classmethod
+    def _checkpoint_switch(cls, value: Any) -> Any:
+        return {"enabled": value} if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _consistent(self) -> ExperimentConfig:

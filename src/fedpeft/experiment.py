@@ -23,7 +23,8 @@ from fedpeft.data import partition as P
 from fedpeft.data.silos import load_silos
 from fedpeft.data.sources import Corpus, load_corpus
 from fedpeft.data.task import Encoded, encode_corpus
-from fedpeft.engines.checkpoint import STORE_DIR, ResumeError
+from fedpeft.engines.checkpoint import STORE_DIR, Checkpoints, ResumeError
+from fedpeft.engines.guard import DivergedError, nonfinite_tensor
 from fedpeft.engines.inprocess import InProcessEngine, Schedule
 from fedpeft.engines.store import ClientStore
 from fedpeft.methods import build_method
@@ -99,13 +100,18 @@ def group_values(cfg: ExperimentConfig, corpus: Corpus) -> np.ndarray:
 
 
 def fingerprint(cfg: ExperimentConfig) -> str:
-    """A hash of everything that determines the results (output_dir, export, and
-    train.device, train.cohort_size and train.client_memory_mb, with which a run may
-    resume differently laid out):
+    """A hash of everything that determines the results (output_dir, export, checkpoint,
+    and train.device, train.cohort_size, train.client_memory_mb and train.on_corrupt_state,
+    with which a run may resume differently laid out):
     the settings that differ
     from their defaults, and the method's name. An option that a later fedpeft adds, with
     a default, leaves it unchanged, so older runs still resume."""
-    exclude = {"output_dir": True, "export": True, "train": {"device", "cohort_size", "client_memory_mb"}}
+    exclude = {
+        "output_dir": True,
+        "export": True,
+        "checkpoint": True,
+        "train": {"device", "cohort_size", "client_memory_mb", "on_corrupt_state"},
+    }
     data = cfg.model_dump(mode="json", exclude_defaults=True, exclude=exclude)
     data["method"] = {**data.get("method", {}), "name": cfg.method.name}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
@@ -220,7 +226,9 @@ def pooled_schedule(setup: Setup) -> tuple[list[ClientData], int]:
     return [pooled], steps
 
 
-def make_engine(setup: Setup, on_round: Callable[[dict], None] | None) -> InProcessEngine:
+def make_engine(
+    setup: Setup, on_round: Callable[[dict], None] | None, say: Callable[[str], None] | None = None
+) -> InProcessEngine:
     """The in-process engine for ``setup``, writing ``metrics.jsonl`` as rounds complete."""
     cfg, out = setup.cfg, Path(setup.cfg.output_dir)
     clients, per_round = setup.clients, cfg.train.clients_per_round
@@ -253,7 +261,7 @@ def make_engine(setup: Setup, on_round: Callable[[dict], None] | None) -> InProc
         setup.global_test,
         schedule,
         eval_clients=setup.clients,
-        checkpoint_path=out / "checkpoint.pt" if cfg.checkpoint else None,
+        checkpoints=checkpoints(cfg, say),
         fingerprint=fingerprint(cfg),
         on_round=record_round,
         # metrics.jsonl restarts from the checkpoint's records (or empty): nothing lost, nothing twice
@@ -261,14 +269,23 @@ def make_engine(setup: Setup, on_round: Callable[[dict], None] | None) -> InProc
         analyzers=update_variation_analyzers(setup.method),
         store=client_store(cfg),
         scorer=scorer_for(cfg.data.task, setup.tokenizer, cfg.eval, setup.corpus),
+        on_corrupt_state=cfg.train.on_corrupt_state,
+        lr=cfg.train.lr,
     )
+
+
+def checkpoints(cfg: ExperimentConfig, say: Callable[[str], None] | None = None) -> Checkpoints | None:
+    """The run's kept checkpoints (``output_dir/checkpoint.pt`` and earlier rounds beside it)."""
+    if not cfg.checkpoint.enabled:
+        return None
+    return Checkpoints(Path(cfg.output_dir) / "checkpoint.pt", cfg.checkpoint.keep, say)
 
 
 def client_store(cfg: ExperimentConfig) -> ClientStore:
     """The clients' personal states: in memory within ``train.client_memory_mb``, spilled
     to ``output_dir/clients/``, where checkpoints keep them too."""
     budget = None if cfg.train.client_memory_mb is None else int(cfg.train.client_memory_mb * 2**20)
-    needs_files = cfg.checkpoint or budget is not None
+    needs_files = cfg.checkpoint.enabled or budget is not None
     return ClientStore(Path(cfg.output_dir) / STORE_DIR if needs_files else None, budget)
 
 
@@ -307,16 +324,24 @@ def export(
     config = {"config": cfg.model_dump(mode="json")}
     if method.shared_names:
         shared = {n: server_tensors[n] for n in method.shared_names}
+        refuse_nonfinite(shared, target)
         exported["global"] = str(method.export(setup.model, shared, target))
         R.write_json(target / "fedpeft_model.json", {**info, "part": "global", **config})
     if client_models is not None and setup.cfg.export.personal:
         for client in setup.clients:
             client_dir = target / "clients" / str(client.cid)
-            method.export(setup.model, client_models(client), client_dir)
+            tensors = client_models(client)
+            refuse_nonfinite(tensors, client_dir)
+            method.export(setup.model, tensors, client_dir)
             client_info = {**info, "part": "client", "client": client.cid, **config}
             R.write_json(client_dir / "fedpeft_model.json", client_info)
         exported["clients"] = str(target / "clients")
     return exported or None
+
+
+def refuse_nonfinite(tensors: Tensors, target: Path) -> None:
+    if (name := nonfinite_tensor(tensors)) is not None:
+        raise ValueError(f"{target}: refusing to export tensor {name!r}: it is not finite")
 
 
 def run(
@@ -324,17 +349,29 @@ def run(
     resume: bool = False,
     on_round: Callable[[dict], None] | None = None,
     setup: Setup | None = None,
+    resume_from: int | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> dict:
-    """Run ``cfg`` end to end and write its output directory; returns the summary."""
-    if resume and not cfg.checkpoint:
+    """Run ``cfg`` end to end and write its output directory; returns the summary.
+    ``resume``: continue from the newest readable checkpoint (``resume_from``: round
+    ``resume_from``'s); ``say``: where the run reports what a user must know (a checkpoint
+    it skipped). A run that diverges raises :class:`DivergedError` after exporting its last
+    good global model."""
+    resume = resume or resume_from is not None
+    if resume and not cfg.checkpoint.enabled:
         raise ResumeError("--resume needs checkpoints, but the config sets checkpoint: false")
     t_setup = time.perf_counter()
     setup = setup or build(cfg)
     load_tensors(setup.model, setup.initial)  # a setup may serve several runs
     hist = open_output(setup)
-    engine = make_engine(setup, on_round)
+    engine = make_engine(setup, on_round, say)
     t_run = time.perf_counter()
-    records = engine.run(resume=resume)
+    try:
+        records = engine.run(resume=resume, resume_from=resume_from)
+    except DivergedError as err:
+        if err.round > 1:  # the last good global model (none was trained before round 1)
+            export(setup, err.last_good.tensors, Path(cfg.output_dir))
+        raise
     t_end = time.perf_counter()
     device = str(next(setup.model.parameters()).device)
     extra = {"time_setup": t_run - t_setup, "time_total": t_end - t_setup, "device": device}

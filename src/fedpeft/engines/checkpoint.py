@@ -1,25 +1,38 @@
-"""Atomic round checkpoints: the server state, every client's personal state, the records.
+"""Atomic round checkpoints, the last few kept: server state, clients' states, records.
 
-A checkpoint is one file written to a temporary name and moved over the previous one
-with ``os.replace`` (atomic on POSIX), so an interrupted write never corrupts the last
-good checkpoint. Clients' personal states held in a :class:`ClientStore` with a
-directory stay in its files: the checkpoint holds the store's index (client -> file),
-and the files it names are kept until a later checkpoint no longer names them.
+A checkpoint is one file written to a temporary name, flushed to disk and moved into
+place with ``os.replace`` (atomic on POSIX), so an interrupted write never corrupts a
+checkpoint already there. :class:`Checkpoints` keeps the last ``checkpoint.keep`` of a
+run: the newest is ``checkpoint.pt``, the earlier ones ``checkpoint.round<N>.pt``. A
+resume reads the newest that can be read (saying which it skipped and why), or the round
+it is asked for.
+
+Clients' personal states held in a :class:`ClientStore` with a directory stay in its
+files: a checkpoint holds the store's index (client -> file), each file's checksum and
+the files that only the earlier kept checkpoints name; a file is deleted once no kept
+checkpoint names it.
+
+Nothing non-finite is ever checkpointed: :func:`save_checkpoint` refuses a server state
+with a NaN or infinite value (the engines drop diverged clients before they aggregate,
+so this is the last line, not the rule).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
+import re
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from fedpeft.engines.guard import nonfinite_tensor
 from fedpeft.engines.store import ClientStore
 from fedpeft.methods.base import ServerState, Tensors
 
 STORE_DIR = "clients"  # the client store's directory, beside the checkpoint file
+KEPT = re.compile(r"\.round(\d+)\.pt$")  # checkpoint.round<N>.pt: an earlier kept checkpoint
 
 
 @dataclass
@@ -30,20 +43,32 @@ class Checkpoint:
     personal: MutableMapping[int, Tensors]  # a ClientStore, or a plain dict
     records: list[dict]
     joined: list[int]  # clients that have received the method's join message
+    resets: dict[int, str] | None = None  # clients whose stored state was unreadable and reset
 
 
 class ResumeError(RuntimeError):
     """A checkpoint that cannot be resumed; the message says why."""
 
 
-def save_checkpoint(path: Path, ckpt: Checkpoint) -> None:
+def save_checkpoint(path: Path, ckpt: Checkpoint, keep: int = 1) -> None:
+    """Write ``ckpt`` to ``path`` atomically (``keep``: checkpoints kept, this one
+    included, whose clients' files the store must keep)."""
+    tensors = {**ckpt.server.tensors, **{k: v for k, v in ckpt.server.extras.items() if torch.is_tensor(v)}}
+    if (bad := nonfinite_tensor(tensors)) is not None:
+        raise ValueError(
+            f"{path}: refusing to checkpoint round {ckpt.round}: server tensor {bad!r} is not finite"
+        )
     store = ckpt.personal if isinstance(ckpt.personal, ClientStore) and ckpt.personal.directory else None
+    index = store.commit() if store else None
     payload = {
         "round": ckpt.round,
         "fingerprint": ckpt.fingerprint,
         "server": {"tensors": ckpt.server.tensors, "extras": ckpt.server.extras},
         "personal": {} if store else dict(ckpt.personal),
-        "personal_index": store.commit() if store else None,
+        "personal_index": index,
+        "personal_checksums": store.checksums_of(index) if store else None,
+        # the files only the earlier kept checkpoints name, kept for them (oldest first)
+        "personal_retained": [sorted(r) for r in store.retained[-(keep - 1) :]] if store and keep > 1 else [],
         "records": ckpt.records,
         "joined": ckpt.joined,
     }
@@ -54,12 +79,17 @@ def save_checkpoint(path: Path, ckpt: Checkpoint) -> None:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     if store:
-        store.collect()  # the files only the previous checkpoint named
+        store.collect(keep)  # the files no kept checkpoint names any more
 
 
-def load_checkpoint(path: Path, fingerprint: str, budget: int | None = None) -> Checkpoint:
-    """The checkpoint at ``path``; clients' states in a store (the files beside it, read
-    lazily, within ``budget`` bytes of memory) when it was written from one."""
+def load_checkpoint(
+    path: Path, fingerprint: str, budget: int | None = None, on_corrupt_state: str = "stop"
+) -> Checkpoint:
+    """The checkpoint at ``path``; clients' states in a store (the files beside it, each
+    checked against its checksum now and read lazily later, within ``budget`` bytes of
+    memory) when it was written from one. A client's missing or corrupt file is a
+    :class:`~fedpeft.engines.store.StoreError`, or with ``on_corrupt_state="reset"`` drops
+    that client's state (listed in ``Checkpoint.resets``)."""
     if not path.is_file():
         raise ResumeError(f"{path}: no checkpoint to resume from")
     try:
@@ -72,10 +102,123 @@ def load_checkpoint(path: Path, fingerprint: str, budget: int | None = None) -> 
             "interrupted run (or use a new output_dir)"
         )
     server = ServerState(payload["server"]["tensors"], payload["server"]["extras"])
-    personal = payload["personal"]
+    personal, resets = payload["personal"], None
     if payload.get("personal_index") is not None:
-        try:
-            personal = ClientStore.open(path.parent / STORE_DIR, payload["personal_index"], budget)
-        except FileNotFoundError as err:
-            raise ResumeError(f"{path}: {err}") from err
-    return Checkpoint(payload["round"], fingerprint, server, personal, payload["records"], payload["joined"])
+        personal, resets = ClientStore.open(
+            path.parent / STORE_DIR,
+            payload["personal_index"],
+            budget,
+            checksums=payload.get("personal_checksums"),
+            retained=[set(r) for r in payload.get("personal_retained", [])],
+            on_corrupt=on_corrupt_state,
+        )
+    return Checkpoint(
+        payload["round"], fingerprint, server, personal, payload["records"], payload["joined"], resets
+    )
+
+
+def peek_round(path: Path) -> int | None:
+    """The round of the checkpoint at ``path`` (None: it cannot be read)."""
+    try:
+        return int(torch.load(path, weights_only=True, map_location="cpu")["round"])
+    except Exception:  # noqa: BLE001 -- truncated, foreign or missing: no round to offer
+        return None
+
+
+class Checkpoints:
+    """The kept checkpoints of one run: ``checkpoint.pt`` (the newest) and up to
+    ``keep - 1`` earlier ones, ``checkpoint.round<N>.pt``, beside it."""
+
+    def __init__(self, path: Path, keep: int = 2, say: Callable[[str], None] | None = None):
+        self.path, self.keep = path, keep
+        self.next = path.with_name(path.name + ".next")  # the newest while it is moved into place
+        self.say = say or (lambda line: None)  # where a resume reports what it skipped
+        self.newest: int | None = None  # the round in self.path, once known
+
+    def of_round(self, rnd: int) -> Path:
+        return self.path.with_name(f"{self.path.stem}.round{rnd}.pt")
+
+    def earlier(self) -> list[tuple[int, Path]]:
+        """The earlier kept checkpoints on disk, newest first."""
+        found = [(int(m.group(1)), p) for p in self.path.parent.glob(f"{self.path.stem}.round*.pt")
+                 if (m := KEPT.search(p.name))]  # fmt: skip
+        return sorted(found, reverse=True)
+
+    def candidates(self) -> list[Path]:
+        """Every checkpoint on disk, newest first."""
+        newest = [p for p in (self.next, self.path) if p.is_file()]
+        return newest + [p for _, p in self.earlier()]
+
+    def clear(self) -> None:
+        """Remove every checkpoint of an earlier run in this directory (a fresh start)."""
+        for p in self.candidates():
+            p.unlink()
+        self.newest = None
+
+    def save(self, ckpt: Checkpoint) -> None:
+        """Write ``ckpt`` as the newest; the one it replaces becomes ``checkpoint.round<N>.pt``
+        and the oldest beyond ``keep`` is deleted. A crash at any point leaves the last
+        completed checkpoint readable (as the newest, or as the newest earlier one)."""
+        save_checkpoint(self.next, ckpt, self.keep)  # written, flushed and complete, under a side name
+        self._adopt(self.next, ckpt.round)
+
+    def _adopt(self, path: Path, rnd: int) -> None:
+        """Make ``path`` (round ``rnd``) the newest checkpoint; the newest until now, if it is
+        another file, becomes an earlier kept one."""
+        if path == self.path:
+            self.newest = rnd
+            return
+        if self.path.is_file():
+            previous = self.newest if self.newest is not None else peek_round(self.path)
+            if self.keep > 1 and previous is not None and previous < rnd:
+                os.replace(self.path, self.of_round(previous))
+        os.replace(path, self.path)
+        self.newest = rnd
+        for _, p in self.earlier()[self.keep - 1 :]:  # beyond the kept ones
+            p.unlink()
+
+    def load(
+        self,
+        fingerprint: str,
+        budget: int | None = None,
+        rnd: int | None = None,
+        on_corrupt_state: str = "stop",
+    ) -> Checkpoint:
+        """The newest checkpoint that can be read, or round ``rnd``'s (the kept ones newer
+        than it are deleted: the run goes on from ``rnd``). A newer one that cannot be read
+        is renamed ``*.unreadable``, and said."""
+        candidates = self.candidates()
+        if not candidates:
+            raise ResumeError(f"{self.path}: no checkpoint to resume from")
+        if rnd is not None:
+            rounds = {p: peek_round(p) for p in candidates}
+            if rnd not in rounds.values():
+                kept = ", ".join(str(r) for r in rounds.values() if r is not None) or "none that reads"
+                raise ResumeError(
+                    f"--resume-from {rnd}: no kept checkpoint of round {rnd} in {self.path.parent} "
+                    f"(kept: {kept})"
+                )
+            path = next(p for p, r in rounds.items() if r == rnd)
+            ckpt = load_checkpoint(path, fingerprint, budget, on_corrupt_state)
+            for newer, r in rounds.items():
+                if newer != path and (r is None or r > rnd):
+                    newer.unlink()
+            self._adopt(path, rnd)
+            return ckpt
+        failures = []
+        for path in candidates:
+            try:
+                ckpt = load_checkpoint(path, fingerprint, budget, on_corrupt_state)
+            except ResumeError as err:
+                if "different config" in str(err):
+                    raise
+                failures.append((path, err))
+                continue
+            for bad, err in failures:
+                bad.rename(bad.with_name(bad.name + ".unreadable"))
+                self.say(f"{bad.name} could not be read ({err}); kept aside as {bad.name}.unreadable")
+            if failures:
+                self.say(f"resuming from the previous checkpoint, {path.name} (round {ckpt.round})")
+            self._adopt(path, ckpt.round)
+            return ckpt
+        raise ResumeError("; ".join(str(err) for _, err in failures) + " (no kept checkpoint can be read)")

@@ -20,14 +20,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from fedpeft.data.task import Encoded, make_batch
-from fedpeft.engines.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from fedpeft.engines.store import ClientStore
+from fedpeft.engines import guard
+from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
+from fedpeft.engines.store import ClientStore, StoreError
 from fedpeft.methods.base import (
     ClientData,
     FitResult,
@@ -113,18 +113,24 @@ class InProcessEngine:
         schedule: Schedule,
         *,
         eval_clients: list[ClientData] | None = None,
-        checkpoint_path: Path | None = None,
+        checkpoints: Checkpoints | None = None,
         fingerprint: str = "",
         on_round: Callable[[dict], None] | None = None,
         on_start: Callable[[list[dict]], None] | None = None,
         analyzers: dict[str, Callable[[Tensors, Tensors], dict]] | None = None,
         store: ClientStore | None = None,
         scorer: Scorer | None = None,
+        on_corrupt_state: str = "stop",
+        lr: float = float("nan"),
     ):
         self.model, self.method, self.clients = model, method, clients
         self.eval_clients = eval_clients if eval_clients is not None else clients
         self.global_test, self.schedule = global_test, schedule
-        self.checkpoint_path, self.fingerprint = checkpoint_path, fingerprint
+        self.checkpoints, self.fingerprint = checkpoints, fingerprint
+        # train.on_corrupt_state: a stored personal state that cannot be read stops the run
+        # (StoreError) or is reset to the method's initial one ("reset"), recorded per round
+        self.on_corrupt_state, self.resets = on_corrupt_state, {}
+        self.lr = lr  # named when a round diverges
         self.on_round = on_round or (lambda record: None)
         self.on_start = on_start or (lambda records: None)
         # name -> f(previous global tensors, new global tensors), recorded every round
@@ -157,7 +163,13 @@ class InProcessEngine:
         has not trained yet, the method's initial personal state (not stored: a client
         that never trains never holds state)."""
         if client.cid in self.personal:
-            return self.personal[client.cid]
+            try:
+                return self.personal[client.cid]
+            except StoreError as err:
+                if self.on_corrupt_state != "reset":
+                    raise
+                del self.personal[client.cid]
+                self.resets[client.cid] = str(err)
         return restrict_heads(self.method.init_client(self.model, self.initial, client), client.classes)
 
     def load(self, tensors: Tensors) -> None:
@@ -203,9 +215,13 @@ class InProcessEngine:
             t0 = time.perf_counter()
             for job, result in zip(cohort, self.method.fit_cohort(self.model, cohort), strict=True):
                 result.cid = job.client.cid
-                self.personal[result.cid] = result.personal
                 results.append(result)
             fit_times.append(time.perf_counter() - t0)
+        results, dropped = guard.screen(results)  # a diverged client keeps its last finite state
+        if not results:
+            raise guard.all_dropped(rnd, dropped, self.lr, server)
+        for result in results:
+            self.personal[result.cid] = result.personal
         for result in results:
             if readout := self.method.readout(result):
                 readouts[str(result.cid)] = readout
@@ -216,6 +232,7 @@ class InProcessEngine:
         names = sorted({k for r in results for k in r.metrics} - {"loss"})
         return results, {
             "clients": sampled,
+            **({"dropped": {str(c): why for c, why in sorted(dropped.items())}} if dropped else {}),
             "loss": float(np.average([r.metrics.get("loss", np.nan) for r in results], weights=weights)),
             # any other figure a method reports (steps, time per step, rank), averaged over clients
             "fit": {k: float(np.mean([r.metrics[k] for r in results if k in r.metrics])) for k in names},
@@ -345,12 +362,16 @@ class InProcessEngine:
         }
 
     # ------------------------------------------------------------ the run
-    def start(self, resume: bool) -> tuple[ServerState, list[dict]]:
-        """The server state and records to continue from; the client join applied to the model."""
+    def start(self, resume: bool, resume_from: int | None = None) -> tuple[ServerState, list[dict]]:
+        """The server state and records to continue from (the newest readable checkpoint, or
+        round ``resume_from``'s); the client join applied to the model."""
         store = self.personal
         if resume:
-            ckpt = load_checkpoint(self.checkpoint_path, self.fingerprint, store.budget)
+            if self.checkpoints is None:
+                raise RuntimeError("resume needs checkpoints, and this engine keeps none")
+            ckpt = self.checkpoints.load(self.fingerprint, store.budget, resume_from, self.on_corrupt_state)
             server, records = ckpt.server, ckpt.records
+            self.resets.update(ckpt.resets or {})
             self.joined = set(ckpt.joined)
             if isinstance(ckpt.personal, ClientStore):
                 self.personal = ckpt.personal
@@ -359,7 +380,9 @@ class InProcessEngine:
                     store[cid] = state
         else:
             if store.directory is not None:  # a fresh run: no state of an earlier one
-                self.personal = ClientStore.open(store.directory, {}, store.budget)
+                self.personal, _ = ClientStore.open(store.directory, {}, store.budget)
+            if self.checkpoints is not None:
+                self.checkpoints.clear()
             t0 = time.perf_counter()
             server, records = self.method.init_server(self.model), []
             self.setup_info = {"time_init_server": time.perf_counter() - t0, **self.method.setup_info}
@@ -370,15 +393,22 @@ class InProcessEngine:
             self.setup_info["cohort_size"] = float(self.cohort_size)
         return server, records
 
-    def run(self, resume: bool = False) -> list[dict]:
+    def run(self, resume: bool = False, resume_from: int | None = None) -> list[dict]:
+        """Every round still to run, from the start or (``resume``) from the newest readable
+        checkpoint or round ``resume_from``'s; returns the records of all rounds. A round in
+        which every client diverges, or whose aggregate is not finite, stops the run with
+        :class:`~fedpeft.engines.guard.DivergedError` (the engine's ``server`` is then the
+        last good state)."""
         s = self.schedule
-        server, records = self.start(resume)
+        server, records = self.start(resume, resume_from)
+        self.server = server
         self.on_start(records)
         for rnd in range(len(records) + 1, s.rounds + 1):
             t0 = time.perf_counter()
             results, record = self.fit_round(server, rnd)
             t1 = time.perf_counter()
             previous, server = server, self.method.aggregate(server, results, rnd)
+            guard.check_aggregate(rnd, server, self.lr, previous)
             self._loaded = ()
             t2 = time.perf_counter()
             for name, analyze in self.analyzers.items():
@@ -387,13 +417,16 @@ class InProcessEngine:
                 record["drift"] = self.drift(previous, results)
             if rnd % s.eval_every == 0 or rnd == s.rounds:
                 record.update(self.evaluate(server))
+            if self.resets:  # clients whose stored state could not be read, started afresh
+                record["state_resets"] = {str(c): why for c, why in sorted(self.resets.items())}
+                self.resets = {}
             record = close_record(rnd, record, records, (t0, t1, t2, time.perf_counter()), self.setup_info)
             records.append(record)
-            if self.checkpoint_path is not None:
+            if self.checkpoints is not None:
                 ckpt = Checkpoint(rnd, self.fingerprint, server, self.personal, records, sorted(self.joined))
-                save_checkpoint(self.checkpoint_path, ckpt)
+                self.checkpoints.save(ckpt)
+            self.server = server
             self.on_round(record)
-        self.server = server
         return records
 
 

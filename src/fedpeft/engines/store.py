@@ -7,17 +7,22 @@ keeps the most recently used states in memory while their total size stays withi
 back bit for bit when a client comes up again).
 
 Files are immutable: a client's newer state goes to a new file, and a superseded file is
-deleted only once a checkpoint no longer names it. A checkpoint therefore holds the
-store's *index* (client -> file), not the tensors: :meth:`commit` writes the states that
-are only in memory, and the files of the last good checkpoint survive a crash in the
-middle of the next round, so a resume reads exactly that round's states (lazily, one
-client at a time, as they are used).
+deleted only once no kept checkpoint names it. A checkpoint therefore holds the store's
+*index* (client -> file) and each file's checksum, not the tensors: :meth:`commit` writes
+the states that are only in memory, and the files of the kept checkpoints survive a crash
+in the middle of the next round, so a resume reads exactly that round's states (lazily,
+one client at a time, as they are used). Every read checks the file against its checksum,
+and :meth:`ClientStore.open` checks every file of the index before a resumed run trains:
+a truncated, changed or missing file is a :class:`StoreError` naming the client and the
+file, or, when asked, that client's state is dropped (it starts again from the method's
+initial personal state) and the reset reported.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import os
 from collections import OrderedDict
 from collections.abc import Iterator, MutableMapping
@@ -25,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError
+from safetensors.torch import load, save
 
 Tensors = dict[str, torch.Tensor]
 ALIGN = 16  # bytes
@@ -38,6 +44,15 @@ def release_freed_memory() -> None:
     this the heap keeps the holes and resident memory drifts above the budget."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+class StoreError(RuntimeError):
+    """A client's stored state that cannot be read back as written; the message names the
+    client and the file."""
+
+
+def checksum(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def state_bytes(state: Tensors) -> int:
@@ -78,34 +93,67 @@ class ClientStore(MutableMapping[int, Tensors]):
     rest as files under ``directory`` (needed when there is a budget or a checkpoint)."""
 
     def __init__(
-        self, directory: Path | None = None, budget: int | None = None, index: dict[int, str] | None = None
+        self,
+        directory: Path | None = None,
+        budget: int | None = None,
+        index: dict[int, str] | None = None,
+        checksums: dict[str, str] | None = None,
+        retained: list[set[str]] | None = None,
     ):
         if budget is not None and directory is None:
             raise ValueError("a client store with a memory budget needs a directory to spill to")
         self.directory, self.budget = directory, budget
         self.memory: OrderedDict[int, Tensors] = OrderedDict()  # least recently used first
         self.files: dict[int, str] = dict(index or {})  # cid -> its newest file, relative
+        self.checksums: dict[str, str] = dict(checksums or {})  # file -> checksum of its bytes
         self.dirty: set[int] = set()  # in memory and newer than its file (or without one)
         self.superseded: set[str] = set()  # files replaced since the last commit
+        # per earlier commit still kept (oldest first): the files only its checkpoint names
+        self.retained: list[set[str]] = [set(r) for r in retained or []]
+        self.committed: set[str] = set(self.files.values())  # files the newest checkpoint names
         self.bytes = 0  # of the states in memory
         self.serial = 1 + max((int(f.split(".")[1]) for f in self.files.values() if f), default=0)
         self.spilled = self.loaded = 0  # counts, for benchmarks and tests
         self.since_trim = 0  # states evicted since memory was last handed back
 
     @classmethod
-    def open(cls, directory: Path, index: dict[int, str], budget: int | None = None) -> ClientStore:
-        """The store a checkpoint's ``index`` describes; files under ``directory`` that it
-        does not name (written after that checkpoint, before an interruption) are deleted."""
-        named = {directory / f for f in index.values() if f}
-        missing = sorted(str(p) for p in named if not p.is_file())
-        if missing:
-            raise FileNotFoundError(
-                f"client store {directory}: files of the checkpoint are missing: {missing[:3]}"
-            )
+    def open(
+        cls,
+        directory: Path,
+        index: dict[int, str],
+        budget: int | None = None,
+        checksums: dict[str, str] | None = None,
+        retained: list[set[str]] | None = None,
+        on_corrupt: str = "stop",
+    ) -> tuple[ClientStore, dict[int, str]]:
+        """The store a checkpoint's ``index`` describes, every file checked against its
+        checksum (``checksums``; a checkpoint written before checksums existed has none:
+        then only that the file exists), and the clients whose state was reset, with why.
+        A missing or corrupt file is a :class:`StoreError` or, with ``on_corrupt="reset"``,
+        drops that client's state. Files under ``directory`` that neither the index nor the
+        earlier kept checkpoints (``retained``) name, written after that checkpoint before an
+        interruption, are deleted."""
+        store = cls(directory, budget, index, checksums, retained)
+        resets: dict[int, str] = {}
+        for cid, name in sorted(index.items()):
+            if not name:
+                continue
+            try:
+                store.verify(cid)
+            except StoreError as err:
+                if on_corrupt != "reset":
+                    raise
+                resets[cid] = str(err)
+                del store.files[cid]
+        keep = {directory / f for f in set(store.files.values()).union(*store.retained) if f}
         for path in directory.glob("*/*"):
-            if path not in named:
+            if path not in keep:
                 path.unlink()
-        return cls(directory, budget, index)
+        return store, resets
+
+    def verify(self, cid: int) -> None:
+        """Check client ``cid``'s file (it exists and matches its checksum)."""
+        self._read(cid, self.files[cid])
 
     # ----- the mapping
     def __getitem__(self, cid: int) -> Tensors:
@@ -115,7 +163,7 @@ class ClientStore(MutableMapping[int, Tensors]):
         if cid not in self.files:
             raise KeyError(cid)
         name = self.files[cid]
-        state = load_file(str(self.directory / name)) if name else {}
+        state = self._read(cid, name) if name else {}
         self.loaded += 1
         self._hold(cid, state)
         return unpack(self.memory[cid])
@@ -144,18 +192,31 @@ class ClientStore(MutableMapping[int, Tensors]):
 
     # ----- checkpoints
     def commit(self) -> dict[int, str]:
-        """Write every state that is only in memory; returns the index a checkpoint holds."""
+        """Write every state that is only in memory; returns the index a checkpoint holds
+        (its files' checksums: :meth:`checksums_of`)."""
         for cid in sorted(self.dirty):
             self._write(cid, unpack(self.memory[cid]))
         self.dirty.clear()
         return dict(self.files)
 
-    def collect(self) -> None:
-        """Delete the files superseded since the last commit (call once the checkpoint that
-        holds the new index is safely written)."""
-        for name in self.superseded - {""}:
+    def checksums_of(self, index: dict[int, str]) -> dict[str, str]:
+        return {name: self.checksums[name] for name in index.values() if name}
+
+    def collect(self, keep: int = 1) -> None:
+        """Call once the checkpoint holding the index of the last :meth:`commit` is safely
+        written, ``keep`` checkpoints being kept (that one and ``keep - 1`` earlier ones):
+        deletes the files that no kept checkpoint names any more."""
+        named_before, self.committed = self.committed, set(self.files.values())
+        self.retained.append(self.superseded & named_before)  # only the earlier checkpoints name them
+        self._delete(self.superseded - named_before)  # written and superseded between two commits
+        self.superseded = set()
+        while len(self.retained) > keep - 1:
+            self._delete(self.retained.pop(0))
+
+    def _delete(self, names: set[str]) -> None:
+        for name in names - {""}:
             (self.directory / name).unlink(missing_ok=True)
-        self.superseded.clear()
+            self.checksums.pop(name, None)
 
     def disk_bytes(self) -> int:
         return (
@@ -165,6 +226,24 @@ class ClientStore(MutableMapping[int, Tensors]):
         )
 
     # ----- internals
+    def _read(self, cid: int, name: str) -> Tensors:
+        """Client ``cid``'s state from its file ``name``, checked against its checksum."""
+        path = self.directory / name
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise StoreError(f"client {cid}: its state file {path} is missing") from None
+        expected = self.checksums.get(name)
+        if expected is not None and checksum(data) != expected:
+            raise StoreError(
+                f"client {cid}: its state file {path} is corrupt ({len(data)} bytes that do not match "
+                "the checksum the checkpoint recorded: truncated or changed since)"
+            )
+        try:
+            return load(data)
+        except SafetensorError as err:
+            raise StoreError(f"client {cid}: its state file {path} is unreadable ({err})") from None
+
     def _hold(self, cid: int, state: Tensors) -> None:
         packed = self.memory[cid] = pack(state)
         self.memory.move_to_end(cid)
@@ -199,9 +278,11 @@ class ClientStore(MutableMapping[int, Tensors]):
             self.serial += 1
             path = self.directory / name
             path.parent.mkdir(parents=True, exist_ok=True)
+            data = save({k: v.contiguous() for k, v in state.items()})
             tmp = path.with_suffix(".tmp")
-            save_file({k: v.contiguous() for k, v in state.items()}, str(tmp))
+            tmp.write_bytes(data)
             os.replace(tmp, path)
+            self.checksums[name] = checksum(data)
         if cid in self.files:
             self.superseded.add(self.files[cid])
         self.files[cid] = name

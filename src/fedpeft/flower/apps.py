@@ -25,7 +25,16 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.serverapp import Grid, ServerApp
 
 from fedpeft.config import ExperimentConfig, parse_config
-from fedpeft.experiment import build, fingerprint, finish, open_output, update_variation_analyzers
+from fedpeft.engines.guard import DivergedError
+from fedpeft.experiment import (
+    build,
+    checkpoints,
+    export,
+    fingerprint,
+    finish,
+    open_output,
+    update_variation_analyzers,
+)
 from fedpeft.flower import codec, secure
 from fedpeft.flower.node import Node
 from fedpeft.flower.server import FlowerServer
@@ -68,7 +77,7 @@ def serve(grid: Grid, context: Context) -> None:
     server = FlowerServer(
         setup,
         grid,
-        checkpoint_path=out / "checkpoint.pt" if cfg.checkpoint else None,
+        checkpoints=checkpoints(cfg, log),
         fingerprint=fingerprint(cfg),
         on_round=on_round,
         on_start=lambda done: R.write_records(metrics_path, done),
@@ -77,7 +86,12 @@ def serve(grid: Grid, context: Context) -> None:
         context=context,
     )
     t1 = time.perf_counter()
-    records = server.run(resume=resume)
+    try:
+        records = server.run(resume=resume)
+    except DivergedError as err:
+        if err.round > 1:  # the last good global model (none was trained before round 1)
+            export(setup, err.last_good.tensors, out)
+        raise
     t2 = time.perf_counter()
     finish(
         setup,

@@ -26,6 +26,7 @@ from fedpeft.config import ExperimentConfig
 from fedpeft.data import partition as P
 from fedpeft.data.sources import load_client_file, load_corpus
 from fedpeft.data.task import Encoded, encode, encode_corpus
+from fedpeft.engines import guard
 from fedpeft.engines.inprocess import derive_seed
 from fedpeft.experiment import attach_method, fingerprint, make_split, place
 from fedpeft.methods.base import ClientData, FitResult, Job, Method, Tensors
@@ -200,6 +201,8 @@ class Node:
             personal = self.method.init_client(self.model, self.initial, self.client)
         result = self.method.fit(self.model, Job(received, personal, self.client, seed, rnd))
         result.cid = self.cid
+        if guard.nonfinite_reason(result) is not None:  # the server drops it; keep the last finite state
+            return result
         self.snapshots = {r: t for r, t in self.snapshots.items() if r < rnd}
         self.snapshots[rnd] = result.personal
         self.snapshots = dict(sorted(self.snapshots.items())[-KEEP_SNAPSHOTS:])

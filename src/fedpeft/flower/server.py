@@ -27,14 +27,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedpeft.config import DeployConfig
-from fedpeft.engines.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from fedpeft.engines import guard
+from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
 from fedpeft.engines.inprocess import close_record, sample_clients
 from fedpeft.experiment import Setup
 from fedpeft.flower import codec, secure
@@ -65,7 +65,7 @@ class FlowerServer:
         setup: Setup,
         grid: Grid,
         *,
-        checkpoint_path: Path | None,
+        checkpoints: Checkpoints | None,
         fingerprint: str,
         on_round: Callable[[dict], None] = lambda record: None,
         on_start: Callable[[list[dict]], None] = lambda records: None,
@@ -93,7 +93,7 @@ class FlowerServer:
         self.setup, self.grid, self.method, self.context = setup, grid, setup.method, context
         self.cfg = setup.cfg
         self.deploy: DeployConfig = setup.cfg.deploy
-        self.checkpoint_path, self.fingerprint = checkpoint_path, fingerprint
+        self.checkpoints, self.fingerprint = checkpoints, fingerprint
         self.on_round, self.on_start, self.log = on_round, on_start, log
         self.analyzers = analyzers or {}
         self.server: ServerState | None = None
@@ -224,27 +224,33 @@ class FlowerServer:
         good, failed = self.exchange(messages, self.deploy.round_timeout)
         cid_of = {peers[c].node_id: c for c in sampled}
         dropped = {cid_of[n]: why for n, why in failed.items()}
+        diverged: dict[int, str] = {}  # the clients whose loss or update is not finite
         results, readouts, fit_times, up = [], {}, [], 0
         for node, reply in sorted(good.items(), key=lambda kv: cid_of[kv[0]]):
             cid = cid_of[node]
             up += codec.wire_bytes(reply)
             try:
                 uplink = codec.from_record(reply.content["uplink"])
+                fit = dict(reply.content["fit"])
+                result = FitResult(uplink, {}, int(fit.pop("num_examples")), fit, cid)
+                if (reason := guard.nonfinite_reason(result)) is not None:  # the in-process engine's rule
+                    dropped[cid] = diverged[cid] = f"non-finite: {reason}"
+                    continue
                 codec.check_tensors(
                     self.method.uplink_as_shared(uplink), self.uplink_like, f"client {cid} update"
                 )
             except (codec.ReplyError, KeyError) as err:
                 dropped[cid] = f"refused: {err}"
                 continue
-            fit = dict(reply.content["fit"])
-            num_examples = int(fit.pop("num_examples"))
             fit_times.append(fit.pop("time_fit"))
-            results.append(FitResult(uplink, {}, num_examples, fit, cid))
             peers[cid].joined = True
+            results.append(result)
             if "readout" in reply.content:
                 readouts[str(cid)] = dict(reply.content["readout"])
         for cid, why in sorted(dropped.items()):
             self.log(f"round {rnd}: client {cid} dropped ({why})")
+        if diverged and not results:  # every update that came back diverged: as in-process, stop
+            raise guard.all_dropped(rnd, diverged, self.cfg.train.lr, server)
         weights = [r.num_examples for r in results]
         names = sorted({k for r in results for k in r.metrics} - {"loss"})
         return results, {
@@ -368,8 +374,12 @@ class FlowerServer:
     # ------------------------------------------------------------ the run
     def start(self, resume: bool) -> tuple[ServerState, list[dict]]:
         if resume:
-            ckpt = load_checkpoint(self.checkpoint_path, self.fingerprint)
+            if self.checkpoints is None:
+                raise DeploymentError("--resume needs checkpoints, but the config sets checkpoint: false")
+            ckpt = self.checkpoints.load(self.fingerprint)
             return ckpt.server, ckpt.records
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
         t0 = time.perf_counter()
         server = self.method.init_server(self.setup.model)
         self.setup_info = {"time_init_server": time.perf_counter() - t0, **self.method.setup_info}
@@ -378,6 +388,7 @@ class FlowerServer:
     def run(self, resume: bool = False) -> list[dict]:
         cfg, deploy = self.cfg, self.deploy
         server, records = self.start(resume)
+        self.server = server
         # the global model is evaluated here, on the server's copy of the joined backbone
         self.method.join(self.setup.model, self.method.join_message(server))
         self.uplink_like = {n: t for n, t in self.setup.initial.items() if n in set(self.method.shared_names)}
@@ -392,6 +403,7 @@ class FlowerServer:
             previous = server
             if len(results) >= deploy.min_results:
                 server, skipped = self.method.aggregate(server, results, rnd), 0
+                guard.check_aggregate(rnd, server, cfg.train.lr, previous)
                 for name, analyze in self.analyzers.items():
                     record[name] = analyze(previous.tensors, server.tensors)
             else:
@@ -406,10 +418,9 @@ class FlowerServer:
             record["payload_bytes_down"] += record.pop("join_payload_bytes_down", 0)
             record = close_record(rnd, record, records, (t0, t1, t2, t3), self.setup_info)
             records.append(record)
-            if self.checkpoint_path is not None:
-                save_checkpoint(
-                    self.checkpoint_path, Checkpoint(rnd, self.fingerprint, server, {}, records, [])
-                )
+            if self.checkpoints is not None:
+                self.checkpoints.save(Checkpoint(rnd, self.fingerprint, server, {}, records, []))
+            self.server = server
             self.on_round(record)
             if skipped >= deploy.max_skipped_rounds:
                 raise DeploymentError(
