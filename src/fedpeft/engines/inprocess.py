@@ -208,20 +208,22 @@ class InProcessEngine:
             job, received_bytes = self.job(server, rnd, cid)
             jobs.append(job)
             down += received_bytes
-        results, fit_times, readouts = [], [], {}
+        results, fit_times, readouts, dropped = [], [], {}, {}
         self._loaded = ()  # a fit may load its own tensors
         for start in range(0, len(jobs), self.cohort_size):
             cohort = jobs[start : start + self.cohort_size]
             t0 = time.perf_counter()
-            for job, result in zip(cohort, self.method.fit_cohort(self.model, cohort), strict=True):
+            fitted = self.method.fit_cohort(self.model, cohort)
+            for job, result in zip(cohort, fitted, strict=True):
                 result.cid = job.client.cid
-                results.append(result)
+            kept, cut = guard.screen(fitted)  # a diverged client keeps its last finite state
+            for result in kept:  # stored at once, as each cohort ends
+                self.personal[result.cid] = result.personal
+            results += kept
+            dropped.update(cut)
             fit_times.append(time.perf_counter() - t0)
-        results, dropped = guard.screen(results)  # a diverged client keeps its last finite state
         if not results:
             raise guard.all_dropped(rnd, dropped, self.lr, server)
-        for result in results:
-            self.personal[result.cid] = result.personal
         for result in results:
             if readout := self.method.readout(result):
                 readouts[str(result.cid)] = readout
