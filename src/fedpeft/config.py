@@ -360,7 +360,15 @@ class EvalConfig(BaseModel):
 
     every: int = Field(1, ge=1, description="Evaluate every this many rounds (and the last).")
     local: bool = Field(True, description="Also score each client on its local test split.")
-    batch_size: int = Field(128, ge=1)
+    batch_size: int = Field(128, ge=1, description="Most rows in an evaluation batch.")
+    batch_tokens: int = Field(
+        16384,
+        ge=1,
+        description="Most tokens in an evaluation batch (its rows times its longest row; generation: "
+        "prompts plus new tokens, times beams): a batch of long rows has fewer than eval.batch_size rows. "
+        "The default keeps whole batches of 128 rows up to 128 tokens, and a causal LM's long rows within "
+        "memory.",
+    )
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="data.task causal_lm.")
     max_answer_tokens: int = Field(30, ge=1, description="extractive_qa: the longest answer span predicted.")
     drift: bool = Field(

@@ -76,9 +76,11 @@ class ExportedModel:
 
     def logits(self, texts: Sequence[str], batch_size: int | None = None) -> torch.Tensor:
         """``(N, C)`` float32 logits of ``texts`` on the CPU, computed as fedpeft's evaluation
-        computes them (batches of ``eval.batch_size``, each padded to its longest text)."""
+        computes them (batches of ``eval.batch_size`` rows and ``eval.batch_tokens`` tokens,
+        each padded to its longest text)."""
         data = self.encode(texts)
-        return model_logits(self.model, data, batch_size or self.config.eval.batch_size)
+        ev = self.config.eval
+        return model_logits(self.model, data, batch_size or ev.batch_size, ev.batch_tokens)
 
     def predict(self, texts: Sequence[str], batch_size: int | None = None) -> list[str]:
         """The predicted class name of each text."""

@@ -114,6 +114,28 @@ def make_batch(data: Encoded, rows: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
+def eval_batches(
+    lengths: torch.Tensor, batch_size: int, batch_tokens: int | None = None
+) -> Iterator[torch.Tensor]:
+    """The rows of an evaluation pass, in order, cut into consecutive batches (row indices
+    on the CPU) sized by tokens as well as rows: a batch takes the next row while it has
+    fewer than ``batch_size`` rows and, padded to its longest row (``lengths``), stays
+    within ``batch_tokens`` tokens (None: no budget); a row longer than the budget is a
+    batch of its own. Rows of at most ``batch_tokens // batch_size`` tokens always make
+    full batches of ``batch_size`` rows."""
+    rows = lengths.tolist()
+    start = 0
+    while start < len(rows):
+        end, longest = start + 1, rows[start]
+        while end < len(rows) and end - start < batch_size:
+            wider = max(longest, rows[end])
+            if batch_tokens is not None and (end - start + 1) * wider > batch_tokens:
+                break
+            end, longest = end + 1, wider
+        yield torch.arange(start, end)
+        start = end
+
+
 def iter_batches(
     data: Encoded, batch_size: int, generator: torch.Generator | None = None
 ) -> Iterator[dict[str, torch.Tensor]]:

@@ -221,7 +221,8 @@ class Node:
 
         def score(state: Tensors, data: Encoded) -> dict[str, float]:
             """The client's model ``state`` on ``data``, computed as in-process (a cohort of one)."""
-            return scores(predict_cohort(self.model, [state], data, batch_size)[0], data.labels.cpu().numpy())
+            preds = predict_cohort(self.model, [state], data, batch_size, self.cfg.eval.batch_tokens)[0]
+            return scores(preds, data.labels.cpu().numpy())
 
         extra = {}
         for name, state in self.method.extra_eval_states(self.model, received, personal, self.client).items():

@@ -334,7 +334,8 @@ class FlowerServer:
         if global_tensors is not None:
             load_tensors(setup.model, global_tensors)
             out["global"] = scores(
-                predict(setup.model, setup.global_test, bs), setup.global_test.labels.cpu().numpy()
+                predict(setup.model, setup.global_test, bs, self.cfg.eval.batch_tokens),
+                setup.global_test.labels.cpu().numpy(),
             )
         ask_global = global_tensors is None
         if not (self.cfg.eval.local or ask_global):

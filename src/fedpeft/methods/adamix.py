@@ -56,7 +56,14 @@ from torch.func import functional_call
 
 from fedpeft.data.task import IGNORE, take_steps
 from fedpeft.methods.base import ClientData, Method, MethodConfig, Tensors
-from fedpeft.methods.cohort import GradientFn, StepInput, backprop_reporting, derive_seed, model_scale
+from fedpeft.methods.cohort import (
+    GradientFn,
+    StepInput,
+    backprop_reporting,
+    derive_seed,
+    model_inputs,
+    model_scale,
+)
 from fedpeft.peft.adamix import AdaMixAdapter, AdaMixSpec, add_adamix, routed_mixes
 
 ROUTE = "route"  # a step batch's routing: (passes, sites, 2) expert indices, down and up
@@ -80,9 +87,10 @@ def consistency_loss(model, a: torch.Tensor, b: torch.Tensor, batch: dict) -> to
     """``(KL(sg p_b || p_a) + KL(sg p_a || p_b)) / 2`` between the predictive distributions of
     two passes' outputs ``a``, ``b`` (``sg``: no gradient through the target), averaged
     over what ``model``'s loss counts: rows, tagged tokens, response tokens, or a span's
-    start and end distributions over the valid positions (the docstring above)."""
+    start and end distributions over the valid positions (the docstring above); a causal
+    LM's outputs are every position's or only the scored positions' (``SCORED``)."""
     from fedpeft.models.backbone import SpanExtractor, TokenClassifier
-    from fedpeft.models.causal import CausalLM
+    from fedpeft.models.causal import CausalLM, scored_weight
 
     labels = batch["labels"]
     rows = batch["weight"] if "weight" in batch else torch.ones(labels.shape[0], device=a.device)
@@ -91,6 +99,8 @@ def consistency_loss(model, a: torch.Tensor, b: torch.Tensor, batch: dict) -> to
         valid = (labels != IGNORE).unsqueeze(-1)
         a, b = (x.masked_fill(~valid, hidden).transpose(1, 2) for x in (a, b))
         weight = rows.unsqueeze(1).expand(-1, 2)
+    elif isinstance(model, CausalLM) and a.dim() == 2:  # (K, V): at the scored positions
+        weight = scored_weight(batch)
     elif isinstance(model, CausalLM):  # position t predicts token t + 1
         a, b = a[:, :-1], b[:, :-1]
         weight = (labels[:, 1:] != IGNORE) * rows.unsqueeze(1)
@@ -148,8 +158,8 @@ class AdaMix(Method):
 
             def routed(p: int) -> torch.Tensor:
                 mixes = routed_mixes(batch[ROUTE][p], sites, down, up, torch.float32)
-                inputs = (batch["input_ids"], batch["attention_mask"])
-                return functional_call(model, {**params, **mixes}, inputs)
+                args, kwargs = model_inputs(batch)
+                return functional_call(model, {**params, **mixes}, args, kwargs)
 
             first = routed(0)
             ce = model.loss(first, batch)

@@ -197,6 +197,9 @@ class Method:
     #: vmaps over a cohort of clients); False for an imperative :meth:`fit`, which trains
     #: one client at a time.
     vectorised: ClassVar[bool] = True
+    #: True when the local step differentiates a gradient (a hypergradient, MAML's outer
+    #: step): it needs attention kernels with second derivatives (``cohort.training_attention``).
+    higher_order: ClassVar[bool] = False
     #: The tasks (``data.task``) the method is defined for, and for the others why not.
     tasks: ClassVar[tuple[str, ...]] = (
         "classification",

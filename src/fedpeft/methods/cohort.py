@@ -28,6 +28,7 @@ clients in cohorts of one (each with the global RNG seeded for it, as before).
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,9 +36,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch.func import functional_call, grad, grad_and_value, vmap
+from torch.func import functional_call, vjp, vmap
 
-from fedpeft.data.task import IGNORE, Encoded, make_batch
+from fedpeft.data.task import IGNORE, Encoded, eval_batches, make_batch
+from fedpeft.models.causal import SCORED
 
 if TYPE_CHECKING:
     from fedpeft.config import TrainConfig
@@ -153,14 +155,28 @@ def optimizer_step(
 # ---------------------------------------------------------------- losses and gradients
 
 
+def model_inputs(batch: Batch) -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]:
+    """A batch's forward-pass arguments: ids and attention mask, and the positions whose
+    prediction is scored when the batch names them (a causal LM's LM head runs there only:
+    ``fedpeft.models.causal.SCORED``)."""
+    return (batch["input_ids"], batch["attention_mask"]), ({SCORED: batch[SCORED]} if SCORED in batch else {})
+
+
+def prepare_step(model: torch.nn.Module, batches: StepInput) -> StepInput:
+    """A step's batches with what the model computes of them outside ``vmap`` (its
+    ``prepare_batch``: a causal LM's scored positions, whose count depends on the data)."""
+    prepare = getattr(model, "prepare_batch", None)
+    return tuple(prepare(b) for b in batches) if prepare is not None else batches
+
+
 def model_loss(model: torch.nn.Module) -> Callable[[Tensors, Batch], torch.Tensor]:
     """``loss(params, batch)``: the model's own loss (``model.loss``: a classifier's
     cross-entropy, a causal LM's over response tokens) with ``params`` in place of its own
     trainable tensors (the frozen ones are the model's, shared)."""
 
     def loss(params: Tensors, batch: Batch) -> torch.Tensor:
-        logits = functional_call(model, params, (batch["input_ids"], batch["attention_mask"]))
-        return model.loss(logits, batch)
+        args, kwargs = model_inputs(batch)
+        return model.loss(functional_call(model, params, args, kwargs), batch)
 
     return loss
 
@@ -197,17 +213,31 @@ def model_scale(model: torch.nn.Module) -> float:
     return LOSS_SCALE if getattr(model, "precision", None) == torch.float16 else 1.0
 
 
+def first_order_grad(
+    objective: Callable[[Tensors], tuple[torch.Tensor, torch.Tensor]], params: Tensors
+) -> tuple[Tensors, torch.Tensor]:
+    """The gradient of ``objective(params)[0]`` (a scalar) with respect to ``params``, and
+    ``objective(params)[1]``: ``torch.func.grad`` with ``has_aux``, for a gradient nothing
+    differentiates further (a local step's). ``torch.func.grad`` records its backward pass
+    for higher derivatives and holds the forward pass's saved tensors until it returns,
+    which doubles a step's memory; here the backward pass records nothing and frees them
+    as it goes (``vjp``'s ``retain_graph``, ``create_graph`` False). Works under ``vmap``."""
+    value, pullback, aux = vjp(objective, params, has_aux=True)
+    (grads,) = pullback(torch.ones_like(value), retain_graph=False, create_graph=False)
+    return grads, aux
+
+
 def backprop(loss: Callable[[Tensors, Tensors, StepInput], torch.Tensor], scale: float = 1.0) -> GradientFn:
     """The gradient of ``loss(params, consts, batches)`` with respect to every tensor of
     ``params`` (none replaced otherwise); taken of ``scale * loss`` and divided back, so
     that float16 gradients do not underflow."""
 
-    def scaled(params: Tensors, consts: Tensors, batches: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
-        value = loss(params, consts, batches)
-        return value * scale, value
-
     def gradients(params: Tensors, consts: Tensors, batches: StepInput):
-        grads, (_, value) = grad_and_value(scaled, has_aux=True)(params, consts, batches)
+        def scaled(p: Tensors) -> tuple[torch.Tensor, torch.Tensor]:
+            value = loss(p, consts, batches)
+            return value * scale, value
+
+        grads, value = first_order_grad(scaled, params)
         return value, {n: g / scale for n, g in grads.items()} if scale != 1.0 else grads, {}
 
     return gradients
@@ -220,12 +250,12 @@ def backprop_reporting(
     report)``: the reported loss need not be the differentiated one (Ditto, FedRoD and
     FedKD sum the losses of two models but report that of the one the client predicts with)."""
 
-    def scaled(params: Tensors, consts: Tensors, batches: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
-        value, reported = objective(params, consts, batches)
-        return value * scale, reported
-
     def gradients(params: Tensors, consts: Tensors, batches: StepInput):
-        grads, reported = grad(scaled, has_aux=True)(params, consts, batches)
+        def scaled(p: Tensors) -> tuple[torch.Tensor, torch.Tensor]:
+            value, reported = objective(p, consts, batches)
+            return value * scale, reported
+
+        grads, reported = first_order_grad(scaled, params)
         return reported, {n: g / scale for n, g in grads.items()} if scale != 1.0 else grads, {}
 
     return gradients
@@ -306,6 +336,25 @@ def eager_attention(model: torch.nn.Module) -> Iterator[None]:
         config._attn_implementation = before
 
 
+@contextmanager
+def own_attention() -> Iterator[None]:
+    """The model's own attention kernel under ``vmap`` of one client, which loops over
+    that one client (so its warning that it loops says nothing)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "There is a performance drop because we have not yet implemented")
+        yield
+
+
+def training_attention(model: torch.nn.Module, method: Method, clients: int):
+    """The attention a cohort trains with: eager (:func:`eager_attention`), except for a
+    lone client of a model that trains with its own kernel alone (``own_attention_alone``:
+    a causal LM, whose eager attention would hold ``(heads, L, L)`` weights per layer for
+    the backward pass, as much as the rest of a step on long rows) when the method takes
+    no gradient of a gradient (fused kernels have no second derivative)."""
+    alone = clients == 1 and getattr(model, "own_attention_alone", False) and not method.higher_order
+    return own_attention() if alone else eager_attention(model)
+
+
 def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[FitResult]:
     """Every job's local round, trained together (see the module docstring)."""
     if has_active_dropout(model) and len(jobs) > 1:
@@ -327,12 +376,12 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
     losses = torch.zeros(len(jobs), device=device)
     tokens = torch.zeros(len(jobs), dtype=torch.long, device=device)  # real tokens each client trained on
     start = time.perf_counter()
-    with eager_attention(model):
+    with training_attention(model, method, len(jobs)):
         for k in range(int(steps.max())):
             inputs = [
                 next(stream) if k < s.steps else None for stream, s in zip(streams, starts, strict=True)
             ]
-            stacked = stack_step(inputs)
+            stacked = prepare_step(model, stack_step(inputs))
             new_params, new_opt, loss = step(params, opt, consts, stacked)
             tokens += sum(b["attention_mask"].flatten(1).sum(1) for b in stacked)
             active = k < steps  # (C,): a finished client's tensors do not move
@@ -394,11 +443,17 @@ def _where(active: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.
 
 @torch.no_grad()
 def predict_cohort(
-    model: torch.nn.Module, states: list[Tensors], data: Encoded | list[Encoded], batch_size: int
+    model: torch.nn.Module,
+    states: list[Tensors],
+    data: Encoded | list[Encoded],
+    batch_size: int,
+    batch_tokens: int | None = None,
 ) -> list[np.ndarray]:
     """Arg-max predictions of each client's model (``states[c]`` in place of the model's
     trainable tensors) on its own examples (``data[c]``) or, given one :class:`Encoded`,
-    on those same examples for every client; the clients' forward passes run vmapped."""
+    on those same examples for every client; the clients' forward passes run vmapped.
+    Each client's examples are cut into batches of at most ``batch_size`` rows and
+    ``batch_tokens`` tokens (:func:`fedpeft.data.task.eval_batches`)."""
     device = next(model.parameters()).device
     stacked = stack(states, device)
 
@@ -410,18 +465,22 @@ def predict_cohort(
     with eager_attention(model):
         if isinstance(data, Encoded):  # the same batches for every client: broadcast, not copied
             batched = vmap(forward, in_dims=(0, None, None))
-            for start in range(0, len(data), batch_size):
-                batch = make_batch(data, torch.arange(start, min(start + batch_size, len(data))))
+            for rows in eval_batches(data.lengths, batch_size, batch_tokens):
+                batch = make_batch(data, rows)
                 preds = batched(stacked, batch["input_ids"], batch["attention_mask"]).cpu()
                 for c in range(len(states)):
                     out[c].append(preds[c])
         else:
             batched = vmap(forward)
-            for start in range(0, max(len(d) for d in data), batch_size):
-                rows = [torch.arange(min(start, len(d)), min(start + batch_size, len(d))) for d in data]
-                inputs = [(make_batch(d, r),) if len(r) else None for d, r in zip(data, rows, strict=True)]
+            plans = [list(eval_batches(d.lengths, batch_size, batch_tokens)) for d in data]
+            for k in range(max((len(p) for p in plans), default=0)):
+                rows = [p[k] if k < len(p) else None for p in plans]
+                inputs = [
+                    (make_batch(d, r),) if r is not None else None for d, r in zip(data, rows, strict=True)
+                ]
                 (batch,) = stack_step(inputs)
                 preds = batched(stacked, batch["input_ids"], batch["attention_mask"]).cpu()
                 for c, r in enumerate(rows):
-                    out[c].append(preds[c, : len(r)])
+                    if r is not None:
+                        out[c].append(preds[c, : len(r)])
     return [torch.cat(p).numpy() if p else np.zeros(0, dtype=np.int64) for p in out]

@@ -120,6 +120,7 @@ from fedpeft.methods.cohort import (
     Start,
     StepInput,
     backprop_reporting,
+    model_inputs,
     model_scale,
     optimizer_state,
     row_mean,
@@ -217,9 +218,15 @@ def token_mean(values: torch.Tensor, batch, counted: torch.Tensor) -> torch.Tens
 def kl_of_log_probs(task: str, log_p: torch.Tensor, log_q: torch.Tensor, batch) -> torch.Tensor:
     """The mean of ``KL(p || q)`` (each over the last dimension) over what counts: the
     batch's real rows (for a span, the mean of its start's and end's), labelled tokens, or
-    positions predicting a response token."""
+    positions predicting a response token (all positions', or only the scored positions'
+    distributions: ``fedpeft.models.causal.SCORED``)."""
+    from fedpeft.models.causal import scored_weight
+
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)
     labels = batch["labels"]
+    if task == "lm" and kl.dim() == 1:  # (K,): at the scored positions
+        weight = scored_weight(batch)
+        return (kl * weight).sum() / weight.sum().clamp_min(1.0)
     if task == "lm":  # position t predicts token t + 1
         return token_mean(kl[:, :-1], batch, labels[:, 1:] != IGNORE)
     if task == "tokens":
@@ -445,7 +452,8 @@ class FedKD(FedAvgPeft):
         stop, report_mentor = self.cfg.stop_gradient, self.cfg.personal_model == "mentor"
 
         def forward(params: Tensors, batch) -> torch.Tensor:
-            return functional_call(model, params, (batch["input_ids"], batch["attention_mask"]))
+            args, kwargs = model_inputs(batch)
+            return functional_call(model, params, args, kwargs)
 
         def objective(params: Tensors, consts: Tensors, batches: StepInput):
             batch = batches[0]

@@ -27,7 +27,7 @@ from torch.func import grad, grad_and_value
 
 from fedpeft.data.task import make_batch, take_steps
 from fedpeft.methods.base import ClientData, MethodConfig, Tensors, load_tensors
-from fedpeft.methods.cohort import GradientFn, model_loss
+from fedpeft.methods.cohort import GradientFn, model_inputs, model_loss, prepare_step
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.peft import LoraSpec
 
@@ -73,6 +73,7 @@ def maml_grads(
 class PerFedAvg(FedAvgPeft):
     name = "perfedavg"
     fp16 = False  # it takes its own (MAML) gradients: no loss scaling
+    higher_order = True  # a gradient of a gradient
     config_cls = PerFedAvgConfig
     kind = "lora"
 
@@ -125,10 +126,11 @@ class PerFedAvg(FedAvgPeft):
         client id, so evaluation is reproducible), then the adapted tensors."""
         load_tensors(model, {**received, **self.params_of(personal)})
         rows = torch.randperm(len(client.train), generator=torch.Generator().manual_seed(client.cid))
-        batch = make_batch(client.train, rows[: self.adapt_size()])
+        (batch,) = prepare_step(model, (make_batch(client.train, rows[: self.adapt_size()]),))
         params = self._trainable(model)
         model.eval()  # adapt without dropout noise
-        loss = model.loss(model(batch["input_ids"], batch["attention_mask"]), batch)
+        args, kwargs = model_inputs(batch)
+        loss = model.loss(model(*args, **kwargs), batch)
         grads = torch.autograd.grad(loss, list(params.values()))
         return {
             n: (p - self.cfg.inner_lr * g).detach().cpu()

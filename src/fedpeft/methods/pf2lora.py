@@ -88,6 +88,7 @@ def bilevel_step(
 class PF2LoRA(FedAvgPeft):
     name = "pf2lora"
     fp16 = False  # its own (hyper)gradients: no loss scaling
+    higher_order = True  # a gradient of a gradient
     config_cls = PF2LoRAConfig
     kind = "lora"
 

@@ -5,27 +5,31 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedpeft.data.task import Encoded, make_batch
+from fedpeft.data.task import Encoded, eval_batches, make_batch
 
 
 @torch.no_grad()
-def logits(model: torch.nn.Module, data: Encoded, batch_size: int = 128) -> torch.Tensor:
+def logits(
+    model: torch.nn.Module, data: Encoded, batch_size: int = 128, batch_tokens: int | None = None
+) -> torch.Tensor:
     """The outputs of ``model`` (in eval mode) over ``data``, in order, on the CPU: ``(N, C)``
     for classification. What :func:`predict` takes the arg-max of, and what a loaded
-    export (:func:`fedpeft.load_export`) returns for texts."""
+    export (:func:`fedpeft.load_export`) returns for texts. Batches of at most
+    ``batch_size`` rows and ``batch_tokens`` tokens (:func:`fedpeft.data.task.eval_batches`)."""
     model.eval()
     out = []
-    for start in range(0, len(data), batch_size):
-        batch = make_batch(data, torch.arange(start, min(start + batch_size, len(data))))
-        out.append(model(**batch).cpu())
+    for rows in eval_batches(data.lengths, batch_size, batch_tokens):
+        out.append(model(**make_batch(data, rows)).cpu())
     return torch.cat(out) if out else torch.zeros(0)
 
 
-def predict(model: torch.nn.Module, data: Encoded, batch_size: int = 128) -> np.ndarray:
+def predict(
+    model: torch.nn.Module, data: Encoded, batch_size: int = 128, batch_tokens: int | None = None
+) -> np.ndarray:
     """Arg-max predictions of ``model`` over ``data``, in order."""
     if len(data) == 0:
         return np.zeros(0, dtype=np.int64)
-    return logits(model, data, batch_size).argmax(-1).numpy()
+    return logits(model, data, batch_size, batch_tokens).argmax(-1).numpy()
 
 
 def scores(preds: np.ndarray, labels: np.ndarray) -> dict[str, float]:

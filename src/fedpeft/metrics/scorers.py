@@ -10,6 +10,10 @@ and never look at what a task's scores are.
   token and its perplexity over every example, and generation scores
   (:mod:`fedpeft.metrics.generation`) of the responses generated for the first
   ``samples`` examples. Generation runs one client's model at a time.
+
+Every scorer cuts its examples into consecutive batches of at most ``eval.batch_size``
+rows and ``eval.batch_tokens`` tokens (:func:`fedpeft.data.task.eval_batches`): a test
+set of long rows gets batches of fewer rows, so the defaults fit every task.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from fedpeft.data.task import IGNORE, Encoded, make_batch
+from fedpeft.data.task import IGNORE, Encoded, eval_batches, make_batch
 from fedpeft.methods.cohort import predict_cohort
 from fedpeft.metrics.classification import predict, scores
 
@@ -40,19 +44,19 @@ class Scorer(Protocol):
 
 
 class ClassificationScorer:
-    def __init__(self, batch_size: int):
-        self.batch_size = batch_size
+    def __init__(self, batch_size: int, batch_tokens: int | None = None):
+        self.batch_size, self.batch_tokens = batch_size, batch_tokens
 
     def score(self, model: torch.nn.Module, data: Encoded) -> dict[str, float]:
         """The model, as loaded, on ``data``."""
-        return scores(predict(model, data, self.batch_size), data.labels.cpu().numpy())
+        return scores(predict(model, data, self.batch_size, self.batch_tokens), data.labels.cpu().numpy())
 
     def score_clients(
         self, model: torch.nn.Module, states: list[Tensors], data: Encoded | list[Encoded], load: Loader
     ) -> list[dict[str, float]]:
         """Each client's model (``states[c]`` in place of the trainable tensors) on its own
         examples (``data[c]``) or all on the same ones."""
-        preds = predict_cohort(model, states, data, self.batch_size)
+        preds = predict_cohort(model, states, data, self.batch_size, self.batch_tokens)
         sets = data if isinstance(data, list) else [data] * len(states)
         return [scores(p, d.labels.cpu().numpy()) for p, d in zip(preds, sets, strict=True)]
 
@@ -75,28 +79,32 @@ class OneAtATime:
 
 
 class GenerationScorer(OneAtATime):
-    def __init__(self, tokenizer, options, batch_size: int):
-        self.tokenizer, self.options, self.batch_size = tokenizer, options, batch_size
+    def __init__(self, tokenizer, options, batch_size: int, batch_tokens: int | None = None):
+        self.tokenizer, self.options = tokenizer, options
+        self.batch_size, self.batch_tokens = batch_size, batch_tokens
+
+    def nll(self, model: torch.nn.Module, data: Encoded) -> dict[str, float]:
+        """The mean negative log-likelihood per response token of ``data`` and its perplexity."""
+        from fedpeft.models.causal import response_nll
+
+        nll, count = response_nll(model, data, self.batch_size, self.batch_tokens)
+        mean = nll / count if count else float("nan")
+        return {"nll": mean, "perplexity": math.exp(mean) if count else float("nan")}
 
     def score(self, model: torch.nn.Module, data: Encoded) -> dict[str, float]:
         from fedpeft.metrics.generation import generation_scores
-        from fedpeft.models.causal import generate, references_of, response_nll
+        from fedpeft.models.causal import generate, references_of
 
-        nll, count = response_nll(model, data, self.batch_size)
-        mean = nll / count if count else float("nan")
+        likelihood = self.nll(model, data)
         scored = torch.nonzero((data.labels != IGNORE).any(-1)).flatten().cpu()
         shown = data.subset(scored[: self.options.samples] if self.options.samples else scored)
-        predictions = generate(model, shown, self.tokenizer, self.options, self.batch_size)
-        return {
-            "nll": mean,
-            "perplexity": math.exp(mean) if count else float("nan"),
-            **generation_scores(predictions, references_of(shown, self.tokenizer)),
-        }
+        predictions = generate(model, shown, self.tokenizer, self.options, self.batch_size, self.batch_tokens)
+        return {**likelihood, **generation_scores(predictions, references_of(shown, self.tokenizer))}
 
 
 class TaggingScorer(OneAtATime):
-    def __init__(self, tag_names: list[str], batch_size: int):
-        self.tag_names, self.batch_size = tag_names, batch_size
+    def __init__(self, tag_names: list[str], batch_size: int, batch_tokens: int | None = None):
+        self.tag_names, self.batch_size, self.batch_tokens = tag_names, batch_size, batch_tokens
 
     @torch.no_grad()
     def score(self, model: torch.nn.Module, data: Encoded) -> dict[str, float]:
@@ -104,8 +112,8 @@ class TaggingScorer(OneAtATime):
 
         model.eval()
         predicted, gold = [], []
-        for start in range(0, len(data), self.batch_size):
-            batch = make_batch(data, torch.arange(start, min(start + self.batch_size, len(data))))
+        for rows in eval_batches(data.lengths, self.batch_size, self.batch_tokens):
+            batch = make_batch(data, rows)
             tags = model(**batch).argmax(-1).cpu()
             labels = batch["labels"].cpu()
             for row_tags, row_labels in zip(tags, labels, strict=True):
@@ -122,10 +130,16 @@ class SpanScorer(OneAtATime):
     exact match and F1 against the gold answers (:mod:`fedpeft.metrics.qa`)."""
 
     def __init__(
-        self, contexts: list[str], answers: list[list[str]], batch_size: int, max_answer_tokens: int
+        self,
+        contexts: list[str],
+        answers: list[list[str]],
+        batch_size: int,
+        max_answer_tokens: int,
+        batch_tokens: int | None = None,
     ):
         self.contexts, self.answers = contexts, answers  # indexed by example id (pool, then test)
         self.batch_size, self.max_answer_tokens = batch_size, max_answer_tokens
+        self.batch_tokens = batch_tokens
 
     @torch.no_grad()
     def score(self, model: torch.nn.Module, data: Encoded) -> dict[str, float]:
@@ -133,8 +147,7 @@ class SpanScorer(OneAtATime):
 
         model.eval()
         best: dict[int, tuple[float, str]] = {}
-        for start in range(0, len(data), self.batch_size):
-            rows = torch.arange(start, min(start + self.batch_size, len(data)))
+        for rows in eval_batches(data.lengths, self.batch_size, self.batch_tokens):
             logits = model(**make_batch(data, rows)).cpu()  # (B, L, 2)
             offsets = data.aux["offsets"][rows].cpu()[:, : logits.shape[1]]
             for k, example in enumerate(data.aux["example_ids"][rows].tolist()):
@@ -160,12 +173,13 @@ class SpanScorer(OneAtATime):
 def scorer_for(task: str, tokenizer, eval_cfg, corpus=None) -> Scorer:
     """The scorer of ``data.task`` (``eval_cfg``: the ``EvalConfig``; ``corpus``: the
     ``Corpus``, whose tag names or passages and answers NER and QA scoring need)."""
+    rows, tokens = eval_cfg.batch_size, eval_cfg.batch_tokens
     if task == "causal_lm":
-        return GenerationScorer(tokenizer, eval_cfg.generation, eval_cfg.batch_size)
+        return GenerationScorer(tokenizer, eval_cfg.generation, rows, tokens)
     if task == "token_classification":
-        return TaggingScorer(corpus.tag_names, eval_cfg.batch_size)
+        return TaggingScorer(corpus.tag_names, rows, tokens)
     if task == "extractive_qa":
         answers = [[text for text, _ in a] for a in corpus.train_answers + corpus.test_answers]
         contexts = corpus.train_contexts + corpus.test_contexts
-        return SpanScorer(contexts, answers, eval_cfg.batch_size, eval_cfg.max_answer_tokens)
-    return ClassificationScorer(eval_cfg.batch_size)
+        return SpanScorer(contexts, answers, rows, eval_cfg.max_answer_tokens, tokens)
+    return ClassificationScorer(rows, tokens)

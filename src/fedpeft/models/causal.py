@@ -2,10 +2,18 @@
 
 :class:`CausalLM` has the interface of :class:`fedpeft.models.backbone.TaskModel`
 (``forward(input_ids, attention_mask)``, ``loss(outputs, batch)``, ``precision``), so
-methods and engines train it the same way; its outputs are next-token logits
-``(B, L, V)`` and its loss is the cross-entropy of each response token given the tokens
-before it. The LM head (often tied to the input embeddings) stays frozen: there is no
-new head, and a method's ``head.*`` options find nothing to share or keep.
+methods and engines train it the same way; its loss is the cross-entropy of each
+response token given the tokens before it. The LM head (often tied to the input
+embeddings) stays frozen: there is no new head, and a method's ``head.*`` options find
+nothing to share or keep.
+
+The LM head runs where a label is scored. Its logits are the biggest tensor of a step
+(``(B, L, V)``, 49,152 per position for SmolLM2), while only response tokens (often a
+tenth of the positions) are trained on or scored. A batch that names its scored positions
+(:data:`SCORED`, added by :meth:`CausalLM.prepare_batch` outside ``vmap``, since how many
+there are depends on the data) gets logits ``(K, V)`` at those only: the decoder's
+hidden states are gathered there, then the head applied. The loss is the same to float
+rounding; without :data:`SCORED` the forward pass returns every position's logits.
 
 Generation (:func:`generate`) runs the wrapped Hugging Face model's ``generate`` with
 its KV cache, on prompts padded on the left.
@@ -13,17 +21,72 @@ its KV cache, on prompts padded on the left.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
-from fedpeft.data.task import IGNORE, Encoded, make_batch
+from fedpeft.data.task import IGNORE, Encoded, eval_batches, make_batch
 from fedpeft.models.masks import additive_mask
+
+#: Positions per LM-head call when scoring without gradients: its logits, ``(chunk, V)``,
+#: are the only ones held at a time (:meth:`CausalLM.scored_nll`).
+HEAD_CHUNK = 1024
+
+#: A batch entry: the positions whose next token is scored, as flat indices into the
+#: batch's ``rows x tokens`` positions, first to last, ``(K,)`` (a cohort's batch:
+#: ``(C, K)``, K the most of any client), padded with ``-1`` (:func:`scored_positions`).
+SCORED = "scored"
+
+
+def scored_positions(labels: torch.Tensor) -> torch.Tensor:
+    """The :data:`SCORED` entry of token labels ``(..., B, L)``: position ``t`` of row
+    ``b`` (flat index ``b * L + t``) counts when token ``t + 1`` is labelled. ``(..., K)``;
+    K, the most scored positions of any leading index (at least 1), depends on the data,
+    so this runs outside ``vmap``."""
+    follows = labels[..., 1:] != IGNORE
+    counted = torch.cat([follows, torch.zeros_like(follows[..., :1])], -1).flatten(-2)  # (..., B * L)
+    counts = counted.sum(-1, keepdim=True)
+    k = max(int(counts.max()), 1) if counts.numel() else 1
+    first = torch.argsort((~counted).to(torch.uint8), dim=-1, stable=True)[..., :k]  # scored first, in order
+    return torch.where(torch.arange(k, device=labels.device) < counts, first, -1)
+
+
+def with_scored(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``batch`` with its :data:`SCORED` positions."""
+    return {**batch, SCORED: scored_positions(batch["labels"])}
+
+
+def scored_weight(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """How much each :data:`SCORED` position counts ``(K,)``: its row's weight (a cohort's
+    padded rows weigh 0), 0 for padding."""
+    scored = batch[SCORED]
+    weight = (scored >= 0).float()
+    if "weight" in batch:
+        row = scored.clamp_min(0) // batch["labels"].shape[-1]
+        weight = weight * batch["weight"].gather(0, row)
+    return weight
+
+
+def scored_targets(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The token each :data:`SCORED` position predicts ``(K,)`` (any token for padding)."""
+    return batch["labels"].flatten().gather(0, batch[SCORED].clamp_min(0) + 1).clamp_min(0)
+
+
+def scored_losses(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next-token cross-entropy at each :data:`SCORED` position of ``batch``, from the
+    logits ``(K, V)`` there, and how much each counts (:func:`scored_weight`); both ``(K,)``."""
+    losses = nn.functional.cross_entropy(logits, scored_targets(batch), reduction="none")
+    return losses, scored_weight(batch)
 
 
 class CausalLM(nn.Module):
     """A ``*ForCausalLM`` model as a task model (see the module docstring)."""
 
     causal = True
+    #: A lone client trains with the decoder's own (fused) attention rather than eager
+    #: attention's ``(heads, L, L)`` weights per layer (``cohort.training_attention``).
+    own_attention_alone = True
 
     def __init__(self, backbone: nn.Module):
         super().__init__()
@@ -35,22 +98,96 @@ class CausalLM(nn.Module):
     def attention_bias(self, attention_mask: torch.Tensor) -> torch.Tensor:
         return additive_mask(attention_mask, True, self.precision or torch.float32)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **_: object) -> torch.Tensor:
-        """Next-token logits ``(B, L, V)``, float32."""
+    @staticmethod
+    def prepare_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What a training step adds to a batch outside ``vmap``: its :data:`SCORED` positions."""
+        return with_scored(batch)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        scored: torch.Tensor | None = None,
+        **_: object,
+    ) -> torch.Tensor:
+        """Next-token logits, float32: ``(B, L, V)``, or with ``scored`` (:data:`SCORED`,
+        ``(K,)``) ``(K, V)`` at those positions only."""
         device = next(self.backbone.parameters()).device
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         bias = self.attention_bias(attention_mask)
-        if self.precision is None:
-            return self.backbone(input_ids=input_ids, attention_mask=bias).logits.float()
-        with torch.autocast(device.type, dtype=self.precision):
-            logits = self.backbone(input_ids=input_ids, attention_mask=bias).logits
+        with self.autocast(device):
+            if scored is None:
+                logits = self.backbone(input_ids=input_ids, attention_mask=bias, use_cache=False).logits
+            else:
+                logits = self.logits_at(input_ids, bias, scored.to(device).clamp_min(0))
         return logits.float()
+
+    def autocast(self, device: torch.device):
+        """Autocast to ``precision``, or nothing."""
+        if self.precision is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.precision)
+
+    def split_head(self) -> tuple[nn.Module, nn.Module] | None:
+        """The decoder and the LM head, when the logits are the head applied to the
+        decoder's last hidden states; None for a model that transforms them further
+        (Gemma's soft-capping, Cohere's scale) or whose parts are not found."""
+        lm = self.backbone.get_base_model() if hasattr(self.backbone, "get_base_model") else self.backbone
+        decoder, head, config = lm.get_decoder(), lm.get_output_embeddings(), lm.config
+        if decoder is lm or head is None:
+            return None
+        if getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+            return None
+        return decoder, head
+
+    def logits_at(self, input_ids: torch.Tensor, bias: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The logits at flat ``positions`` ``(K,)`` of the batch ``(K, V)``: the decoder's
+        hidden states gathered there, then the LM head (:meth:`split_head`; else the whole
+        model's logits, gathered)."""
+        split = self.split_head()
+        if split is None:
+            logits = self.backbone(input_ids=input_ids, attention_mask=bias, use_cache=False).logits
+            return logits.flatten(0, 1).index_select(0, positions)
+        decoder, head = split
+        return head(self.hidden_at(decoder, input_ids, bias, positions))
+
+    @staticmethod
+    def hidden_at(
+        decoder: nn.Module, input_ids: torch.Tensor, bias: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The decoder's last hidden states at flat ``positions`` ``(K, H)``."""
+        hidden = decoder(input_ids=input_ids, attention_mask=bias, use_cache=False).last_hidden_state
+        return hidden.flatten(0, 1).index_select(0, positions)  # (B, L, H) -> (K, H)
+
+    @torch.no_grad()
+    def scored_nll(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`scored_losses` of ``batch`` (with its :data:`SCORED` positions) for scoring:
+        the LM head applied to :data:`HEAD_CHUNK` positions at a time, so that a batch of
+        many responses never holds all their logits at once."""
+        split = self.split_head()
+        if split is None:
+            return scored_losses(
+                self(batch["input_ids"], batch["attention_mask"], scored=batch[SCORED]), batch
+            )
+        decoder, head = split
+        device = next(self.backbone.parameters()).device
+        bias = self.attention_bias(batch["attention_mask"].to(device))
+        positions = batch[SCORED].to(device).clamp_min(0)
+        with self.autocast(device):
+            hidden = self.hidden_at(decoder, batch["input_ids"].to(device), bias, positions)
+        targets = scored_targets(batch).to(device)
+        losses = []
+        for h, t in zip(hidden.split(HEAD_CHUNK), targets.split(HEAD_CHUNK), strict=True):
+            with self.autocast(device):
+                logits = head(h)
+            losses.append(nn.functional.cross_entropy(logits.float(), t, reduction="none"))
+        return torch.cat(losses), scored_weight(batch)
 
     @staticmethod
     def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each position's next-token cross-entropy and whether it counts: position ``t``
-        predicts token ``t + 1``, which counts when it is labelled (a response token).
-        Both ``(B, L - 1)``."""
+        """Each position's next-token cross-entropy and whether it counts, from every
+        position's logits ``(B, L, V)``: position ``t`` predicts token ``t + 1``, which
+        counts when it is labelled (a response token). Both ``(B, L - 1)``."""
         target = labels[:, 1:]
         counted = target != IGNORE
         losses = nn.functional.cross_entropy(
@@ -59,25 +196,31 @@ class CausalLM(nn.Module):
         return losses * counted, counted
 
     def loss(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Mean cross-entropy over the response tokens of the batch's real rows."""
+        """Mean cross-entropy over the response tokens of the batch's real rows, from the
+        logits at its :data:`SCORED` positions ``(K, V)`` or at every position ``(B, L, V)``."""
+        if logits.dim() == 2:
+            losses, weight = scored_losses(logits, batch)
+            return (losses * weight).sum() / weight.sum().clamp_min(1.0)
         losses, counted = self.token_losses(logits, batch["labels"])
         weight = batch["weight"].unsqueeze(1) if "weight" in batch else 1.0
         return (losses * weight).sum() / (counted * weight).sum().clamp_min(1.0)
 
 
 @torch.no_grad()
-def response_nll(model: CausalLM, data: Encoded, batch_size: int) -> tuple[float, int]:
+def response_nll(
+    model: CausalLM, data: Encoded, batch_size: int, batch_tokens: int | None = None
+) -> tuple[float, int]:
     """The summed negative log-likelihood of ``data``'s response tokens under ``model``
-    (as loaded) and their count: perplexity is ``exp(nll / count)``."""
+    (as loaded) and their count: perplexity is ``exp(nll / count)``. Batches of at most
+    ``batch_size`` rows and ``batch_tokens`` tokens (:func:`fedpeft.data.task.eval_batches`)."""
     model.eval()
+    device = next(model.parameters()).device
     total, count = 0.0, 0
-    for start in range(0, len(data), batch_size):
-        batch = make_batch(data, torch.arange(start, min(start + batch_size, len(data))))
-        losses, counted = model.token_losses(
-            model(**batch), batch["labels"].to(next(model.parameters()).device)
-        )
-        total += float(losses.sum())
-        count += int(counted.sum())
+    for rows in eval_batches(data.lengths, batch_size, batch_tokens):
+        batch = with_scored({k: v.to(device) for k, v in make_batch(data, rows).items()})
+        losses, weight = model.scored_nll(batch)
+        total += float((losses * weight).sum())
+        count += int(weight.sum())
     return total, count
 
 
@@ -102,8 +245,11 @@ def references_of(data: Encoded, tokenizer) -> list[str]:
 
 
 @torch.no_grad()
-def generate(model: CausalLM, data: Encoded, tokenizer, options, batch_size: int) -> list[str]:
-    """The model's (as loaded) response to each prompt of ``data``, decoded.
+def generate(
+    model: CausalLM, data: Encoded, tokenizer, options, batch_size: int, batch_tokens: int | None = None
+) -> list[str]:
+    """The model's (as loaded) response to each prompt of ``data``, decoded; batches of at
+    most ``batch_size`` prompts and ``batch_tokens`` tokens (prompts and new tokens).
 
     ``options`` (``fedpeft.config.GenerationConfig``): ``strategy`` greedy, beam
     (``num_beams``) or sample (``temperature``, ``top_p``, seeded by ``seed``), at most
@@ -126,8 +272,10 @@ def generate(model: CausalLM, data: Encoded, tokenizer, options, batch_size: int
     texts: list[str] = []
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(options.seed)
-        for start in range(0, len(data), batch_size):
-            ids, mask = prompts_of(data, torch.arange(start, min(start + batch_size, len(data))), pad_id)
+        beams = options.num_beams if options.strategy == "beam" else 1
+        lengths = (data.prompt_lengths + options.max_new_tokens) * beams  # the tokens a row holds
+        for rows in eval_batches(lengths, batch_size, batch_tokens):
+            ids, mask = prompts_of(data, rows, pad_id)
             ids, mask = ids.to(device), mask.to(device)
             with torch.autocast(device.type, dtype=model.precision, enabled=model.precision is not None):
                 out = model.backbone.generate(input_ids=ids, attention_mask=mask, **kwargs)

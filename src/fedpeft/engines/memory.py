@@ -1,0 +1,325 @@
+"""Will the run fit in memory? A probe before the first round, and the readings it takes.
+
+A run that does not fit is killed by the operating system (or dies of a CUDA
+out-of-memory error) after minutes or hours, often after its first round, with nothing
+said about which setting to lower. :func:`check_memory` measures, before the first
+round, the peak memory of one local step of the largest client on its longest rows and
+of one scoring batch, and raises :class:`InsufficientMemory` naming what the run needs,
+what the machine has and which keys lower it, when the estimate exceeds what is free.
+
+Readings: on the CPU, the process's resident memory (``VmRSS``) and its high-water mark
+(``VmHWM``, reset by writing ``5`` to ``/proc/self/clear_refs``) against ``MemAvailable``
+(and a cgroup v2 limit, when one is set); on CUDA, the allocator's peak against
+``torch.cuda.mem_get_info``. Where neither can be read (no ``/proc``), the check
+skips and says so. ``FEDPEFT_MEMORY_LIMIT_MB`` (or the ``limit_mb`` argument) stands in
+for the memory the machine has, in MiB: a test, or a user who wants to leave room for
+something else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from fedpeft.data.task import Encoded
+from fedpeft.methods.base import ClientData, Job, ServerState
+from fedpeft.metrics.scorers import OneAtATime
+
+if TYPE_CHECKING:
+    from fedpeft.engines.inprocess import InProcessEngine
+
+MIB = 2**20
+GIB = 2**30
+#: The share of what the machine has that a run may plan to use (the rest: fragmentation,
+#: the round's other tensors, whatever else runs).
+HEADROOM = 0.9
+DEVICE_NAMES = {"cpu": "machine", "cuda": "GPU"}
+PROC_STATUS = Path("/proc/self/status")
+CLEAR_REFS = Path("/proc/self/clear_refs")
+MEMINFO = Path("/proc/meminfo")
+CGROUP = Path("/sys/fs/cgroup")
+LIMIT_ENV = "FEDPEFT_MEMORY_LIMIT_MB"
+
+
+class InsufficientMemory(RuntimeError):
+    """The run's estimated peak memory exceeds what the machine has (see the message)."""
+
+
+# ---------------------------------------------------------------- CPU readings (Linux)
+
+
+def _status_bytes(key: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``) in bytes; None without /proc."""
+    try:
+        text = PROC_STATUS.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def rss() -> int | None:
+    """This process's resident memory now, in bytes (None where it cannot be read)."""
+    return _status_bytes("VmRSS")
+
+
+def peak_rss() -> int | None:
+    """This process's resident high-water mark (since start or :func:`reset_peak_rss`)."""
+    return _status_bytes("VmHWM")
+
+
+def reset_peak_rss() -> bool:
+    """Reset the high-water mark to the current resident memory; False where unsupported."""
+    try:
+        CLEAR_REFS.write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def available_ram() -> int | None:
+    """Bytes this process may still take: ``MemAvailable``, or less when a cgroup v2
+    limit (``memory.max``) leaves less room; None without /proc."""
+    try:
+        fields = dict(line.split(":", 1) for line in MEMINFO.read_text().splitlines())
+        free = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    limit, used = _read_int(CGROUP / "memory.max"), _read_int(CGROUP / "memory.current")
+    if limit is not None and used is not None:  # "max" (no limit) reads as None
+        free = min(free, max(limit - used, 0))
+    return free
+
+
+def measure_peak_rss(run: Callable[[], object]) -> int | None:
+    """The growth of resident memory at its peak while ``run()`` runs, above the resident
+    memory before it, in bytes; None where it cannot be measured."""
+    before = rss()
+    if before is None or not reset_peak_rss():
+        return None
+    run()
+    peak = peak_rss()
+    return None if peak is None else max(peak - before, 0)
+
+
+# ---------------------------------------------------------------- CUDA readings
+
+
+def measure_peak_cuda(run: Callable[[], object], device: torch.device) -> int:
+    """The growth of CUDA memory allocated at its peak while ``run()`` runs, in bytes."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    run()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+def release_free_heap() -> None:
+    """Return the C heap's free memory to the system (glibc's ``malloc_trim``), so that
+    resident memory counts what is in use; elsewhere a no-op."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+# ---------------------------------------------------------------- the check
+
+
+def _limit_bytes(limit_mb: float | None) -> int | None:
+    """The memory a run may use, when given (argument, else ``FEDPEFT_MEMORY_LIMIT_MB``)."""
+    if limit_mb is None and os.environ.get(LIMIT_ENV):
+        limit_mb = float(os.environ[LIMIT_ENV])
+    return None if limit_mb is None else int(limit_mb * MIB)
+
+
+def _longest(data: Encoded, rows: int) -> Encoded:
+    """``rows`` rows of ``data``, the longest first (repeated when it has fewer)."""
+    order = torch.argsort(data.lengths.cpu(), descending=True, stable=True)
+    return data.subset(order[torch.arange(rows) % len(order)])
+
+
+class _Probe:
+    """One local step and one scoring batch of an engine's largest client, on its longest
+    rows, at any number of rows and clients; each returns the peak memory it took."""
+
+    def __init__(self, engine: InProcessEngine, server: ServerState):
+        self.engine, self.method, self.model = engine, engine.method, engine.model
+        self.device = next(engine.model.parameters()).device
+        self.client = max(engine.clients, key=lambda c: len(c.train))
+        self.received = engine.method.downlink(server, self.client.cid)
+        self.personal = engine.method.init_client(engine.model, engine.initial, self.client)
+        self.state = engine.method.eval_state(engine.model, self.received, self.personal, self.client)
+        self.longest = int(self.client.train.lengths.max())
+        scorer = engine.scorer
+        self.score_size = getattr(scorer, "batch_size", engine.schedule.eval_batch_size)
+        tokens = getattr(scorer, "batch_tokens", None)
+        if tokens is not None:
+            self.score_size = max(1, min(self.score_size, tokens // self.longest))
+        self.score_clients = 1 if isinstance(scorer, OneAtATime) else engine.cohort_size
+        self.step_size = min(self.method.train.batch_size, len(self.client.train))
+
+    def peak(self, run: Callable[[], object]) -> int | None:
+        if self.device.type == "cuda":
+            return measure_peak_cuda(run, self.device)
+        release_free_heap()
+        return measure_peak_rss(run)
+
+    def step(self, clients: int, rows: int) -> int | None:
+        """One local step of ``clients`` clients of ``rows`` rows each."""
+        client = ClientData(self.client.cid, _longest(self.client.train, rows), self.client.test)
+        jobs = [Job(self.received, self.personal, client, 0)] * clients
+        saved = self.method.train
+        self.method.train = saved.model_copy(update={"local_steps": 1, "batch_size": rows})
+        try:
+            return self.peak(lambda: self.method.fit_cohort(self.model, jobs))
+        finally:
+            self.method.train = saved
+
+    def score(self, clients: int, rows: int) -> int | None:
+        """One scoring batch of ``rows`` rows for each of ``clients`` clients' models."""
+        data = _longest(self.client.train, rows)
+        engine = self.engine
+        return self.peak(
+            lambda: engine.scorer.score_clients(
+                self.model, [self.state] * clients, [data] * clients, engine.load
+            )
+        )
+
+
+def _estimate(
+    measure: Callable[[int, int], int | None], clients: int, rows: int, room: int
+) -> tuple[int | None, str]:
+    """The peak of ``measure(clients, rows)`` and how it was found. First one client and
+    one row: that peak, one-time costs included, times the rows x clients bounds the
+    full one from above (``bounded``), which settles a small run. Else measured on one
+    client at a quarter and half of the rows and extrapolated linearly in rows x clients
+    (``extrapolated``), then measured at full size instead (``measured``) when the
+    extrapolation leaves half of ``room`` free."""
+    full = clients * rows
+    one = measure(1, 1)
+    if one is None or full == 1:
+        return one, "measured" if one is not None else "unmeasured"
+    if one * full <= room / 4:
+        return one * full, "bounded"
+    small, mid = max(1, rows // 4), max(2, rows // 2)
+    a, b = measure(1, small), measure(1, mid)
+    if a is None or b is None:
+        return None, "unmeasured"
+    guess = int(b + max(b - a, 0) / (mid - small) * (full - mid))
+    if guess > room / 2:
+        return guess, "extrapolated"
+    measured = measure(clients, rows)
+    return (guess, "extrapolated") if measured is None else (measured, "measured")
+
+
+def _room(device: torch.device, limit: int | None) -> tuple[int, int, str] | str:
+    """``(held, has, source)``: what the process (CUDA: the allocator) holds now, what the
+    run may use in all, and where that figure comes from; or why neither can be read."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        held = torch.cuda.memory_allocated(device)
+        source = "the GPU's free memory and what torch holds of it"
+        return held, limit if limit is not None else free + torch.cuda.memory_reserved(device), source
+    if device.type != "cpu":
+        return f"memory on {device.type} cannot be measured"
+    held, free = rss(), available_ram()
+    if held is None or (free is None and limit is None) or not reset_peak_rss():
+        return "no /proc/self/status, /proc/self/clear_refs or /proc/meminfo to measure memory with"
+    return held, limit if limit is not None else held + free, "MemAvailable and what this process holds"
+
+
+def _either(keys: list[str]) -> str:
+    return ", ".join(keys[:-1]) + f" or {keys[-1]}" if len(keys) > 1 else keys[0]
+
+
+def _advice(probe: _Probe, figures: dict[str, float], clients: int) -> str:
+    """What the peak is made of, and the keys that lower each part."""
+    train, scorer = probe.method.train, probe.engine.scorer
+    cohort = [f"train.cohort_size (now {clients})"] if clients > 1 else []
+    step_keys = [f"train.batch_size (now {train.batch_size})", "data.max_length", *cohort]
+    if train.precision == "fp32":
+        step_keys.append("train.precision (bf16 halves the frozen weights)")
+    score_keys = [
+        f"eval.batch_tokens (now {getattr(scorer, 'batch_tokens', None)})",
+        f"eval.batch_size (now {getattr(scorer, 'batch_size', None)})",
+        "data.max_length",
+        *(cohort if probe.score_clients > 1 else []),
+    ]
+    rows, step, score = (
+        f"rows of {probe.longest} tokens",
+        figures["step_mb"] / 1024,
+        figures["score_mb"] / 1024,
+    )
+    return (
+        f"one local step of {clients} client(s) x {probe.step_size} {rows} takes {step:.1f} GiB "
+        f"(lower {_either(step_keys)}); one scoring batch of {probe.score_size} {rows} takes "
+        f"{score:.1f} GiB (lower {_either(score_keys)})"
+    )
+
+
+def check_memory(engine: InProcessEngine, server: ServerState, limit_mb: float | None = None) -> dict:
+    """Whether ``engine``'s run fits in memory, checked before its first round (the
+    module docstring): the peak of one local step of its largest client on its longest
+    rows (a cohort of ``engine.cohort_size`` clients) and of one scoring batch (as many
+    rows of that length as ``eval.batch_size`` and ``eval.batch_tokens`` allow): bounded
+    from a one-row probe when that settles it, else measured on small sizes and
+    extrapolated, or at full size when that is safe (:func:`_estimate`).
+
+    Returns the figures, in MiB: ``held`` (what the process holds now), ``step`` and
+    ``score`` (each one's peak beyond it), ``need`` and ``has`` (what the run may use:
+    ``limit_mb``, else ``FEDPEFT_MEMORY_LIMIT_MB``, else what is free plus ``held``),
+    and how the peaks were found; ``{"skipped": why}`` where memory cannot be read.
+    Raises :class:`InsufficientMemory` when ``need`` exceeds :data:`HEADROOM` of ``has``.
+    The engine's state, its model's tensors and the random streams are left as they were."""
+    device = next(engine.model.parameters()).device
+    room = _room(device, _limit_bytes(limit_mb))
+    if isinstance(room, str):
+        return {"skipped": room}
+    held, has, source = room
+    if limit_mb is not None or os.environ.get(LIMIT_ENV):
+        source = f"limit_mb {limit_mb}" if limit_mb is not None else f"{LIMIT_ENV}={os.environ[LIMIT_ENV]}"
+    probe = _Probe(engine, server)
+    clients = engine.cohort_size if engine.method.vectorised else 1
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            step, step_how = _estimate(probe.step, clients, probe.step_size, has - held)
+            score, score_how = _estimate(probe.score, probe.score_clients, probe.score_size, has - held)
+        finally:
+            engine._loaded = ()  # the scoring probe loaded a client's tensors into the model
+    if step is None or score is None:
+        return {"skipped": "the probe's peak memory could not be read"}
+    need = held + max(step, score)
+    figures = {
+        "held_mb": held / MIB,
+        "step_mb": step / MIB,
+        "score_mb": score / MIB,
+        "need_mb": need / MIB,
+        "has_mb": has / MIB,
+        "step_found": step_how,
+        "score_found": score_how,
+    }
+    if need > HEADROOM * has:
+        raise InsufficientMemory(
+            f"this run needs about {need / GIB:.1f} GiB of memory at its peak, and the "
+            f"{DEVICE_NAMES.get(device.type, device.type)} has {has / GIB:.1f} GiB for it ({source}; "
+            f"a run plans on {HEADROOM:.0%} of it): the process holds {held / GIB:.1f} GiB, and "
+            f"{_advice(probe, figures, clients)}"
+        )
+    return figures
