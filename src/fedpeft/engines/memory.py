@@ -203,30 +203,44 @@ class _Probe:
         )
 
 
+def _line(p: tuple[int, int], q: tuple[int, int], at: int) -> int:
+    """The peak at ``at`` rows on the line through the probes ``p`` and ``q`` ``(rows,
+    peak)``, its slope at least 0."""
+    slope = max(q[1] - p[1], 0) / (q[0] - p[0])
+    return int(q[1] + slope * (at - q[0]))
+
+
 def _estimate(
     measure: Callable[[int, int], int | None], clients: int, rows: int, room: int
 ) -> tuple[int | None, str]:
     """The peak of ``measure(clients, rows)`` and how it was found. First one client and
     one row: that peak, one-time costs included, times the rows x clients bounds the
     full one from above (``bounded``), which settles a small run. Else measured on one
-    client at a quarter and half of the rows and extrapolated linearly in rows x clients
-    (``extrapolated``), then measured at full size instead (``measured``) when the
-    extrapolation leaves half of ``room`` free."""
+    client at an eighth and a quarter of the rows and extrapolated linearly in rows x
+    clients (``extrapolated``): far within ``room`` (a quarter), that settles it; within
+    half of it, a full-size probe does (``measured``); beyond, a full-size probe might
+    not fit, so one more probe, at the most rows the line keeps within half of ``room``,
+    straightens the line before it is read (small probes overstate a batch's slope)."""
     full = clients * rows
     one = measure(1, 1)
     if one is None or full == 1:
         return one, "measured" if one is not None else "unmeasured"
     if one * full <= room / 4:
         return one * full, "bounded"
-    small, mid = max(1, rows // 4), max(2, rows // 2)
+    small, mid = max(1, rows // 8), max(2, rows // 4)
     a, b = measure(1, small), measure(1, mid)
     if a is None or b is None:
         return None, "unmeasured"
-    guess = int(b + max(b - a, 0) / (mid - small) * (full - mid))
-    if guess > room / 2:
+    guess = _line((small, a), (mid, b), full)
+    if guess <= room / 4:
         return guess, "extrapolated"
-    measured = measure(clients, rows)
-    return (guess, "extrapolated") if measured is None else (measured, "measured")
+    if guess <= room / 2:
+        measured = measure(clients, rows)
+        return (guess, "extrapolated") if measured is None else (measured, "measured")
+    largest = next((r for r in range(rows, mid, -1) if _line((small, a), (mid, b), r) <= room / 2), mid)
+    if largest >= 2 * mid and (c := measure(1, largest)) is not None:
+        return _line((mid, b), (largest, c), full), "extrapolated"
+    return guess, "extrapolated"
 
 
 def _room(device: torch.device, limit: int | None) -> tuple[int, int, str] | str:
@@ -280,7 +294,7 @@ def check_memory(engine: InProcessEngine, server: ServerState, limit_mb: float |
     rows (a cohort of ``engine.cohort_size`` clients) and of one scoring batch (as many
     rows of that length as ``eval.batch_size`` and ``eval.batch_tokens`` allow): bounded
     from a one-row probe when that settles it, else measured on small sizes and
-    extrapolated, or at full size when that is safe (:func:`_estimate`).
+    extrapolated, or at full size when that decides and is safe (:func:`_estimate`).
 
     Returns the figures, in MiB: ``held`` (what the process holds now), ``step`` and
     ``score`` (each one's peak beyond it), ``need`` and ``has`` (what the run may use:
@@ -295,14 +309,14 @@ def check_memory(engine: InProcessEngine, server: ServerState, limit_mb: float |
     held, has, source = room
     if limit_mb is not None or os.environ.get(LIMIT_ENV):
         source = f"limit_mb {limit_mb}" if limit_mb is not None else f"{LIMIT_ENV}={os.environ[LIMIT_ENV]}"
-    probe = _Probe(engine, server)
     clients = engine.cohort_size if engine.method.vectorised else 1
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         try:
+            probe = _Probe(engine, server)
             step, step_how = _estimate(probe.step, clients, probe.step_size, has - held)
             score, score_how = _estimate(probe.score, probe.score_clients, probe.score_size, has - held)
         finally:
-            engine._loaded = ()  # the scoring probe loaded a client's tensors into the model
+            engine._loaded = ()  # the probe loaded a client's tensors into the model
     if step is None or score is None:
         return {"skipped": "the probe's peak memory could not be read"}
     need = held + max(step, score)
