@@ -27,6 +27,7 @@ import torch
 from fedpeft.data.task import Encoded, make_batch
 from fedpeft.engines import guard
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
+from fedpeft.engines.memory import measure_peak_cuda
 from fedpeft.engines.store import ClientStore, StoreError
 from fedpeft.methods.base import (
     ClientData,
@@ -463,13 +464,7 @@ def probe_cohort_size(engine: InProcessEngine, server: ServerState) -> int:
     saved, method.train = method.train, method.train.model_copy(update={"local_steps": 1})
 
     def peak(run: Callable[[], object]) -> int:
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        run()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
+        return measure_peak_cuda(run, device)
 
     try:
         costs = []
