@@ -36,6 +36,23 @@ def test_spilled_states_come_back_bit_identical(tmp_path):
     assert store[7] == {} and 7 in store
 
 
+def test_a_state_reads_back_in_name_order_from_memory_and_from_its_file(tmp_path):
+    """A safetensors file does not keep its tensors' order, so the store hands every state
+    back in name order: the same order before and after a spill (a norm summed over a
+    state's tensors, as gradient clipping sums, then does not change on a resume)."""
+    names = ["own.z", "b.lora_B", "a.lora_A", "head.weight", "m.0", "m.10", "m.2"]
+    state = {n: torch.full((2,), float(i)) for i, n in enumerate(names)}
+    store = ClientStore(tmp_path, budget=1)  # every state but the newest spills
+    store[0] = state
+    assert list(store[0]) == sorted(names)
+    store[1] = {"x": torch.zeros(1)}  # evicts client 0 to its file
+    assert 0 not in store.memory
+    back = store[0]
+    assert list(back) == sorted(names) and store.loaded == 1
+    for n in names:
+        assert torch.equal(back[n], state[n])
+
+
 def test_budget_bounds_resident_memory(tmp_path):
     """2,000 states of 256 KiB (500 MiB in all) through a 16 MiB store: resident memory
     grows by about the budget, not by the states' total."""

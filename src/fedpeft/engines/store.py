@@ -72,8 +72,11 @@ _LAYOUTS: dict[tuple, tuple] = {}  # one copy of each layout: clients of a metho
 
 
 def pack(state: Tensors) -> Packed:
+    """``state`` in one buffer, its tensors in name order: a state reads back in the same
+    order whether it was held in memory or read from a file (a safetensors file does not
+    keep the order), so that sums over a state's tensors do not change on a resume."""
     parts, layout, start = [], [], 0
-    for name, t in state.items():
+    for name, t in sorted(state.items(), key=lambda item: item[0]):
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
         layout.append((name, t.dtype, tuple(t.shape), start, start + raw.numel()))
         pad = -raw.numel() % ALIGN  # every tensor starts aligned for any dtype's view

@@ -124,7 +124,8 @@ def clip_gradients(grads: Tensors, max_norm: float | None) -> Tensors:
     ``min(1, max_norm / (||g|| + 1e-6))``, ``||g||`` the norm of all of them together."""
     if not max_norm or not grads:
         return grads
-    total = torch.stack([g.float().square().sum() for g in grads.values()]).sum().sqrt()
+    # summed in name order: the same norm whatever order the state's tensors came in
+    total = torch.stack([grads[n].float().square().sum() for n in sorted(grads)]).sum().sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     return {n: g * coef.to(g.dtype) for n, g in grads.items()}
 
