@@ -203,6 +203,146 @@ def test_memory_check_skips_quietly_without_proc(lm_engine, monkeypatch):
     assert "skipped" in check_memory(*lm_engine)
 
 
+def test_a_run_that_does_not_fit_is_refused_before_its_first_round(tiny_config, tmp_path, monkeypatch):
+    """Through the CLI: one line naming what the run needs, what the machine has and the
+    keys to lower, exit code 2, no round run; ``train.memory_check: false`` skips the probe."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from fedpeft.cli import app
+    from fedpeft.config import dump_config
+
+    if memory.rss() is None:
+        pytest.skip("no /proc here")
+    monkeypatch.setenv(memory.LIMIT_ENV, "1")  # a machine of 1 MiB
+    cfg = tiny_config(output_dir=str(tmp_path / "refused"))
+    path = tmp_path / "exp.yaml"
+    path.write_text(dump_config(cfg))
+    res = CliRunner().invoke(app, ["run", str(path)])
+    said = " ".join(res.output.split())
+    assert res.exit_code == 2, res.output
+    assert "error: this run needs about" in said and "FEDPEFT_MEMORY_LIMIT_MB=1" in said
+    assert "train.batch_size (now 8)" in said and "eval.batch_tokens" in said
+    assert "Traceback" not in res.output
+    assert (
+        not (cfg.output_dir / "metrics.jsonl").exists() or not (cfg.output_dir / "metrics.jsonl").read_text()
+    )
+    assert not (cfg.output_dir / "checkpoint.pt").exists()
+
+    unchecked = tiny_config(output_dir=str(tmp_path / "unchecked"), **{"train.memory_check": False})
+    path.write_text(dump_config(unchecked))
+    res = CliRunner().invoke(app, ["run", str(path)])
+    assert res.exit_code == 0, res.output
+    first = json.loads((unchecked.output_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert not any(k.startswith("memory_") for k in first["setup"])
+
+
+WORDS = [
+    "river",
+    "stone",
+    "green",
+    "field",
+    "light",
+    "north",
+    "quiet",
+    "house",
+    "paper",
+    "window",
+    "garden",
+    "winter",
+    "market",
+    "silver",
+    "table",
+    "morning",
+    "valley",
+    "letter",
+    "summer",
+    "bridge",
+    "candle",
+    "forest",
+    "orange",
+    "harbor",
+]
+
+
+def _long_prompts(path, rows: int, seed: int) -> None:
+    """Alpaca-style rows of made-up text: prompts of about 120 words, responses of 12."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w") as fh:
+        for _ in range(rows):
+            prompt = " ".join(rng.choices(WORDS, k=120))
+            fh.write(json.dumps({"instruction": prompt, "output": " ".join(rng.choices(WORDS, k=12))}) + "\n")
+
+
+def test_the_issue_run_completes_with_the_default_eval_settings_within_a_tight_limit(
+    tiny_config, tiny_decoder, tmp_path, monkeypatch
+):
+    """The run of issue 38, made small: a decoder with a full-size vocabulary (MiniLM's,
+    30,522), prompts of about 120 tokens, ``data.max_length: 192``, batch 8 and a
+    row-heavy test set (400 rows), scored with the default ``eval.batch_size`` (128 rows)
+    and ``eval.batch_tokens``. Every position's logits of one 128-row batch alone would
+    take 3 GiB; under a limit of 1.5 GiB above what the process holds, the memory check
+    passes, the run completes, and its resident memory never grows past the limit."""
+    from fedpeft.data.task import eval_batches as real_eval_batches
+    from fedpeft.experiment import run
+    from fedpeft.report.results import read_records
+
+    if memory.rss() is None:
+        pytest.skip("no /proc here")
+    train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+    _long_prompts(train, 96, seed=1)
+    _long_prompts(test, 400, seed=2)
+    cfg = tiny_config(
+        **{
+            "model.backbone": str(tiny_decoder),
+            "data.task": "causal_lm",
+            "data.source": "file",
+            "data.path": str(train),
+            "data.test_path": str(test),
+            "data.max_length": 192,
+            "data.max_samples": None,
+            "data.max_test_samples": None,
+            "partition.scheme": "iid",
+            "partition.num_clients": 4,
+            "train.rounds": 1,
+            "eval.local": False,
+            "eval.batch_size": 128,  # the defaults (tiny_config's is 64)
+            "eval.generation.samples": 2,
+            "eval.generation.max_new_tokens": 4,
+        }
+    )
+    defaults = type(cfg.eval)()
+    assert (cfg.eval.batch_size, cfg.eval.batch_tokens) == (defaults.batch_size, defaults.batch_tokens)
+    batches = []
+
+    def spy(lengths, *args, **kwargs):
+        out = list(real_eval_batches(lengths, *args, **kwargs))
+        batches.extend(int(lengths[b].max()) * len(b) for b in out)
+        return out
+
+    for module in ("metrics.scorers", "metrics.classification", "methods.cohort", "models.causal"):
+        monkeypatch.setattr(f"fedpeft.{module}.eval_batches", spy)
+    memory.release_free_heap()
+    held = memory.rss()
+    limit_mb = held / memory.MIB + 1536
+    monkeypatch.setenv(memory.LIMIT_ENV, str(limit_mb))
+    assert memory.reset_peak_rss()
+    run(cfg)
+    grown = memory.peak_rss() - held
+
+    records = read_records(cfg.output_dir)
+    assert [r["round"] for r in records] == [1]
+    assert torch.isfinite(torch.tensor(records[0]["global"]["nll"]))
+    figures = records[0]["setup"]
+    assert figures["memory_need_mb"] <= memory.HEADROOM * figures["memory_has_mb"]
+    assert batches and max(batches) <= defaults.batch_tokens  # token-sized, not 128 rows x 192
+    assert grown < 1536 * memory.MIB, f"grew by {grown / memory.MIB:.0f} MiB"
+
+
 @pytest.mark.slow
 def test_gathered_head_on_smollm2_gives_the_full_logits_loss_and_gradients():
     """The bundled SmolLM2 under FedLR: one cohort step's loss and gradients from the LM

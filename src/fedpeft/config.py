@@ -325,6 +325,13 @@ class TrainConfig(BaseModel):
         description="Autocast precision of the forward pass; parameters and optimizer state stay "
         "float32 (fp16 adds loss scaling).",
     )
+    memory_check: bool = Field(
+        True,
+        description="Before the first round (and on a resume), measure one local step and one scoring "
+        "batch on the largest client's longest rows and refuse a run whose estimated peak exceeds the "
+        "memory free (the env FEDPEFT_MEMORY_LIMIT_MB stands in for it), naming the keys that lower it; "
+        "false skips the probe. Not part of the run's identity.",
+    )
     on_corrupt_state: Literal["stop", "reset"] = Field(
         "stop",
         description="A client's stored personal state (output_dir/clients/) that is missing or does not "

@@ -27,7 +27,7 @@ import torch
 from fedpeft.data.task import Encoded, make_batch
 from fedpeft.engines import guard
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
-from fedpeft.engines.memory import measure_peak_cuda
+from fedpeft.engines.memory import check_memory, measure_peak_cuda
 from fedpeft.engines.store import ClientStore, StoreError
 from fedpeft.methods.base import (
     ClientData,
@@ -123,6 +123,7 @@ class InProcessEngine:
         scorer: Scorer | None = None,
         on_corrupt_state: str = "stop",
         lr: float = float("nan"),
+        memory_check: bool = True,
     ):
         self.model, self.method, self.clients = model, method, clients
         self.eval_clients = eval_clients if eval_clients is not None else clients
@@ -132,6 +133,7 @@ class InProcessEngine:
         # (StoreError) or is reset to the method's initial one ("reset"), recorded per round
         self.on_corrupt_state, self.resets = on_corrupt_state, {}
         self.lr = lr  # named when a round diverges
+        self.memory_check = memory_check  # train.memory_check: probe the peak before training
         self.on_round = on_round or (lambda record: None)
         self.on_start = on_start or (lambda records: None)
         # name -> f(previous global tensors, new global tensors), recorded every round
@@ -394,6 +396,9 @@ class InProcessEngine:
         if self.schedule.cohort_size is None:
             self.cohort_size = probe_cohort_size(self, server)
             self.setup_info["cohort_size"] = float(self.cohort_size)
+        if self.memory_check:  # refuses (InsufficientMemory) a run that would not fit
+            figures = check_memory(self, server)
+            self.setup_info.update({f"memory_{k}": v for k, v in figures.items() if isinstance(v, float)})
         return server, records
 
     def run(self, resume: bool = False, resume_from: int | None = None) -> list[dict]:
