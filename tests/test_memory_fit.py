@@ -203,6 +203,29 @@ def test_memory_check_skips_quietly_without_proc(lm_engine, monkeypatch):
     assert "skipped" in check_memory(*lm_engine)
 
 
+def test_the_memory_check_trains_a_copy_of_the_method(tiny_config):
+    """The probe's steps leave the run's method as it was: a method that counts its
+    fits in itself (as round bookkeeping would) and a wrapper set on the instance (as a
+    spy or a logger would be, closing over the run's method) see none of them."""
+    if memory.rss() is None:
+        pytest.skip("no /proc here")
+    engine, server = _engine(tiny_config())
+    method = engine.method
+
+    class Counting(type(method)):
+        def fit_cohort(self, model, jobs):
+            self.fits = getattr(self, "fits", 0) + 1
+            return super().fit_cohort(model, jobs)
+
+    method.__class__ = Counting
+    wrapped = []
+    method.fit_cohort = lambda model, jobs: wrapped.append(1) or Counting.fit_cohort(method, model, jobs)
+    figures = check_memory(engine, server)
+    assert figures["step_mb"] >= 0  # the probe stepped (a copy of) the method
+    assert getattr(method, "fits", 0) == 0 and wrapped == []
+    assert engine.method is method and method.fit_cohort.__name__ == "<lambda>"
+
+
 def test_a_run_that_does_not_fit_is_refused_before_its_first_round(tiny_config, tmp_path, monkeypatch):
     """Through the CLI: one line naming what the run needs, what the machine has and the
     keys to lower, exit code 2, no round run; ``train.memory_check: false`` skips the probe."""

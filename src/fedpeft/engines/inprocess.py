@@ -27,7 +27,7 @@ import torch
 from fedpeft.data.task import Encoded, make_batch
 from fedpeft.engines import guard
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
-from fedpeft.engines.memory import check_memory, measure_peak_cuda
+from fedpeft.engines.memory import check_memory, measure_peak_cuda, probe_copy
 from fedpeft.engines.store import ClientStore, StoreError
 from fedpeft.methods.base import (
     ClientData,
@@ -455,10 +455,11 @@ def probe_cohort_size(engine: InProcessEngine, server: ServerState) -> int:
     longest rows, gives the cost per client; the cohort is the most clients that fit 80 %
     of the free memory (at most the clients per round). Elsewhere, or for a method that
     trains one client at a time: 1 (on a CPU, batching clients gains nothing)."""
-    model, method, s = engine.model, engine.method, engine.schedule
+    model, s = engine.model, engine.schedule
     device = next(model.parameters()).device
-    if device.type != "cuda" or not method.vectorised or s.clients_per_round == 1:
+    if device.type != "cuda" or not engine.method.vectorised or s.clients_per_round == 1:
         return 1
+    method = probe_copy(engine.method, model)  # the probe's steps leave the run's method as it was
     client = max(engine.clients, key=lambda c: len(c.train))
     longest = torch.argsort(client.train.lengths, descending=True)
     train_rows = client.train.subset(longest[: method.train.batch_size])
@@ -466,19 +467,16 @@ def probe_cohort_size(engine: InProcessEngine, server: ServerState) -> int:
     received = method.downlink(server, client.cid)
     personal = method.init_client(model, engine.initial, probe)
     state = {**received, **method.params_of(personal)}
-    saved, method.train = method.train, method.train.model_copy(update={"local_steps": 1})
+    method.train = method.train.model_copy(update={"local_steps": 1})
 
     def peak(run: Callable[[], object]) -> int:
         return measure_peak_cuda(run, device)
 
-    try:
-        costs = []
-        for n in (1, 4):
-            fit = peak(lambda n=n: method.fit_cohort(model, [Job(received, personal, probe, 0)] * n))
-            score = peak(lambda n=n: predict_cohort(model, [state] * n, [probe.test] * n, s.eval_batch_size))
-            costs.append(max(fit, score))
-    finally:
-        method.train = saved
+    costs = []
+    for n in (1, 4):
+        fit = peak(lambda n=n: method.fit_cohort(model, [Job(received, personal, probe, 0)] * n))
+        score = peak(lambda n=n: predict_cohort(model, [state] * n, [probe.test] * n, s.eval_batch_size))
+        costs.append(max(fit, score))
     per_client = (costs[1] - costs[0]) / 3
     free, _ = torch.cuda.mem_get_info(device)
     return fitting_cohort(free, costs[0] - per_client, per_client, s.clients_per_round)

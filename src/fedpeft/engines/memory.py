@@ -19,7 +19,9 @@ something else.
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
+import itertools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fedpeft.data.task import Encoded
-from fedpeft.methods.base import ClientData, Job, ServerState
+from fedpeft.methods.base import ClientData, Job, Method, ServerState
 from fedpeft.metrics.scorers import OneAtATime
 
 if TYPE_CHECKING:
@@ -40,6 +42,8 @@ GIB = 2**30
 #: the round's other tensors, whatever else runs).
 HEADROOM = 0.9
 DEVICE_NAMES = {"cpu": "machine", "cuda": "GPU"}
+#: The rows of the smallest probe step (Per-FedAvg splits a batch in two).
+BASE_ROWS = 4
 PROC_STATUS = Path("/proc/self/status")
 CLEAR_REFS = Path("/proc/self/clear_refs")
 MEMINFO = Path("/proc/meminfo")
@@ -155,17 +159,32 @@ def _longest(data: Encoded, rows: int) -> Encoded:
     return data.subset(order[torch.arange(rows) % len(order)])
 
 
+def probe_copy(method: Method, model: torch.nn.Module) -> Method:
+    """A copy of ``method`` for a probe to train with: its own counters, caches and
+    round bookkeeping (a probe's steps must leave the run's method as it was), sharing
+    ``model``'s modules, parameters and buffers rather than copying them. A hook set on
+    the instance (a wrapper that logs or spies) may close over the run's method itself,
+    so the copy runs its class's own hooks."""
+    shared = itertools.chain(model.modules(), model.parameters(), model.buffers())
+    clone = copy.deepcopy(method, {id(obj): obj for obj in shared})
+    for name, value in list(vars(clone).items()):
+        if callable(value) and callable(getattr(type(clone), name, None)):
+            delattr(clone, name)
+    return clone
+
+
 class _Probe:
     """One local step and one scoring batch of an engine's largest client, on its longest
     rows, at any number of rows and clients; each returns the peak memory it took."""
 
     def __init__(self, engine: InProcessEngine, server: ServerState):
-        self.engine, self.method, self.model = engine, engine.method, engine.model
+        self.engine, self.model = engine, engine.model
+        self.method = probe_copy(engine.method, engine.model)
         self.device = next(engine.model.parameters()).device
         self.client = max(engine.clients, key=lambda c: len(c.train))
-        self.received = engine.method.downlink(server, self.client.cid)
-        self.personal = engine.method.init_client(engine.model, engine.initial, self.client)
-        self.state = engine.method.eval_state(engine.model, self.received, self.personal, self.client)
+        self.received = self.method.downlink(server, self.client.cid)
+        self.personal = self.method.init_client(engine.model, engine.initial, self.client)
+        self.state = self.method.eval_state(engine.model, self.received, self.personal, self.client)
         self.longest = int(self.client.train.lengths.max())
         scorer = engine.scorer
         self.score_size = getattr(scorer, "batch_size", engine.schedule.eval_batch_size)
@@ -214,20 +233,22 @@ def _estimate(
     measure: Callable[[int, int], int | None], clients: int, rows: int, room: int
 ) -> tuple[int | None, str]:
     """The peak of ``measure(clients, rows)`` and how it was found. First one client and
-    one row: that peak, one-time costs included, times the rows x clients bounds the
-    full one from above (``bounded``), which settles a small run. Else measured on one
+    a few rows (:data:`BASE_ROWS`: a method may split a batch): that peak, one-time costs
+    included, scaled to the rows x clients bounds the full one from above (``bounded``),
+    which settles a small run. Else measured on one
     client at an eighth and a quarter of the rows and extrapolated linearly in rows x
     clients (``extrapolated``): far within ``room`` (a quarter), that settles it; within
     half of it, a full-size probe does (``measured``); beyond, a full-size probe might
     not fit, so one more probe, at the most rows the line keeps within half of ``room``,
     straightens the line before it is read (small probes overstate a batch's slope)."""
-    full = clients * rows
-    one = measure(1, 1)
-    if one is None or full == 1:
+    full, base = clients * rows, min(rows, BASE_ROWS)
+    one = measure(1, base)
+    if one is None or full == base:
         return one, "measured" if one is not None else "unmeasured"
-    if one * full <= room / 4:
-        return one * full, "bounded"
-    small, mid = max(1, rows // 8), max(2, rows // 4)
+    if one * full / base <= room / 4:
+        return int(one * full / base), "bounded"
+    small = max(base, rows // 8)
+    mid = max(small + 1, rows // 4)
     a, b = measure(1, small), measure(1, mid)
     if a is None or b is None:
         return None, "unmeasured"
