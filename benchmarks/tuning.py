@@ -3,8 +3,9 @@
 A fair table gives every method its own learning rate, tuned on a seed the table does
 not use (the PF2LoRA paper grid-searches each method's rate). ``tune_method`` scores
 each rate of a grid with a fresh optimizer every round (``optimizer_state: reset``),
-extending the grid while its best rate is at an end, then ``keep`` at the best rate,
-and returns the best of those settings.
+extending the grid while any best rate (tied rates included) is at an end, then ``keep``
+at the best rates, and returns the best of those settings (ties: the lowest rate, reset
+before keep).
 
 The chosen settings live in ``benchmarks/tuned/<benchmark>.json`` (committed, so a table
 can be re-run without re-tuning); a benchmark refuses to run a method that has none
@@ -33,25 +34,33 @@ def tune_method(
     """``(best setting, one-line report)``; ``score(setting)`` runs the method with
     ``train`` overrides ``setting`` on the tuning seed and returns the score to maximise.
 
-    Every rate of ``grid`` is scored with ``optimizer_state: reset``; while the best sits
-    at an end of the grid, the grid grows by a factor of 2 past that end (``extend``
-    times at most), so the rate chosen is bracketed unless it is still at an end after
-    the last extension (the report then shows it at the grid's end). Then ``keep`` at
-    the best rate (at each of them, when rates tie), unless ``keep`` is False (a method
-    whose kept per-client state does not fit the machine)."""
+    Every rate of ``grid`` is scored with ``optimizer_state: reset``. While any of the
+    best-scoring rates (all of them, when rates tie) sits at an end of the grid, the grid
+    grows by a factor of 2 past that end (past both, when tied rates sit at both ends;
+    ``extend`` times at most), so the best rates are bracketed unless one is still at an
+    end after the last extension (the report then shows it at the grid's end). Then
+    ``keep`` at each best rate, unless ``keep`` is False (a method whose kept per-client
+    state does not fit the machine). The tie rule: of the settings that share the best
+    score, the lowest rate, and ``reset`` before ``keep``."""
     rates = sorted(grid)
     scores = {(lr, "reset"): score({"lr": lr, "optimizer_state": "reset"}) for lr in rates}
+
+    def best_rates() -> list[float]:
+        top = max(scores[(x, "reset")] for x in rates)
+        return [x for x in rates if scores[(x, "reset")] == top]
+
     for _ in range(extend):
-        best = max(rates, key=lambda x: scores[(x, "reset")])
-        if best not in (rates[0], rates[-1]):
+        ends = [end for end in (rates[0], rates[-1]) if end in best_rates()]
+        if not ends:
             break
-        new = best * 2 if best == rates[-1] else best / 2
-        rates = sorted([*rates, new])
-        scores[(new, "reset")] = score({"lr": new, "optimizer_state": "reset"})
-    top = max(scores[(x, "reset")] for x in rates)
-    for lr in (x for x in rates if keep and scores[(x, "reset")] == top):
+        for end in ends:
+            new = end * 2 if end == rates[-1] else end / 2
+            rates = sorted([*rates, new])
+            scores[(new, "reset")] = score({"lr": new, "optimizer_state": "reset"})
+    for lr in best_rates() if keep else []:
         scores[(lr, "keep")] = score({"lr": lr, "optimizer_state": "keep"})
-    best_lr, state = max(scores, key=scores.get)
+    top = max(scores.values())
+    best_lr, state = min((k for k, v in scores.items() if v == top), key=lambda k: (k[0], k[1] != "reset"))
     report = ", ".join(f"{x:g}/{st}: {acc:.3f}" for (x, st), acc in sorted(scores.items()))
     return {"lr": best_lr, "optimizer_state": state, "grid": report}, f"{report} -> lr {best_lr:g}, {state}"
 
@@ -76,6 +85,24 @@ def read_tuned(path: Path, keys: list[str], untuned: dict | None = None) -> dict
     }
 
 
+#: Options added with a default that changes what a method computed before: a recorded
+#: run of that method whose config.yaml lacks the option was made the old way (its
+#: fingerprint, which leaves out options at their defaults, cannot tell) and is re-run.
+BEHAVIOUR_CHANGES = {
+    ("fdlora", "average"): "FDLoRA's server mean became uniform over clients (the paper's Algorithm 1; "
+    "issue 30), where it was weighted by examples",
+}
+
+
+def made_the_old_way(recorded: dict) -> str | None:
+    """Why a recorded run (its config.yaml, as read) predates a change of behaviour, or None."""
+    method = recorded.get("method") or {}
+    for (name, key), why in BEHAVIOUR_CHANGES.items():
+        if method.get("name") == name and key not in method:
+            return why
+    return None
+
+
 def run_or_reuse(cfg: ExperimentConfig) -> dict:
     """The summary of ``cfg``'s run: the recorded one when ``cfg.output_dir`` holds a
     finished run of this very config (a benchmark resumes where it stopped, also on
@@ -83,8 +110,11 @@ def run_or_reuse(cfg: ExperimentConfig) -> dict:
     finished run of another config is an error: its figures must not stand in for these."""
     out = cfg.output_dir
     if (out / "summary.json").is_file():
-        recorded = parse_config(yaml.safe_load((out / "config.yaml").read_text()), str(out / "config.yaml"))
+        raw = yaml.safe_load((out / "config.yaml").read_text())
+        recorded = parse_config(raw, str(out / "config.yaml"))
         if fingerprint(recorded) != fingerprint(cfg):
             raise SystemExit(f"{out}: holds a finished run of another config; remove it or use another --out")
+        if (why := made_the_old_way(raw)) is not None:
+            raise SystemExit(f"{out}: a run made before {why}; remove it (or use another --out) to re-run it")
         return read_summary(out)
     return run(cfg, resume=(out / "checkpoint.pt").is_file())

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fedpeft.experiment import build, run
-from fedpeft.methods.base import FitResult, Method, ServerState
+from fedpeft.methods.base import FitResult, Method, ServerState, weighted_mean
 from fedpeft.methods.fdlora import OWN, fuse, outer_step
 from fedpeft.report.results import read_records
 
@@ -17,7 +17,8 @@ def _random_like(tensors, seed):
 
 
 def test_outer_step_with_lr_1_and_no_momentum_is_fedavg_bit_for_bit(tiny_config):
-    setup = build(tiny_config(method={"name": "fdlora", "outer_lr": 1.0, "outer_momentum": 0.0}))
+    over = {"outer_lr": 1.0, "outer_momentum": 0.0, "average": "examples"}
+    setup = build(tiny_config(method={"name": "fdlora", **over}))
     method = setup.method
     server = method.init_server(setup.model)
     server.extras["global_ready"] = torch.tensor(1.0)
@@ -27,6 +28,26 @@ def test_outer_step_with_lr_1_and_no_momentum_is_fedavg_bit_for_bit(tiny_config)
     fedavg = Method.aggregate(method, server, results, 2)
     for name, value in fedavg.tensors.items():
         assert torch.equal(outer.tensors[name], value), name
+
+
+@pytest.mark.parametrize("ready", [False, True])
+def test_the_server_mean_is_uniform_over_clients_by_default(tiny_config, ready):
+    """The paper's Algorithm 1 averages its clients uniformly (``mean_i``), for theta_s^0
+    (round 1) and for Delta; sizes 30, 7 and 12 do not weigh in."""
+    setup = build(tiny_config(method={"name": "fdlora", "outer_lr": 1.0, "outer_momentum": 0.0}))
+    method = setup.method
+    assert method.cfg.average == "uniform"
+    server = method.init_server(setup.model)
+    if ready:
+        server.extras["global_ready"] = torch.tensor(1.0)
+    server = ServerState(_random_like(server.tensors, 0), server.extras)
+    results = [FitResult(_random_like(server.tensors, s), {}, n) for s, n in ((1, 30), (2, 7), (3, 12))]
+    mean = method.aggregate(server, results, 2).tensors
+    for name in server.tensors:
+        plain = torch.stack([r.uplink[name].double() for r in results]).mean(0).float()
+        torch.testing.assert_close(mean[name], plain, rtol=0, atol=1e-6)
+        weighted = sum(r.uplink[name] * r.num_examples for r in results) / 49
+        assert not torch.allclose(mean[name], weighted, atol=1e-3)
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
@@ -81,7 +102,8 @@ def test_stage_one_then_the_mean_then_outer_steps_and_sync(tiny_config):
     for _, result in round1:  # round 1 uploads theta_p (the paper's initialisation), keeps it
         assert all(torch.equal(result.uplink[n], result.personal[OWN + n]) for n in names)
     # round 2 starts from the mean of the round-1 uploads
-    mean = Method.aggregate(setup.method, ServerState({}), [r for _, r in round1], 1).tensors
+    # the paper's plain mean over the clients (method.average: uniform), not by their sizes
+    mean = weighted_mean([r.uplink for _, r in round1], [1] * len(round1))
     for job, _ in seen[3:6]:
         assert all(torch.equal(job.received[n], mean[n]) for n in names)
     # H = 2: outer step t = round - 1; round 2 (t = 1) keeps theta_p, round 3 (t = 2) syncs it

@@ -49,6 +49,10 @@ class Split:
         return P.label_histograms(labels, both, num_classes)
 
 
+#: The random stream of the clients' local test and validation orders (beside ``seed``).
+LOCAL_TEST_ORDER_STREAM = 0x4C4F4341  # "LOCA": apart from the rounds' sampling streams
+
+
 def make_split(cfg: ExperimentConfig, corpus: Corpus) -> Split:
     """Partition the training pool as configured, then carve each client's local test split."""
     pc, rng = cfg.partition, np.random.default_rng([cfg.seed, 1])
@@ -73,6 +77,10 @@ def make_split(cfg: ExperimentConfig, corpus: Corpus) -> Split:
         val = None
         if pc.val_fraction:  # a share of the whole client: of what the test split left
             train, val = P.split_local_test(train, pc.val_fraction / (1 - pc.local_test_fraction), rng)
+        # scored in a seeded order, not the pool's (a sorted source's runs of one label)
+        order = np.random.default_rng([cfg.seed, LOCAL_TEST_ORDER_STREAM])
+        test = [rows[order.permutation(len(rows))] for rows in test]
+        val = None if val is None else [rows[order.permutation(len(rows))] for rows in val]
     except P.PartitionError as err:
         column = f"data.group_column {group_column(cfg)!r}, " if pc.scheme == "groups" else ""
         raise P.PartitionError(

@@ -6,6 +6,11 @@ their class names. For instruction tuning (``data.task: causal_lm``) the "texts"
 prompts (chat messages), each example has a response, and the labels are domains
 (what a natural or Dirichlet partition splits on). Bad input fails with
 :class:`DataError`, naming the file, the column or the row at fault.
+
+The global test set is a seeded permutation of its rows (a test file's rows first put
+in an order of their content): an evaluation batch is a random draw of the test set,
+never a run of one label as a sorted source lists them, and the same rows give the
+same batches in whatever order a file lists them.
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ if TYPE_CHECKING:
     from fedpeft.config import DataConfig
 
 log = logging.getLogger(__name__)
+
+#: The random stream of the global test set's order (beside ``seed``): drawing it
+#: changes no other draw.
+TEST_ORDER_STREAM = 0x54455354  # "TEST": apart from the rounds' sampling streams [seed, round]
 
 
 class DataError(ValueError):
@@ -224,6 +233,7 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
     rng = np.random.default_rng(seed)
     n = len(table[text_col])
     known_ids = names is not None
+    own_test = test is not None
     if test is None:  # a seeded held-out share: the classes are those of the whole table
         order = rng.permutation(n)
         n_test = max(1, int(round(cfg.test_fraction * n)))
@@ -244,7 +254,12 @@ def load_corpus(cfg: DataConfig, seed: int) -> Corpus:
     train_labels = _encode_labels(table[label_col], names, origin, known_ids)
     test_labels = _encode_labels(test[label_col], names, test_origin, known_ids)
     keep = _subsample(len(train_labels), cfg.max_samples, rng)
-    keep_test = _subsample(len(test_labels), cfg.max_test_samples, rng)
+    # a test set of its own is drawn from its rows in an order of their content (the same
+    # rows, listed in any order, give the same test set); every test set is then scored
+    # in a seeded random order
+    listed = _content_order(test) if own_test else np.arange(len(test_labels))
+    keep_test = listed[_subsample(len(test_labels), cfg.max_test_samples, rng)]
+    keep_test = keep_test[np.random.default_rng([seed, TEST_ORDER_STREAM]).permutation(len(keep_test))]
     group_col = cfg.group_column or ("pos" if cfg.source == "wordnet" and not qa else None)
     if group_col and group_col not in table:
         raise DataError(f"{origin}: no column {group_col!r} (data.group_column; columns: {sorted(table)})")
@@ -441,6 +456,14 @@ def _known_labels_only(test: Columns, label_col: str, names: list[str], origin: 
         origin, dropped, len(keep), ", ".join(unseen_labels[:5]) + (" ..." if len(unseen_labels) > 5 else ""),
     )  # fmt: skip
     return {k: [x for x, k_ in zip(v, keep, strict=True) if k_] for k, v in test.items()}
+
+
+def _content_order(table: Columns) -> np.ndarray:
+    """``table``'s row indices sorted by the rows' content (every column's value): the
+    same rows listed in any order come out in the same order of content."""
+    columns = sorted(table)
+    key = [tuple(repr(table[c][i]) for c in columns) for i in range(len(table[columns[0]]))]
+    return np.asarray(sorted(range(len(key)), key=key.__getitem__), dtype=np.int64)
 
 
 def _subsample(n: int, cap: int | None, rng: np.random.Generator) -> np.ndarray:

@@ -20,11 +20,14 @@ of its personal state) and the global one ``theta_s`` (the shared tensors).
    giving ``theta_s^{i,t}``; when ``t % H == 0`` (``sync_every``; ``rounds``: H = T,
    the last round only, as in the paper's ablations; ``never``: H = infinity) it also
    sets ``theta_p^i <- theta_s^{i,t}``. The server forms the outer gradient
-   ``Delta = mean_i (theta_s^{t-1} - theta_s^{i,t})`` (weighted by examples, as FedAvg
-   here: ``theta_s^{t-1}`` minus the clients' mean) and steps
+   ``Delta = mean_i (theta_s^{t-1} - theta_s^{i,t})`` (``average: uniform``, the
+   paper's plain mean over the round's clients, also for ``theta_s^0``; ``examples``
+   weights each client by its examples as FedAvg does: ``theta_s^{t-1}`` minus the
+   clients' mean) and steps
    ``theta_s^t = OuterOpt(theta_s^{t-1}, Delta)``: SGD with Nesterov
    momentum (:func:`outer_step`, torch's SGD semantics, in float64); with ``outer_lr``
-   1 and no momentum it is FedAvg exactly.
+   1 and no momentum it is FedAvg exactly (with ``average: examples``; the mean of the
+   clients with ``uniform``).
 3. **AdaFusion**: a client's model is one fused LoRA, per adapted matrix
    ``(w1 A_p + w2 A_s)`` and ``(w1 B_p + w2 B_s)`` (eq. 7), its classifier
    ``w1 h_p + w2 h_s``, with ``w`` found by a gradient-free optimiser (nevergrad's
@@ -119,6 +122,11 @@ class FDLoRAConfig(MethodConfig):
     fusion_l1: float = Field(0.05, ge=0, description="AdaFusion: lambda of the L1 penalty on w.")
     fusion_bound: float = Field(1.5, gt=0, description="AdaFusion: each weight is searched in [-b, b].")
     compare_fusions: bool = Field(False, description="Also score every other fusion (local_<fusion>).")
+    average: Literal["uniform", "examples"] = Field(
+        "uniform",
+        description="How the server averages the clients' modules (theta_s^0 and Delta): uniform, "
+        "mean_i over the round's clients (the paper's Algorithm 1), or weighted by their examples (FedAvg).",
+    )
 
 
 def outer_step(
@@ -181,7 +189,7 @@ class FDLoRA(FedAvgPeft):
     def aggregate(self, server: ServerState, results: list[FitResult], rnd: int) -> ServerState:
         """Round 1 (``personal_mean``): ``theta_s^0`` = the mean of the uploaded personal
         modules. Then the outer step on ``Delta = mean_i (theta_s - theta_s^i)``."""
-        weights = [r.num_examples for r in results]
+        weights = [r.num_examples if self.cfg.average == "examples" else 1 for r in results]
         if not self.ready(server):
             extras = {**server.extras, READY: torch.tensor(1.0)}
             return ServerState(weighted_mean([r.uplink for r in results], weights), extras)

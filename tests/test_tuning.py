@@ -1,0 +1,73 @@
+"""The benchmarks' tuner (``benchmarks/tuning.py``): the grid grows past any end where a
+best rate sits, tied rates included, and ties are settled by a stated rule."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from tuning import tune_method  # noqa: E402
+
+
+def _scorer(table: dict[tuple[float, str], float]):
+    asked = []
+
+    def score(setting: dict) -> float:
+        key = (setting["lr"], setting["optimizer_state"])
+        asked.append(key)
+        return table.get(key, 0.0)
+
+    return score, asked
+
+
+def test_a_tie_at_the_top_end_extends_the_grid():
+    """C2A's case: 0.01 and 0.02 tie at the top of the grid; 0.04 must be tried."""
+    score, asked = _scorer({(0.01, "reset"): 0.5, (0.02, "reset"): 0.5, (0.04, "reset"): 0.6})
+    best, _ = tune_method(score, grid=[5e-3, 1e-2, 2e-2], extend=2, keep=False)
+    assert (0.04, "reset") in asked and (0.08, "reset") in asked  # 0.04 won at the new end
+    assert best["lr"] == 0.04
+
+
+def test_ties_at_both_ends_extend_both_and_the_lowest_rate_wins_a_tie():
+    score, asked = _scorer({(1e-3, "reset"): 0.5, (5e-3, "reset"): 0.5})
+    best, report = tune_method(score, grid=[1e-3, 2e-3, 5e-3], extend=1, keep=True)
+    assert (5e-4, "reset") in asked and (1e-2, "reset") in asked
+    assert (1e-3, "keep") in asked and (5e-3, "keep") in asked  # keep at every tied rate
+    assert (best["lr"], best["optimizer_state"]) == (1e-3, "reset")  # lowest rate, reset first
+    assert "-> lr 0.001, reset" in report
+
+
+def test_a_bracketed_best_stops_the_grid_and_keep_can_win():
+    score, asked = _scorer({(2e-3, "reset"): 0.7, (2e-3, "keep"): 0.8, (1e-3, "reset"): 0.6})
+    best, _ = tune_method(score, grid=[1e-3, 2e-3, 5e-3])
+    assert sorted({lr for lr, _ in asked}) == [1e-3, 2e-3, 5e-3]  # nothing added
+    assert (best["lr"], best["optimizer_state"]) == (2e-3, "keep")
+
+
+@pytest.mark.parametrize("extend", [0, 2])
+def test_extension_is_bounded(extend):
+    score, asked = _scorer({})  # every rate ties at 0: both ends grow each time
+    tune_method(score, grid=[1e-3, 2e-3], extend=extend, keep=False)
+    assert len(asked) == 2 + 2 * extend
+
+
+def test_a_fdlora_run_recorded_before_the_uniform_mean_is_not_reused(tiny_config, tmp_path):
+    """Its fingerprint matches (the new option is at its default), its behaviour does not."""
+    import yaml
+    from tuning import run_or_reuse
+
+    from fedpeft.config import dump_config
+    from fedpeft.experiment import run
+
+    cfg = tiny_config(method={"name": "fdlora"}, output_dir=str(tmp_path / "fd"))
+    run(cfg)
+    assert run_or_reuse(cfg) == json.loads((cfg.output_dir / "summary.json").read_text())  # reused
+    older = yaml.safe_load(dump_config(cfg))
+    del older["method"]["average"]  # as a run of before issue 30 recorded it
+    (cfg.output_dir / "config.yaml").write_text(yaml.safe_dump(older))
+    with pytest.raises(SystemExit, match="FDLoRA's server mean became uniform"):
+        run_or_reuse(cfg)
