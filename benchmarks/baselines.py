@@ -15,6 +15,7 @@ import argparse
 from pathlib import Path
 
 import numpy as np
+from tuning import mean_std
 
 from fedpeft.config import load_config
 from fedpeft.experiment import run
@@ -66,9 +67,7 @@ def main() -> None:
                 flush=True,
             )
 
-    def mean_std(values: list[float]) -> str:
-        return f"{np.mean(values):.3f} ± {np.std(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
-
+    print("\nmean ± sample std over seeds\n")
     print("\n| method | lr | global acc | macro-F1 | MCC | local acc (mean) | MB sent | train s |")
     print("|---|---|---|---|---|---|---|---|")
     for name, summaries in rows.items():

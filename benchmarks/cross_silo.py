@@ -16,7 +16,7 @@ which would read each example eleven times a round to the others' once or so).
 Each method's ``train.lr`` and optimizer state are tuned with ``--tune`` on seed 3, which
 the table does not use, by the mean over clients of the validation accuracy after the
 last round (never the test split). The table (the paper's Table 1 layout) gives each
-silo's test accuracy of its client's own model (mean ± std over seeds, %), their average
+silo's test accuracy of its client's own model (mean ± sample std over seeds, %), their average
 over silos, the std over clients and the worst decile of clients (mean over seeds), and
 the parameters a client trains (Para.) and sends each round (Com.) as a share of full
 fine-tuning's (Para.: the whole model with one head; Com.: its backbone, the head being
@@ -41,7 +41,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-from tuning import TUNED_DIR, read_tuned, run_or_reuse, tune_method, write_tuned
+from tuning import TUNED_DIR, mean_std, read_tuned, run_or_reuse, tune_method, write_tuned
 
 from fedpeft.config import ExperimentConfig, load_config
 from fedpeft.report.results import read_records
@@ -151,7 +151,7 @@ def main() -> None:
         )
     print(f"\nMiniLM, {len(silos)} silos x {args.examples} examples (6:2:2), one client each, all per round; "
           f"{args.rounds} round(s) x 1 epoch x batch {args.batch_size}; seeds {seeds}; test accuracy (%) of "
-          f"each client's own model after the last round, mean ± std over seeds\n")  # fmt: skip
+          f"each client's own model after the last round, mean ± sample std over seeds\n")  # fmt: skip
     print_table(runs, settings, {n for n in names if n not in done}, silos, reference)
     print_claim(runs, silos)
 
@@ -184,7 +184,7 @@ def average(runs: list[tuple[dict, dict]]) -> np.ndarray:
 
 
 def pm(values: np.ndarray) -> str:
-    return f"{100 * values.mean():.2f} ± {100 * values.std():.2f}"
+    return mean_std(values, scale=100, digits=2)
 
 
 def print_table(

@@ -10,18 +10,20 @@ every method (FedKD: mentee r = 8, mentor r = 32; FDLoRA: both modules r = 8), t
 rounds, local steps and batch size for all. Scores are personalised: each client's own
 model on its local test split, as mean, standard deviation and worst decile (10th
 percentile) over clients, averaged over seeds. FDLoRA's round 1 is its local-learning
-stage, counted in the same rounds. FedRep's head phase takes as many steps as its body
-phase (its paper's 10 head epochs would read some 30 times the others' examples a round).
+stage, counted in the same rounds. FedRep's round reads the same examples as the others':
+its ``--steps`` are split between its head phase (half, rounded down) and its body phase
+(the rest); its paper's 10 head epochs would read some 30 times the others' examples.
 
 Every method's ``train.lr`` (and optimizer-state policy) is tuned with ``--tune`` on
-seed 3, which the tables do not use, at alpha 0.5, by the mean local-test accuracy;
+seed 3, which the tables do not use, at alpha 0.5, by the clients' mean accuracy on a
+validation split (20 % of each client's data, held out in the tuning runs only);
 FDLoRA keeps its paper's outer optimiser (lr 1e-3, Nesterov momentum 0.5), and the row
 ``fdlora-fedavg-outer`` shows it with the FedAvg outer step (lr 1, no momentum). The row
 ``fdlora-long-stage1`` gives stage 1 the paper's three local epochs (45 steps, a client of
 mean size) where the other rows give it one round's steps: it reads more examples in
 round 1 than any other method, so it stands beside the comparison, not in it. With
 ``--lm``, ``--tune`` also tunes the causal-LM rows, in their own setting on seed 3, by
-their clients' mean local-test loss.
+their clients' mean validation loss.
 
     .venv/bin/python benchmarks/fdlora.py --tune [--methods ...] [--lm]
     .venv/bin/python benchmarks/fdlora.py [--alphas 0.1,0.5,1.0] [--seeds 0,1] [--lm]
@@ -54,13 +56,20 @@ METHODS = {
 }
 FUSIONS = ("adafusion", "random", "average", "sum", "personal", "global")
 TUNING_SEED, TUNING_ALPHA = 3, 0.5
+VAL_FRACTION = 0.2  # of each client's data, held out in tuning runs
 TUNED_FILE = TUNED_DIR / "fdlora.json"
 
 
-def config(name: str, alpha: float, seed: int, out: Path, args: argparse.Namespace, train: dict):
-    method = METHODS[name]
-    if name == "fedrep":  # its head phase as long as its body phase (its paper's 10 epochs would
-        method = {**method, "head_steps": args.steps}  # read 30x the others' examples a round)
+def config(
+    name: str, alpha: float, seed: int, out: Path, args: argparse.Namespace, train: dict, tuning: bool = False
+):
+    """A table run; a tuning run holds out a validation split (``partition.val_fraction``) of
+    each client's training data and is scored on it, never on a test split."""
+    method, steps = METHODS[name], args.steps
+    if name == "fedrep":  # one round's examples split between its phases (its paper's 10 head
+        head = args.steps // 2  # epochs would read some 30x the others' examples a round)
+        method, steps = {**method, "head_steps": head}, args.steps - head
+    partition = {"val_fraction": VAL_FRACTION} if tuning else {}
     return load_config(
         None,
         {
@@ -71,8 +80,8 @@ def config(name: str, alpha: float, seed: int, out: Path, args: argparse.Namespa
             "data": {"source": "wordnet", "max_samples": args.examples, "max_test_samples": 200,
                      "max_length": 32},
             "partition": {"scheme": "dirichlet", "num_clients": args.clients, "alpha": alpha,
-                          "min_size": 20, "local_test_fraction": 0.2},
-            "train": {"rounds": args.rounds, "clients_per_round": args.clients, "local_steps": args.steps,
+                          "min_size": 20, "local_test_fraction": 0.2, **partition},
+            "train": {"rounds": args.rounds, "clients_per_round": args.clients, "local_steps": steps,
                       "batch_size": 16, **train},
             "eval": {"every": args.rounds},
         },
@@ -87,8 +96,10 @@ LM_METHODS = {
 
 
 def lm_config(name: str, seed: int, out: Path, train: dict, tuning: bool = False):
-    """The causal-LM run: a tuning run is scored by perplexity only (one token generated)."""
+    """The causal-LM run: a tuning run holds out a validation split and is scored by its
+    loss only (one token generated)."""
     generation = {"samples": 1, "max_new_tokens": 1} if tuning else {"samples": 16, "max_new_tokens": 24}
+    partition = {"val_fraction": VAL_FRACTION} if tuning else {}
     return load_config(
         None,
         {
@@ -99,7 +110,7 @@ def lm_config(name: str, seed: int, out: Path, train: dict, tuning: bool = False
             "model.backbone": "bundled-smollm2",
             "data": {"task": "causal_lm", "source": "wordnet", "max_samples": 300, "max_test_samples": 16,
                      "max_length": 64, "system_prompt": "Answer with one short line."},
-            "partition": {"scheme": "dirichlet", "num_clients": 3, "alpha": 0.5, "min_size": 20},
+            "partition": {"scheme": "dirichlet", "num_clients": 3, "alpha": 0.5, "min_size": 20, **partition},
             "train": {"rounds": 4, "clients_per_round": 3, "local_steps": 4, "batch_size": 8, **train},
             "eval": {"every": 4, "generation": generation},
         },
@@ -131,9 +142,9 @@ def main() -> None:
         for name in names:
 
             def score(train: dict, name=name) -> float:
-                out = args.out / "tune" / f"{name}-{train['lr']:g}-{train['optimizer_state']}"
-                run_or_reuse(config(name, TUNING_ALPHA, TUNING_SEED, out, args, train))
-                return read_records(out)[-1]["local"]["accuracy_mean"]
+                out = args.out / "tune-val" / f"{name}-{train['lr']:g}-{train['optimizer_state']}"
+                run_or_reuse(config(name, TUNING_ALPHA, TUNING_SEED, out, args, train, tuning=True))
+                return read_records(out)[-1]["val"]["accuracy_mean"]
 
             best, report = tune_method(score, LR_GRID)
             print(f"{name}: {report}", flush=True)
@@ -145,7 +156,9 @@ def main() -> None:
     tuned = read_tuned(args.tuned_file, names)
     print(f"\nMiniLM, WordNet topics, {args.clients} clients (all every round), {args.rounds} rounds x "
           f"{args.steps} steps x 16 examples; seeds {seeds}; personalised accuracy on the clients' local "
-          "test splits: mean ± std over clients / worst decile (means over seeds)\n")  # fmt: skip
+          "test splits: mean ± std over clients / worst decile (means over seeds); FedRep: a round's\n"
+          f"{args.steps} steps split {args.steps // 2} head + {args.steps - args.steps // 2} body\n"
+    )  # fmt: skip
     print("| method | lr | " + " | ".join(f"alpha {a:g}" for a in alphas) + " |")
     print("|---|---|" + "---|" * len(alphas))
     fusion_rows: dict[float, list[dict]] = {a: [] for a in alphas}
@@ -223,13 +236,13 @@ def fusion_verdict(rows: dict[float, list[dict]], alphas: list[float]) -> None:
 
 
 def tune_lm(args: argparse.Namespace) -> None:
-    """Each causal-LM method's rate on seed 3, by its clients' mean local-test loss."""
+    """Each causal-LM method's rate on seed 3, by its clients' mean validation loss."""
     for name in LM_METHODS:
 
         def score(train: dict, name=name) -> float:
-            out = args.out / "tune" / f"lm-{name}-{train['lr']:g}-{train['optimizer_state']}"
+            out = args.out / "tune-val" / f"lm-{name}-{train['lr']:g}-{train['optimizer_state']}"
             run_or_reuse(lm_config(name, TUNING_SEED, out, train, tuning=True))
-            return -read_records(out)[-1]["local"]["nll_mean"]
+            return -read_records(out)[-1]["val"]["nll_mean"]
 
         best, report = tune_method(score, LR_GRID)
         print(f"lm-{name}: {report}", flush=True)

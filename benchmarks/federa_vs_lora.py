@@ -8,7 +8,7 @@ optimizer state are tuned by ``--tune`` on seed 3, which the table does not use 
 ``benchmarks/tuned/federa_vs_lora.json``; FedFT's grid is its own, full fine-tuning needing
 far smaller rates).
 Prints, as markdown:
-global accuracy (mean ± std over seeds) at a few round budgets, rounds to reach 90 % of
+global accuracy (mean ± sample std over seeds) at a few round budgets, rounds to reach 90 % of
 the best final accuracy, bytes sent and FeDeRA's decomposition time; plus the update
 variation plot of FeDeRA vs FedLR (seed 0) via ``fedpeft report``.
 
@@ -23,7 +23,7 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-from tuning import LR_GRID, TUNED_DIR, read_tuned, run_or_reuse, tune_method, write_tuned
+from tuning import LR_GRID, TUNED_DIR, mean_std, read_tuned, run_or_reuse, tune_method, write_tuned
 
 from fedpeft.config import load_config
 from fedpeft.report.results import read_records, read_summary
@@ -120,7 +120,7 @@ def main() -> None:
         if not v:
             return "-"
         suffix = "" if len(v) == len(values) else f" ({len(v)}/{len(values)})"
-        return f"{np.mean(v):.3f} ± {np.std(v):.3f}{suffix}"
+        return mean_std(v) + suffix
 
     print(
         f"\nDirichlet alpha = 0.1, 30 clients, 5 per round, seeds {seeds}, lr and optimizer state "

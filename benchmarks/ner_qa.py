@@ -19,7 +19,7 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-from tuning import LR_GRID, TUNED_DIR, read_tuned, run_or_reuse, tune_method, write_tuned
+from tuning import LR_GRID, TUNED_DIR, mean_std, read_tuned, run_or_reuse, tune_method, write_tuned
 
 from fedpeft.config import load_config
 from fedpeft.report.results import read_records
@@ -89,7 +89,8 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     tuned = read_tuned(TUNED_FILE, [f"{t}-{n}" for t in tasks for n in names])
     print(f"\nMiniLM, {args.clients} clients ({args.per_round} a round), {args.rounds} rounds x "
-          f"{args.steps} steps x 16 examples; seeds {seeds}; final global score, mean ± std\n")  # fmt: skip
+          f"{args.steps} steps x 16 examples; seeds {seeds}; final global score, "
+          "mean ± sample std over seeds\n")  # fmt: skip
     print("| task | method | lr, optimizer state | headline | score | MB sent |")
     print("|---|---|---|---|---|---|")
     for task in tasks:
@@ -103,7 +104,7 @@ def main() -> None:
                 scores.append(summary["final_global"][metric])
                 sent.append(summary["total_bytes"] / 1e6)
             cells = [task, name, f"{setting['lr']:g}, {setting['optimizer_state']}", metric,
-                     f"{np.mean(scores):.2f} ± {np.std(scores):.2f}", f"{np.mean(sent):.1f}"]  # fmt: skip
+                     mean_std(scores, digits=2), f"{np.mean(sent):.1f}"]  # fmt: skip
             print("| " + " | ".join(cells) + " |", flush=True)
 
 

@@ -3,7 +3,7 @@
 The WordNet corpus on the bundled MiniLM, SCAFFOLD-style partition at heterogeneity
 s = 0.6, 0.9, 1.0, 8 clients all taking part in every round (as in the paper), the same
 rounds and local steps (the communication interval I) for every method. Personalised
-accuracy is each client's own model on its own test split (mean ± std over seeds of the
+accuracy is each client's own model on its own test split (mean ± sample std over seeds of the
 mean over clients, and the worst decile of clients); the global model's accuracy on the
 global test set beside it. Also prints the measured cost of PF2LoRA's hypergradient:
 seconds per local step with the bilevel coupling against the same steps with it
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
-from tuning import TUNED_DIR, read_tuned, run_or_reuse, tune_method, write_tuned
+from tuning import TUNED_DIR, mean_std, read_tuned, run_or_reuse, tune_method, write_tuned
 
 from fedpeft.config import load_config
 from fedpeft.report.results import read_records, read_summary
@@ -186,7 +186,9 @@ def personalised(summaries: list[dict]) -> np.ndarray:
 
 def print_table(pers: dict[str, dict[float, list[dict]]]) -> None:
     levels = list(next(iter(pers.values())))
-    head = " | ".join(f"s = {s}: personalised ± std over seeds (worst decile) / global" for s in levels)
+    head = " | ".join(
+        f"s = {s}: personalised ± sample std over seeds (worst decile) / global" for s in levels
+    )
     print(f"| method | {head} |")
     print("|---|" + "---|" * len(levels))
     for name, by_s in pers.items():
@@ -195,7 +197,7 @@ def print_table(pers: dict[str, dict[float, list[dict]]]) -> None:
             acc = personalised(sums)
             worst = np.mean([x["final_local"]["accuracy_p10"] for x in sums])
             glob = np.mean([x["final_global"]["accuracy"] for x in sums])
-            cells.append(f"{acc.mean():.3f} ± {acc.std():.3f} ({worst:.3f}) / {glob:.3f}")
+            cells.append(f"{mean_std(acc)} ({worst:.3f}) / {glob:.3f}")
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
@@ -213,8 +215,13 @@ def print_other_model(names: list[str], levels: list[float], seeds: list[int], o
         for runs in finals.values():
             acc = np.array([recs[-1]["local_global"]["accuracy_mean"] for recs in runs])
             worst = np.mean([recs[-1]["local_global"]["accuracy_p10"] for recs in runs])
-            cells.append(f"{acc.mean():.3f} ± {acc.std():.3f} ({worst:.3f})")
+            cells.append(f"{mean_std(acc)} ({worst:.3f})")
         print(f"| {name}, scored with the truncated global adapter | " + " | ".join(cells) + " |")
+
+
+def seed_std(values: np.ndarray) -> float:
+    """The sample std over seeds (0 for one seed), as the tables print."""
+    return float(values.std(ddof=1)) if len(values) > 1 else 0.0
 
 
 def print_claim(pers: dict[str, dict[float, list[dict]]]) -> None:
@@ -247,8 +254,8 @@ def plot(pers: dict[str, dict[float, list[dict]]], path: Path, title: str) -> No
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for name, by_s in pers.items():
         accs = [personalised(sums) for sums in by_s.values()]
-        ax.errorbar(list(by_s), [a.mean() for a in accs], yerr=[a.std() for a in accs], marker="o", capsize=3,
-                    label=name)  # fmt: skip
+        means, stds = [a.mean() for a in accs], [seed_std(a) for a in accs]
+        ax.errorbar(list(by_s), means, yerr=stds, marker="o", capsize=3, label=name)
     ax.set(xlabel="heterogeneity s", ylabel="personalised accuracy", title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -28,6 +28,18 @@ LR_GRID = [1e-3, 2e-3, 5e-3]
 TUNED_DIR = Path(__file__).parent / "tuned"
 
 
+def mean_std(values, scale: float = 1.0, digits: int = 3) -> str:
+    """``mean ± std`` of a score over seeds, times ``scale``: the *sample* standard
+    deviation (``ddof = 1``, the estimate of the spread a new seed would show), a lone
+    value alone. Tables say "sample std over seeds" in their header."""
+    values = [scale * float(v) for v in values]
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    mean = sum(values) / len(values)
+    std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
 def tune_method(
     score: Callable[[dict], float], grid: list[float] = LR_GRID, extend: int = 2, keep: bool = True
 ) -> tuple[dict, str]:

@@ -4,11 +4,24 @@ Tolerance: float32, 1e-5 absolute on the tensors after a round (and 1e-5 relativ
 losses). A cohort pads each step's batches to its widest and longest, so reductions
 run over extra zeros in another order, and batched matrix products may use other
 kernels; neither changes a value by more than float rounding over a few steps.
+
+Except under Adam where a gradient is 0 or nearly: Adam's step ``lr m / sqrt(v)`` does
+not shrink with the gradient (its first step is ``lr sign(g)``), so an element whose
+gradient is at the level of float noise steps by up to ``lr`` in a direction the noise
+picks, in each run: two runs stay within ``2 lr`` a step of each other, and only that
+bound is the same either way. Such elements are few (a LoRA ``A`` entry whose input
+feature and rank row barely meet; C2A's ``F_U``, ``S_U``, whose scaling the Frobenius
+norm cancels): under Adam, at most 1 % of a tensor's elements may differ by more than
+1e-5, and those by at most ``2 lr`` per step. A key bias, whose whole gradient is 0
+(softmax ignores a shift of every score of a query alike), is held to that bound only.
+Measured: C2A under Adam, all within 6.4e-6 (under SGD, 1e-9); FedKD on the tiny
+decoder, one element of 1,024 of a mentor's ``lora_A`` off by 6.5e-5.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -16,10 +29,11 @@ import torch
 
 from fedpeft.data.task import take_steps
 from fedpeft.engines.inprocess import derive_seed
-from fedpeft.experiment import build, run
+from fedpeft.experiment import build, make_engine, run
 from fedpeft.methods.base import Job, load_tensors, trainable_params
 from fedpeft.methods.cohort import clip_gradients, optimizer_init, optimizer_step, predict_cohort, stack_step
 from fedpeft.metrics.classification import predict
+from fedpeft.peft.svd import FACTORS, decompress
 from fedpeft.report.results import read_records
 
 VECTORISED = [
@@ -97,27 +111,51 @@ def test_stacked_batches_pad_rows_and_tokens():
     assert batch["labels"].tolist() == [[2, 0], [0, 1], [0, 0]]
 
 
-def assert_cohort_equals_alone(setup, cids, name) -> None:
+def encoded(tensors: dict) -> dict:
+    """What an uplink of SVD factors (FedKD) encodes, the update itself: where singular
+    values nearly tie, their vectors turn by much more than a float error of the matrix
+    (the SVD is not continuous there), while ``U diag(s) V^T`` does not."""
+    if not any(key.endswith(FACTORS) for key in tensors):
+        return tensors
+    out = decompress(tensors)
+    assert out is not None, "a malformed uplink"
+    return out
+
+
+def assert_cohort_equals_alone(setup, cids, name, jobs=None) -> None:
     """Clients ``cids`` trained as one cohort get the round each gets alone: same steps,
-    loss to 1e-5 relative, tensors to 1e-5 (see the module docstring)."""
-    lr = setup.cfg.train.lr
-    together = setup.method.fit_cohort(setup.model, _jobs(setup, cids))
-    for cid, joint in zip(cids, together, strict=True):
-        (alone,) = setup.method.fit_cohort(setup.model, _jobs(setup, [cid]))
+    loss to 1e-5 relative, tensors to 1e-5 but for Adam's noise-driven elements (see the
+    module docstring). ``jobs``: their round's jobs (default: round 1's, from a fresh
+    server)."""
+    lr, adam = setup.cfg.train.lr, setup.cfg.train.optimizer != "sgd"
+    jobs = jobs or _jobs(setup, cids)
+    together = setup.method.fit_cohort(setup.model, copy.deepcopy(jobs))
+    for cid, joint, job in zip(cids, together, jobs, strict=True):
+        (alone,) = setup.method.fit_cohort(setup.model, copy.deepcopy([job]))
         assert joint.metrics["steps"] == alone.metrics["steps"]
         assert joint.metrics["loss"] == pytest.approx(alone.metrics["loss"], rel=1e-5)
         for part in ("uplink", "personal"):
-            a, b = getattr(alone, part), getattr(joint, part)
+            a, b = encoded(getattr(alone, part)), encoded(getattr(joint, part))
             assert a.keys() == b.keys()
             for key in a:
-                # A key bias shifts every score of a query alike, so softmax ignores it: its
-                # exact gradient is 0, and Adam (which divides by the gradient's size) turns
-                # float noise into steps of size lr. Only its bound is the same either way.
-                tol = 2 * lr * joint.metrics["steps"] if "key.bias" in key else 1e-5
+                noise_bound = 2 * lr * joint.metrics["steps"]  # the module docstring's
                 where = f"{name} {cid} {key}"
-                torch.testing.assert_close(
-                    b[key], a[key], atol=tol, rtol=1e-4, msg=lambda m, w=where: f"{w}: {m}"
-                )
+                if adam and "key.bias" in key:
+                    torch.testing.assert_close(b[key], a[key], atol=noise_bound, rtol=0)
+                elif adam:
+                    assert_close_but_noise_driven(b[key], a[key], noise_bound, where)
+                else:
+                    torch.testing.assert_close(
+                        b[key], a[key], atol=1e-5, rtol=1e-4, msg=lambda m, w=where: f"{w}: {m}"
+                    )
+
+
+def assert_close_but_noise_driven(got, want, bound: float, where: str, share: float = 0.01) -> None:
+    """``got`` within 1e-5 (and 1e-4 relative) of ``want`` but for at most ``share`` of its
+    elements, ones that Adam moved by float noise: those within ``bound``."""
+    far = (got - want).abs() > 1e-5 + 1e-4 * want.abs()
+    assert far.float().mean() <= share, f"{where}: {int(far.sum())} of {far.numel()} elements differ"
+    torch.testing.assert_close(got, want, atol=bound, rtol=0, msg=lambda m: f"{where}: {m}")
 
 
 def _jobs(setup, cids, rnd=1):
@@ -160,13 +198,8 @@ def test_functional_round_equals_autograd_with_torch_adamw(tiny_config):
 def test_cohort_equals_one_at_a_time(tiny_config, name):
     """Clients of different sizes (so different step counts, in epochs mode) trained as
     one cohort get the rounds they get alone; a client that finishes early stays put."""
-    # C2A's Frobenius normalisation leaves some of F_U's gradients near zero, and Adam (which
-    # divides by the gradient's size) turns their float noise into steps of ~1e-5; under SGD
-    # its cohort and lone runs agree to 1e-9. The shared Adam path is checked by the others.
-    optimizer = "sgd" if name == "c2a" else "adamw"
     cfg = tiny_config(method={"name": name}, **{"train.local_steps": None, "train.local_epochs": 1,
-                                                 "train.optimizer_state": "keep",
-                                                 "train.optimizer": optimizer})  # fmt: skip
+                                                 "train.optimizer_state": "keep"})  # fmt: skip
     setup = build(cfg)
     cids = list(range(len(setup.clients)))
     if name == "hetlora":  # masked ranks: clients of different ranks in one cohort
@@ -189,6 +222,36 @@ def test_c2a_authors_code_readings_cohort_equals_one_at_a_time(tiny_config):
     cfg = tiny_config(method={"name": "c2a", "hyper": hyper}, **train)
     setup = build(cfg)
     assert_cohort_equals_alone(setup, list(range(len(setup.clients))), "c2a")
+
+
+def _jobs_after_round_one(cfg):
+    """Round 2's jobs of every client after the engine ran round 1 with 2 of the 4
+    clients: those 2 hold their round-1 state (FDLoRA's personal module, FedKD's synced
+    version), the other 2 join late, from their initial state."""
+    setup = build(cfg)  # a run of 2 rounds, stopped after round 1
+    cfg.output_dir.mkdir(parents=True)
+    engine = make_engine(setup, None)
+    engine.schedule = dataclasses.replace(engine.schedule, rounds=1)
+    engine.run()
+    cids = list(range(len(setup.clients)))
+    trained = set(read_records(cfg.output_dir)[0]["clients"])
+    assert 0 < len(trained) < len(cids)
+    return setup, cids, [engine.job(engine.server, 2, cid)[0] for cid in cids], trained
+
+
+@pytest.mark.parametrize("name", ["fdlora", "fedkd", "pf2lora", "fedlr"])
+def test_a_later_round_with_late_joiners_cohort_equals_one_at_a_time(tiny_config, name):
+    """Round 2 of clients that trained in round 1 beside clients that join late: FDLoRA's
+    stage 2 beside stage 1 + 2, FedKD's compressed downlink (the update's factors) beside
+    a dense one; each client gets the round it gets alone."""
+    setup, cids, jobs, trained = _jobs_after_round_one(tiny_config(method={"name": name}))
+    method = setup.method
+    if name == "fdlora":  # the late joiners still have no personal module: stage 1 first
+        assert {c for c, j in zip(cids, jobs, strict=True) if method.has_personal(j.personal)} == trained
+    if name == "fedkd":  # the round-1 clients get the update's factors, the others dense tensors
+        factored = {c for c, j in zip(cids, jobs, strict=True) if set(j.received) != set(method.shared_names)}
+        assert factored == trained
+    assert_cohort_equals_alone(setup, cids, name, jobs)
 
 
 @pytest.mark.parametrize("name", ["fedlr", "local"])

@@ -157,6 +157,24 @@ def test_adafusion_is_seeded_bounded_and_the_fusions_are_compared(tiny_config):
     w = method.fusion_weights(setup.model, "adafusion", theta_p, theta_s, client)
     assert w == method.fusion_weights(setup.model, "adafusion", theta_p, theta_s, client)
     assert all(abs(x) <= method.cfg.fusion_bound for x in w)
+    # AdaFusion's weights do at least as well on its own objective (Eq. 8) as its start
+    # (0.5, 0.5), recomputed here on the same examples it draws
+    import numpy as np
+
+    from fedpeft.data.task import make_batch
+    from fedpeft.methods.cohort import model_loss
+
+    rng = np.random.default_rng([method.seed, client.cid])
+    rows = torch.as_tensor(rng.permutation(len(client.train))[: method.cfg.fusion_examples])
+    batch, loss = make_batch(client.train, rows), model_loss(setup.model)
+
+    def objective(w1, w2):
+        with torch.no_grad():
+            fused_loss = float(loss(fuse(theta_p, theta_s, w1, w2), batch))
+        return fused_loss + method.cfg.fusion_l1 * (abs(w1) + abs(w2))
+
+    assert objective(*w) <= objective(0.5, 0.5)
+    assert objective(*w) < objective(0.5, 0.5) - 1e-3  # random modules: the start is far from best
     r1 = method.fusion_weights(setup.model, "random", theta_p, theta_s, client)
     assert all(0 <= x <= 1 for x in r1) and r1 != method.fusion_weights(
         setup.model, "random", theta_p, theta_s, setup.clients[1]

@@ -493,12 +493,21 @@ def test_fedkd_cohorts_equal_one_at_a_time_on_tagging(tiny_config, tmp_path):
     assert_cohort_equals_alone(setup, list(range(len(setup.clients))), "fedkd")
 
 
-def test_fedkd_runs_on_extractive_qa(tiny_config):
-    """KL over the start and end positions of the span."""
+def test_fedkd_on_extractive_qa(tiny_config):
+    """KL over the start and end positions of the span: clients trained as one cohort get
+    the rounds they get alone, and a run scores both of a client's models (the mentor,
+    its own; the mentee, shared) as models that differ."""
+    from test_cohort import assert_cohort_equals_alone
+
     from fedpeft.report.results import read_records
 
     cfg = tiny_config(method={"name": "fedkd"}, **{"data.task": "extractive_qa", "data.max_length": 48,
                       "data.stride": 16, "data.max_samples": 60, "data.max_test_samples": 10})  # fmt: skip
-    run(cfg)
+    setup = build(cfg)
+    assert_cohort_equals_alone(setup, list(range(len(setup.clients))), "fedkd")
+    run(cfg, setup=setup)
     last = read_records(cfg.output_dir)[-1]
-    assert math.isfinite(last["loss"]) and "f1_mean" in last["local"] and "f1_mean" in last["local_mentee"]
+    assert math.isfinite(last["loss"])
+    mentor, mentee = last["local"], last["local_mentee"]
+    assert 0 <= mentor["f1_mean"] <= 100 and 0 <= mentee["f1_mean"] <= 100
+    assert mentor != mentee
