@@ -16,6 +16,12 @@ norm cancels): under Adam, at most 1 % of a tensor's elements may differ by more
 (softmax ignores a shift of every score of a query alike), is held to that bound only.
 Measured: C2A under Adam, all within 6.4e-6 (under SGD, 1e-9); FedKD on the tiny
 decoder, one element of 1,024 of a mentor's ``lora_A`` off by 6.5e-5.
+
+A client alone trains without ``vmap`` and with the model's own attention kernel (SDPA),
+a cohort with eager attention: the same function, rounded differently. The comparisons
+of a cohort with its clients alone run the lone clients with eager attention too, so
+that only batching differs; :func:`test_a_lone_client_trains_with_its_own_attention_kernel`
+compares the two kernels.
 """
 
 from __future__ import annotations
@@ -31,7 +37,14 @@ from fedpeft.data.task import take_steps
 from fedpeft.engines.inprocess import derive_seed
 from fedpeft.experiment import build, make_engine, run
 from fedpeft.methods.base import Job, load_tensors, trainable_params
-from fedpeft.methods.cohort import clip_gradients, optimizer_init, optimizer_step, predict_cohort, stack_step
+from fedpeft.methods.cohort import (
+    clip_gradients,
+    eager_attention,
+    optimizer_init,
+    optimizer_step,
+    predict_cohort,
+    stack_step,
+)
 from fedpeft.metrics.classification import predict
 from fedpeft.peft.svd import FACTORS, decompress
 from fedpeft.report.results import read_records
@@ -131,7 +144,8 @@ def assert_cohort_equals_alone(setup, cids, name, jobs=None) -> None:
     jobs = jobs or _jobs(setup, cids)
     together = setup.method.fit_cohort(setup.model, copy.deepcopy(jobs))
     for cid, joint, job in zip(cids, together, jobs, strict=True):
-        (alone,) = setup.method.fit_cohort(setup.model, copy.deepcopy([job]))
+        with eager_attention(setup.model):  # the cohort's kernel (alone, SDPA: see below)
+            (alone,) = setup.method.fit_cohort(setup.model, copy.deepcopy([job]))
         assert joint.metrics["steps"] == alone.metrics["steps"]
         assert joint.metrics["loss"] == pytest.approx(alone.metrics["loss"], rel=1e-5)
         for part in ("uplink", "personal"):
@@ -169,6 +183,27 @@ def _jobs(setup, cids, rnd=1):
         personal = method.init_client(setup.model, initial, client)
         jobs.append(Job(method.downlink(server, cid), personal, client, derive_seed(3, rnd, cid)))
     return jobs
+
+
+def test_a_lone_client_trains_with_its_own_attention_kernel(tiny_config, monkeypatch):
+    """A cohort of one is not vmapped and keeps the model's SDPA attention (a cohort's is
+    eager, which vmap batches): the same round to float rounding, on the same batches."""
+    setup = build(tiny_config(**{"train.local_steps": 4}))
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(
+        torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or sdpa(*a, **k)
+    )
+    (job,) = _jobs(setup, [1])
+    (own,) = setup.method.fit_cohort(setup.model, [copy.deepcopy(job)])
+    layers = setup.model.backbone.config.num_hidden_layers
+    assert len(calls) == 4 * layers  # every layer's forward pass of the 4 steps
+    with eager_attention(setup.model):
+        (eager,) = setup.method.fit_cohort(setup.model, [copy.deepcopy(job)])
+    assert len(calls) == 4 * layers  # none more
+    assert own.metrics["loss"] == pytest.approx(eager.metrics["loss"], rel=1e-5)
+    for name in own.uplink:
+        torch.testing.assert_close(own.uplink[name], eager.uplink[name], atol=1e-5, rtol=1e-4)
 
 
 def test_functional_round_equals_autograd_with_torch_adamw(tiny_config):

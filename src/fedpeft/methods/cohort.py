@@ -12,7 +12,8 @@ copied). The step is the method's gradients (:meth:`Method.step_gradients`: plai
 backprop by default; a hypergradient or a MAML gradient where a method says so),
 gradient clipping and a functional AdamW or SGD that matches ``torch.optim`` step for
 step. A one-client round (``Method.fit``, and every Flower node) is a cohort of one,
-so there is a single definition of each method's local training.
+so there is a single definition of each method's local training; a cohort of one calls
+the step as it is, without ``vmap``, with the model's own attention kernel.
 
 Clients of a cohort differ in data: each step's batches are padded to the cohort's
 widest and longest (padded rows weigh 0 in the loss, padded tokens are masked), and a
@@ -28,9 +29,8 @@ clients in cohorts of one (each with the global RNG seeded for it, as before).
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -337,23 +337,32 @@ def eager_attention(model: torch.nn.Module) -> Iterator[None]:
         config._attn_implementation = before
 
 
-@contextmanager
-def own_attention() -> Iterator[None]:
-    """The model's own attention kernel under ``vmap`` of one client, which loops over
-    that one client (so its warning that it loops says nothing)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "There is a performance drop because we have not yet implemented")
-        yield
-
-
 def training_attention(model: torch.nn.Module, method: Method, clients: int):
-    """The attention a cohort trains with: eager (:func:`eager_attention`), except for a
-    lone client of a model that trains with its own kernel alone (``own_attention_alone``:
-    a causal LM, whose eager attention would hold ``(heads, L, L)`` weights per layer for
-    the backward pass, as much as the rest of a step on long rows) when the method takes
-    no gradient of a gradient (fused kernels have no second derivative)."""
-    alone = clients == 1 and getattr(model, "own_attention_alone", False) and not method.higher_order
-    return own_attention() if alone else eager_attention(model)
+    """The attention a cohort trains with: eager (:func:`eager_attention`), which ``vmap``
+    batches, except for a cohort of one (not vmapped: :func:`run_cohort`), which keeps the
+    model's own kernel (SDPA: faster, and without the ``(heads, L, L)`` weights eager
+    attention holds per layer for the backward pass) when the method takes no gradient of
+    a gradient (fused kernels have no second derivative)."""
+    return nullcontext() if clients == 1 and not method.higher_order else eager_attention(model)
+
+
+def unvmapped(step: Callable) -> Callable:
+    """``step`` (a client's local step, what :func:`run_cohort` vmaps) for a cohort of one,
+    called as it is: the client axis taken off its inputs and put back on its outputs.
+    ``vmap`` of one client costs a little on every operation, and loops over the client
+    for kernels it has no batching rule for (SDPA)."""
+
+    def first(tensors: Tensors) -> Tensors:
+        return {n: t[0] for n, t in tensors.items()}
+
+    def again(tensors: Tensors) -> Tensors:
+        return {n: t.unsqueeze(0) for n, t in tensors.items()}
+
+    def run(params: Tensors, opt: Tensors, consts: Tensors, batches: StepInput):
+        new_params, new_opt, loss = step(first(params), first(opt), first(consts), tuple(map(first, batches)))
+        return again(new_params), again(new_opt), loss.unsqueeze(0)
+
+    return run
 
 
 def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[FitResult]:
@@ -371,7 +380,12 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
     dropout = has_active_dropout(model)
     if dropout:
         torch.manual_seed(jobs[0].seed)  # a cohort of one: its own dropout draws, as alone
-    step = vmap(local_step(method, model), randomness="different" if dropout else "error")
+    one_step = local_step(method, model)
+    step = (
+        unvmapped(one_step)
+        if len(jobs) == 1
+        else vmap(one_step, randomness="different" if dropout else "error")
+    )
     model.train(dropout)  # eval mode when no dropout is active: the same function, no RNG calls
     steps = torch.tensor([s.steps for s in starts], device=device)
     losses = torch.zeros(len(jobs), device=device)

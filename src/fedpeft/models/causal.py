@@ -84,9 +84,6 @@ class CausalLM(nn.Module):
     """A ``*ForCausalLM`` model as a task model (see the module docstring)."""
 
     causal = True
-    #: A lone client trains with the decoder's own (fused) attention rather than eager
-    #: attention's ``(heads, L, L)`` weights per layer (``cohort.training_attention``).
-    own_attention_alone = True
 
     def __init__(self, backbone: nn.Module):
         super().__init__()
