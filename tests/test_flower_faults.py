@@ -20,6 +20,7 @@ from fedpeft.report.results import read_records
 pytestmark = [pytest.mark.deploy, pytest.mark.xdist_group("flower_faults")]
 
 
+@pytest.mark.slow  # close to three minutes (a dead node is dropped once its heartbeats lapse)
 def test_node_killed_mid_round(tiny_config, tmp_path):
     """Client 2's SuperNode is killed while round 2 runs: the round completes with the
     other two and records the drop; a new SuperNode for client 2 rejoins in round 3."""
