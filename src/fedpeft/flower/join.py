@@ -45,6 +45,8 @@ PORT_TAKEN = "address already in use"
 RETRY_CHATTER = "Connection attempt failed"
 # a log record of Flower (coloured level, then ":") or of uvicorn ("INFO:     ...")
 LOG_LINE = re.compile(r"^(\x1b\[[0-9;]*m)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b[^:]*:")
+# a traceback's last line: the exception, e.g. "httpx.HTTPStatusError: ..." or "KeyboardInterrupt"
+EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?::\s|:?$)")
 TRACEBACK_HEADS = (
     "Traceback (most recent call last):",
     "Exception in thread",
@@ -58,7 +60,9 @@ class Echo:
     """The node's output for the terminal: everything goes to the log file; Flower's retry
     chatter, the tracebacks of a node the SuperLink forgot (401) and its exit noise do not
     reach the terminal (the supervisor says what happened in one line instead). Log lines
-    other threads print in the middle of a traceback are told apart from it."""
+    other threads print in the middle of a traceback are told apart from it, and so are the
+    halves of a traceback line another thread's output split (Python writes a traceback in
+    pieces): a traceback ends at its exception's line only."""
 
     def __init__(self, out: IO[str], log: IO[str]):
         self.out, self.log = out, log
@@ -72,14 +76,14 @@ class Echo:
         self.log.flush()
         if PORT_TAKEN in line.lower():
             self.port_taken = True
-        if LOG_LINE.match(line):  # a log record, even in the middle of a traceback
+        if LOG_LINE.match(line.lstrip()):  # a log record, even in the middle of a traceback
             if RETRY_CHATTER not in line:
-                self._write(line)
+                self._write(line.lstrip())
             return
         if self.block:
             self.block.append(line)
-            if not (line.startswith((" ", "\t", *TRACEBACK_HEADS)) or not line.strip()):
-                self._end_block(line)  # the exception's own line ends a traceback
+            if EXCEPTION_LINE.match(line):
+                self._end_block(line)
             return
         if line.startswith(TRACEBACK_HEADS):
             self.block = [line]
