@@ -134,6 +134,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--examples", type=int, default=1500)
     ap.add_argument("--lm", action="store_true", help="also the causal-LM runs (SmolLM2; slow on a CPU)")
+    ap.add_argument("--extend", type=int, default=2, help="--tune: grid extensions past a best rate at an end")
     ap.add_argument("--tuned-file", type=Path, default=TUNED_FILE)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/fdlora"))
     args = ap.parse_args()
@@ -146,7 +147,7 @@ def main() -> None:
                 run_or_reuse(config(name, TUNING_ALPHA, TUNING_SEED, out, args, train, tuning=True))
                 return read_records(out)[-1]["val"]["accuracy_mean"]
 
-            best, report = tune_method(score, LR_GRID)
+            best, report = tune_method(score, LR_GRID, extend=args.extend)
             print(f"{name}: {report}", flush=True)
             write_tuned(args.tuned_file, {name: best})
         if args.lm:
@@ -244,7 +245,7 @@ def tune_lm(args: argparse.Namespace) -> None:
             run_or_reuse(lm_config(name, TUNING_SEED, out, train, tuning=True))
             return -read_records(out)[-1]["val"]["nll_mean"]
 
-        best, report = tune_method(score, LR_GRID)
+        best, report = tune_method(score, LR_GRID, extend=args.extend)
         print(f"lm-{name}: {report}", flush=True)
         write_tuned(args.tuned_file, {f"lm-{name}": best})
 
