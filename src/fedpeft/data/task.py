@@ -146,17 +146,53 @@ def iter_batches(
         yield make_batch(data, order[start : start + batch_size])
 
 
+def take_rows(n: int, batch_size: int, steps: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """Exactly ``steps`` shuffled batches of row indices (on the CPU) of ``n`` rows,
+    reshuffling at the end of each pass."""
+    if n == 0 and steps > 0:
+        raise ValueError("no rows to draw batches from")
+    done = 0
+    while done < steps:
+        order = torch.randperm(n, generator=generator)
+        for start in range(0, n, batch_size):
+            yield order[start : start + batch_size]
+            done += 1
+            if done == steps:
+                return
+
+
 def take_steps(
     data: Encoded, batch_size: int, steps: int, generator: torch.Generator
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Exactly ``steps`` shuffled batches, reshuffling at the end of each pass."""
-    done = 0
-    while done < steps:
-        for batch in iter_batches(data, batch_size, generator):
-            yield batch
-            done += 1
-            if done == steps:
-                return
+    return (make_batch(data, rows) for rows in take_rows(len(data), batch_size, steps, generator))
+
+
+@dataclass(frozen=True)
+class Draw:
+    """A batch as a method draws it, before it is cut: rows of ``data`` (indices, on the
+    CPU) and the tensors a method draws with them (``extras``, e.g. AdaMix's routing, of
+    one shape for every client). The cohort engine cuts a whole round's draws of all its
+    clients at once (:class:`fedpeft.methods.cohort.CohortBatches`); :meth:`batch` cuts
+    this one on its own."""
+
+    data: Encoded
+    rows: torch.Tensor
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def batch(self) -> dict[str, torch.Tensor]:
+        device = self.data.ids.device
+        return {**make_batch(self.data, self.rows), **{k: v.to(device) for k, v in self.extras.items()}}
+
+    def halves(self) -> tuple[Draw, Draw]:
+        """The first and the second half of the rows (the first has the smaller half)."""
+        half = len(self.rows) // 2
+        return Draw(self.data, self.rows[:half], self.extras), Draw(self.data, self.rows[half:], self.extras)
+
+
+def take_draws(data: Encoded, batch_size: int, steps: int, generator: torch.Generator) -> Iterator[Draw]:
+    """:func:`take_steps`'s batches, as draws."""
+    return (Draw(data, rows) for rows in take_rows(len(data), batch_size, steps, generator))
 
 
 def encode_corpus(corpus, tokenizer, cfg) -> tuple[Encoded, Encoded]:

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch.func import functional_call, vjp, vmap
 
-from fedpeft.data.task import IGNORE, Encoded, eval_batches, make_batch
+from fedpeft.data.task import IGNORE, Draw, Encoded, eval_batches
 from fedpeft.models.causal import SCORED
 
 if TYPE_CHECKING:
@@ -265,42 +265,95 @@ def backprop_reporting(
 # ---------------------------------------------------------------- batches
 
 
-def stack_step(inputs: list[StepInput | None]) -> StepInput:
-    """One step's inputs of every client of the cohort (None: the client has finished)
-    stacked on a leading client axis, each batch of the step padded to the cohort's
-    most rows and longest row. A padded row has weight 0 and no real token. Any other
-    entry of a batch (a method's per-step draws: AdaMix's routing) is stacked as it is,
-    of one shape for every client; a finished client's is zeros."""
-    live = next(i for i in inputs if i is not None)
-    out = []
-    for k in range(len(live)):
-        batches = [i[k] if i is not None else None for i in inputs]
-        rows = max(len(b["labels"]) for b in batches if b is not None)
-        width = max(b["input_ids"].shape[1] for b in batches if b is not None)
-        device = live[k]["input_ids"].device
-        ids = torch.zeros(len(batches), rows, width, dtype=torch.long, device=device)
-        mask = torch.zeros_like(ids)
-        per_token = live[k]["labels"].dim() == 2  # token labels pad with IGNORE, class labels with 0
-        shape = (len(batches), rows, width) if per_token else (len(batches), rows)
-        labels = torch.full(shape, IGNORE if per_token else 0, dtype=torch.long, device=device)
-        weight = torch.zeros(len(batches), rows, device=device)
-        for c, b in enumerate(batches):
-            if b is None:
-                continue
-            n, w = b["input_ids"].shape
-            ids[c, :n, :w], mask[c, :n, :w] = b["input_ids"], b["attention_mask"]
-            if per_token:
-                labels[c, :n, :w] = b["labels"]
-            else:
-                labels[c, :n] = b["labels"]
-            weight[c, :n] = 1.0
-        extras = {
-            key: torch.stack([torch.zeros_like(first) if b is None else b[key] for b in batches]).to(device)
-            for key, first in live[k].items()
-            if key not in ("input_ids", "attention_mask", "labels", "weight")
-        }
-        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels, "weight": weight, **extras})
-    return tuple(out)
+class CohortBatches:
+    """A cohort's batches for a run of steps, stacked on a leading client axis and cut on
+    the device. ``plans[c][k]``: client ``c``'s draws (:class:`~fedpeft.data.task.Draw`)
+    for step ``k``, one per batch of a step; a plan shorter than the longest: the client
+    has finished. Each batch of a step is padded to the cohort's most rows and longest
+    row: a padded row has weight 0 and no real token; a draw's ``extras`` are stacked as
+    they are (a finished client's are zeros).
+
+    Everything about the shapes is worked out here, once, on the CPU: the cohort's data
+    goes into one pool per tensor (each client's rows, then one padding row), every
+    batch becomes indices into it and a width, and the indices cross to the device in one
+    copy. :meth:`step` then cuts a step's batches with one gather per tensor: no loop over
+    the clients, no host-device synchronisation."""
+
+    def __init__(self, plans: list[list[tuple[Draw, ...]]], device: torch.device):
+        self.clients, self.device = len(plans), device
+        sources: dict[int, Encoded] = {}
+        for plan in plans:
+            for draws in plan:
+                for draw in draws:
+                    sources.setdefault(id(draw.data), draw.data)
+        parts = list(sources.values())
+        offsets = dict(zip(sources, np.cumsum([0] + [len(d) for d in parts]).tolist(), strict=False))
+        self._pool(parts)
+        lengths = torch.cat([d.lengths.cpu() for d in parts] + [torch.zeros(1, dtype=torch.long)])
+        pad = len(lengths) - 1
+        # (batch of a step, rows, width, where its indices start), for each step
+        self.shapes: list[list[tuple[int, int, int]]] = []
+        index, extras, at = [], [], 0
+        for k in range(max(len(plan) for plan in plans)):
+            draws = [plan[k] if k < len(plan) else None for plan in plans]
+            live = next(d for d in draws if d is not None)
+            shapes = []
+            for j in range(len(live)):
+                rows = max(len(d[j].rows) for d in draws if d is not None)
+                rows_of = torch.full((self.clients, rows), pad, dtype=torch.long)
+                for c, d in enumerate(draws):
+                    if d is not None:
+                        rows_of[c, : len(d[j].rows)] = d[j].rows + offsets[id(d[j].data)]
+                shapes.append((rows, int(lengths[rows_of].max()), at))
+                index.append(rows_of.flatten())
+                at += rows_of.numel()
+            self.shapes.append(shapes)
+            extras.append([
+                {key: torch.stack([d[j].extras[key] if d is not None else torch.zeros_like(first) for d in draws])
+                 for key, first in live[j].extras.items()}
+                for j in range(len(live))
+            ])  # fmt: skip
+        self.index = torch.cat(index).to(device)
+        #: ``extras[j][key]``: batch j's extra ``key`` at every step, ``(steps, C, ...)``
+        self.extras = [
+            {key: torch.stack([e[j][key] for e in extras]).to(device) for key in extras[0][j]}
+            for j in range(len(extras[0]))
+        ]
+
+    def _pool(self, parts: list[Encoded]) -> None:
+        """The cohort's rows, then a padding row (no token, label 0 or :data:`IGNORE`), on the device."""
+        width = max(d.ids.shape[1] for d in parts)
+        self.per_token = parts[0].labels.dim() == 2
+
+        def pooled(tensors: list[torch.Tensor], fill: int) -> torch.Tensor:
+            shape = (1, width) if tensors[0].dim() == 2 else (1,)
+            padded = [torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill) if t.dim() == 2 else t
+                      for t in tensors]  # fmt: skip
+            return torch.cat([t.to(self.device) for t in padded] + [torch.full(shape, fill, device=self.device)])
+
+        self.ids = pooled([d.ids for d in parts], 0)
+        self.lengths = pooled([d.lengths for d in parts], 0)
+        self.labels = pooled([d.labels for d in parts], IGNORE if self.per_token else 0)
+        self.real = torch.ones(len(self.lengths), device=self.device)
+        self.real[-1] = 0.0
+        self.positions = torch.arange(width, device=self.device)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def step(self, k: int) -> StepInput:
+        """Step ``k``'s batches, each ``(C, rows, ...)``."""
+        out = []
+        for j, (rows, width, at) in enumerate(self.shapes[k]):
+            index = self.index[at : at + self.clients * rows].view(self.clients, rows)
+            batch = {
+                "input_ids": self.ids[:, :width][index],
+                "attention_mask": (self.positions[:width] < self.lengths[index].unsqueeze(-1)).long(),
+                "labels": self.labels[:, :width][index] if self.per_token else self.labels[index],
+                "weight": self.real[index],
+            }
+            out.append(batch | {key: t[k] for key, t in self.extras[j].items()})
+        return tuple(out)
 
 
 def stack(states: list[Tensors], device: torch.device) -> Tensors:
