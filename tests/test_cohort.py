@@ -33,17 +33,17 @@ import numpy as np
 import pytest
 import torch
 
-from fedpeft.data.task import take_steps
+from fedpeft.data.task import IGNORE, Draw, Encoded, take_steps
 from fedpeft.engines.inprocess import derive_seed
 from fedpeft.experiment import build, make_engine, run
 from fedpeft.methods.base import Job, load_tensors, trainable_params
 from fedpeft.methods.cohort import (
+    CohortBatches,
     clip_gradients,
     eager_attention,
     optimizer_init,
     optimizer_step,
     predict_cohort,
-    stack_step,
 )
 from fedpeft.metrics.classification import predict
 from fedpeft.peft.svd import FACTORS, decompress
@@ -113,15 +113,40 @@ def test_clip_gradients_matches_clip_grad_norm(max_norm):
 
 
 def test_stacked_batches_pad_rows_and_tokens():
-    one = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long),
-           "labels": torch.tensor([2])}  # fmt: skip
-    two = {"input_ids": torch.tensor([[8, 0], [9, 4]]), "attention_mask": torch.tensor([[1, 0], [1, 1]]),
-           "labels": torch.tensor([0, 1])}  # fmt: skip
-    (batch,) = stack_step([(one,), (two,), None])
-    assert batch["input_ids"].shape == (3, 2, 3)
+    one = Encoded(torch.tensor([[5, 6, 7], [3, 0, 0]]), torch.tensor([3, 1]), torch.tensor([2, 4]))
+    two = Encoded(torch.tensor([[8, 0], [9, 4]]), torch.tensor([1, 2]), torch.tensor([0, 1]))
+    plans = [
+        [(Draw(one, torch.tensor([0])),), (Draw(one, torch.tensor([1])),)],
+        [(Draw(two, torch.tensor([0, 1])),)],
+        [],
+    ]
+    batches = CohortBatches(plans, torch.device("cpu"))
+    (batch,) = batches.step(0)
+    assert len(batches) == 2 and batch["input_ids"].shape == (3, 2, 3)
     assert batch["weight"].tolist() == [[1, 0], [1, 1], [0, 0]]
     assert batch["attention_mask"].tolist() == [[[1, 1, 1], [0, 0, 0]], [[1, 0, 0], [1, 1, 0]], [[0] * 3] * 2]
     assert batch["labels"].tolist() == [[2, 0], [0, 1], [0, 0]]
+    assert batch["input_ids"][:, :, :2].tolist() == [[[5, 6], [0, 0]], [[8, 0], [9, 4]], [[0, 0], [0, 0]]]
+    (later,) = batches.step(1)  # one client left: one row, as wide as its row
+    assert later["input_ids"].tolist() == [[[3]], [[0]], [[0]]] and later["weight"].tolist() == [
+        [1],
+        [0],
+        [0],
+    ]
+
+
+def test_token_labels_pad_with_ignore_and_each_batch_is_cut_as_alone():
+    ids, lengths = torch.arange(1, 13).view(3, 4), torch.tensor([4, 2, 3])
+    inside = torch.arange(4) < lengths.unsqueeze(1)  # a token label past a row's end is IGNORE
+    data = Encoded(ids, lengths, torch.where(inside & (ids % 2 == 0), ids, IGNORE))
+    draws = [Draw(data, torch.tensor([2, 1])), Draw(data, torch.tensor([0]))]
+    batches = CohortBatches([[(draws[0],)], [(draws[1],)]], torch.device("cpu"))
+    (batch,) = batches.step(0)
+    alone = draws[0].batch()  # the first client's batch cut on its own: 3 wide
+    torch.testing.assert_close(batch["input_ids"][0, :, :3], alone["input_ids"])
+    torch.testing.assert_close(batch["labels"][0, :, :3], alone["labels"])
+    assert (batch["labels"][0, :, 3] == IGNORE).all()  # the cohort's extra column
+    assert batch["labels"][1, 1].tolist() == [IGNORE] * 4  # a padded row
 
 
 def encoded(tensors: dict) -> dict:

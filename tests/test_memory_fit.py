@@ -8,12 +8,18 @@ import torch
 from test_causal_lm import lm_config
 from torch.func import grad_and_value, vmap
 
-from fedpeft.data.task import Encoded, eval_batches, make_batch
+from fedpeft.data.task import Draw, Encoded, eval_batches, make_batch
 from fedpeft.engines import memory
 from fedpeft.engines.memory import InsufficientMemory, check_memory
 from fedpeft.experiment import build, make_engine
 from fedpeft.methods.base import read_tensors
-from fedpeft.methods.cohort import first_order_grad, model_loss, predict_cohort, prepare_step, stack_step
+from fedpeft.methods.cohort import (
+    CohortBatches,
+    first_order_grad,
+    model_loss,
+    predict_cohort,
+    prepare_step,
+)
 from fedpeft.metrics.scorers import GenerationScorer
 from fedpeft.models.causal import SCORED, scored_positions, with_scored
 
@@ -100,10 +106,9 @@ def test_gathered_head_under_vmap_equals_full_logits_and_plain_autograd(lm_setup
     equals that of the full-logits loss and each client's own autograd gradient."""
     model = lm_setup.model
     params = _trainable(model)
-    batches = [
-        make_batch(c.train, torch.arange(n)) for c, n in zip(lm_setup.clients[:2], (5, 3), strict=True)
-    ]
-    stacked = stack_step([(b,) for b in batches])
+    draws = [Draw(c.train, torch.arange(n)) for c, n in zip(lm_setup.clients[:2], (5, 3), strict=True)]
+    batches = [d.batch() for d in draws]
+    stacked = CohortBatches([[(d,)] for d in draws], torch.device("cpu")).step(0)
     (gathered,) = prepare_step(model, stacked)
     both = {n: torch.stack([t, t * 0.5]) for n, t in params.items()}  # two clients' tensors
     loss = model_loss(model)

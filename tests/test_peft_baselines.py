@@ -242,14 +242,15 @@ def test_adamix_routing_is_seeded_and_changes_every_step(tiny_config):
 
 def test_a_step_draw_rides_with_its_batch_in_a_cohort():
     """A batch's extra entry (AdaMix's routing) is stacked per client; a finished client's is 0."""
-    from fedpeft.methods.cohort import stack_step
+    from fedpeft.data.task import Draw, Encoded
+    from fedpeft.methods.cohort import CohortBatches
 
-    def batch_of(ids: list[int], route: list[int]) -> dict:
-        return {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
-                "labels": torch.tensor([1]), "route": torch.tensor([route])}  # fmt: skip
+    def draw_of(ids: list[int], route: list[int]) -> Draw:
+        data = Encoded(torch.tensor([ids]), torch.tensor([len(ids)]), torch.tensor([1]))
+        return Draw(data, torch.tensor([0]), {"route": torch.tensor([route])})
 
-    one, two = batch_of([5, 6], [1, 2]), batch_of([7, 8, 9], [3, 0])
-    (batch,) = stack_step([(one,), None, (two,)])
+    one, two = draw_of([5, 6], [1, 2]), draw_of([7, 8, 9], [3, 0])
+    (batch,) = CohortBatches([[(one,)], [], [(two,)]], torch.device("cpu")).step(0)
     assert batch["route"].tolist() == [[[1, 2]], [[0, 0]], [[3, 0]]]
     assert batch["input_ids"].shape == (3, 1, 3)
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from fedpeft.data.task import take_rows
 from fedpeft.experiment import build, run
 from fedpeft.methods.perfedavg import maml_grads
 from fedpeft.report.results import read_records
@@ -118,9 +119,13 @@ def test_split_batch_gives_equal_examples_per_step(split, tiny_config, monkeypat
     assert sizes and set(sizes) == ({(4, 4)} if split else {(8, 8)})
     setup = build(cfg)
     pairs = setup.method.batch_pairs(setup.clients[0], 3, torch.Generator().manual_seed(0))
-    for d1, d2 in pairs:  # two different sets of rows: halves of one batch, or two batches
-        rows1 = {tuple(r.tolist()) for r in d1["input_ids"]}
-        assert not rows1 & {tuple(r.tolist()) for r in d2["input_ids"]}
+    size = setup.cfg.train.batch_size
+    drawn = list(take_rows(len(setup.clients[0].train), size, 6, torch.Generator().manual_seed(0)))
+    for k, (d1, d2) in enumerate(pairs):  # halves of one batch, or two batches in a row
+        if split:
+            assert torch.equal(torch.cat([d1.rows, d2.rows]), drawn[k]) and len(d1.rows) == size // 2
+        else:
+            assert torch.equal(d1.rows, drawn[2 * k]) and torch.equal(d2.rows, drawn[2 * k + 1])
 
 
 def test_split_batch_never_halves_a_one_row_batch(tiny_config, monkeypatch):
@@ -132,7 +137,7 @@ def test_split_batch_never_halves_a_one_row_batch(tiny_config, monkeypatch):
     client.train = client.train.subset(torch.arange(9))  # batches of 4 + 4 + 1 per pass
     pairs = list(setup.method.batch_pairs(client, 7, torch.Generator().manual_seed(0)))
     assert len(pairs) == 7
-    assert all(len(a["labels"]) == len(b["labels"]) == 2 for a, b in pairs)
+    assert all(len(a.rows) == len(b.rows) == 2 for a, b in pairs)
 
 
 @pytest.mark.parametrize("split", [False, True])

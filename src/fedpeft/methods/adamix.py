@@ -54,7 +54,7 @@ import torch
 from pydantic import Field
 from torch.func import functional_call
 
-from fedpeft.data.task import IGNORE, take_steps
+from fedpeft.data.task import IGNORE, Draw, take_rows
 from fedpeft.methods.base import ClientData, Method, MethodConfig, Tensors
 from fedpeft.methods.cohort import (
     GradientFn,
@@ -132,18 +132,18 @@ class AdaMix(Method):
     def passes(self) -> int:
         return 2 if self.cfg.consistency > 0 else 1
 
-    def step_inputs(self, client: ClientData, steps: int, generator: torch.Generator) -> Iterator[StepInput]:
+    def step_draws(self, client: ClientData, steps: int, generator: torch.Generator) -> Iterator[tuple[Draw]]:
         """FedAvg's batches, each with its routing (``ROUTE``), drawn from the client's own
         routing stream (seeded from its round's seed)."""
         spec = self.cfg.adapter
         router = torch.Generator().manual_seed(derive_seed(generator.initial_seed(), ROUTE_STREAM))
-        for batch in take_steps(client.train, self.train.batch_size, steps, generator):
+        for rows in take_rows(len(client.train), self.train.batch_size, steps, generator):
             route = torch.randint(0, spec.experts, (self.passes, len(self.sites), 2), generator=router)
             if spec.share_down:
                 route[..., 0] = 0
             if spec.share_up:
                 route[..., 1] = 0
-            yield ({**batch, ROUTE: route.to(batch["input_ids"].device)},)
+            yield (Draw(client.train, rows, {ROUTE: route}),)
 
     def objective(self, model):
         """``(params, consts, batches) -> (loss to differentiate, loss to report)``: the

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedpeft.data.task import Encoded, take_steps
+from fedpeft.data.task import Draw, Encoded, take_draws
 from fedpeft.methods.cohort import (
     OPT,
     GradientFn,
@@ -312,9 +312,18 @@ class Method:
         """The tensors ``train.optimizer`` steps (default: every trainable one)."""
         return [*self.shared_names, *self.personal_names]
 
+    def step_draws(
+        self, client: ClientData, steps: int, generator: torch.Generator
+    ) -> Iterator[tuple[Draw, ...]]:
+        """Each step's batches, as drawn (:class:`~fedpeft.data.task.Draw`: rows of the
+        client's data, cut by the engine for a whole cohort at once): one shuffled batch
+        of ``train.batch_size`` per step."""
+        return ((draw,) for draw in take_draws(client.train, self.train.batch_size, steps, generator))
+
     def step_inputs(self, client: ClientData, steps: int, generator: torch.Generator) -> Iterator[StepInput]:
-        """Each step's batches: one shuffled batch of ``train.batch_size`` per step."""
-        return ((batch,) for batch in take_steps(client.train, self.train.batch_size, steps, generator))
+        """Each step's batches, cut one client at a time (what :meth:`step_gradients` is
+        given, less the cohort axis): :meth:`step_draws`'s."""
+        return (tuple(d.batch() for d in draws) for draws in self.step_draws(client, steps, generator))
 
     def step_gradients(self, model: TaskModel) -> GradientFn:
         """``(params, consts, batches) -> (loss, grads, replaced)``, one client's gradients

@@ -291,7 +291,7 @@ class CohortBatches:
         self._pool(parts)
         lengths = torch.cat([d.lengths.cpu() for d in parts] + [torch.zeros(1, dtype=torch.long)])
         pad = len(lengths) - 1
-        # (batch of a step, rows, width, where its indices start), for each step
+        # each step's batches: (rows, width, where its indices start)
         self.shapes: list[list[tuple[int, int, int]]] = []
         index, extras, at = [], [], 0
         for k in range(max(len(plan) for plan in plans)):
@@ -308,11 +308,7 @@ class CohortBatches:
                 index.append(rows_of.flatten())
                 at += rows_of.numel()
             self.shapes.append(shapes)
-            extras.append([
-                {key: torch.stack([d[j].extras[key] if d is not None else torch.zeros_like(first) for d in draws])
-                 for key, first in live[j].extras.items()}
-                for j in range(len(live))
-            ])  # fmt: skip
+            extras.append([_stacked_extras(draws, j) for j in range(len(live))])
         self.index = torch.cat(index).to(device)
         #: ``extras[j][key]``: batch j's extra ``key`` at every step, ``(steps, C, ...)``
         self.extras = [
@@ -329,7 +325,9 @@ class CohortBatches:
             shape = (1, width) if tensors[0].dim() == 2 else (1,)
             padded = [torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill) if t.dim() == 2 else t
                       for t in tensors]  # fmt: skip
-            return torch.cat([t.to(self.device) for t in padded] + [torch.full(shape, fill, device=self.device)])
+            return torch.cat(
+                [t.to(self.device) for t in padded] + [torch.full(shape, fill, device=self.device)]
+            )
 
         self.ids = pooled([d.ids for d in parts], 0)
         self.lengths = pooled([d.lengths for d in parts], 0)
@@ -354,6 +352,16 @@ class CohortBatches:
             }
             out.append(batch | {key: t[k] for key, t in self.extras[j].items()})
         return tuple(out)
+
+
+def _stacked_extras(draws: list[tuple[Draw, ...] | None], j: int) -> Tensors:
+    """The extras of batch ``j`` of a step's draws, stacked over the clients (a finished
+    client's, None: zeros)."""
+    first = next(d for d in draws if d is not None)[j].extras
+    return {
+        key: torch.stack([d[j].extras[key] if d is not None else torch.zeros_like(t) for d in draws])
+        for key, t in first.items()
+    }
 
 
 def stack(states: list[Tensors], device: torch.device) -> Tensors:
@@ -424,9 +432,13 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
         return [r for job in jobs for r in run_cohort(model, method, [job])]
     device = next(model.parameters()).device
     starts = [method.cohort_start(model, job) for job in jobs]
-    streams: list[Iterator[StepInput]] = [
-        method.step_inputs(job.client, s.steps, job.generator()) for job, s in zip(jobs, starts, strict=True)
-    ]
+    batches = CohortBatches(
+        [
+            list(method.step_draws(job.client, s.steps, job.generator()))
+            for job, s in zip(jobs, starts, strict=True)
+        ],
+        device,
+    )
     params = stack([s.params for s in starts], device)
     opt = stack([s.opt for s in starts], device)
     consts = stack([s.consts for s in starts], device)
@@ -445,18 +457,15 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
     tokens = torch.zeros(len(jobs), dtype=torch.long, device=device)  # real tokens each client trained on
     start = time.perf_counter()
     with training_attention(model, method, len(jobs)):
-        for k in range(int(steps.max())):
-            inputs = [
-                next(stream) if k < s.steps else None for stream, s in zip(streams, starts, strict=True)
-            ]
-            stacked = prepare_step(model, stack_step(inputs))
+        for k in range(len(batches)):
+            stacked = prepare_step(model, batches.step(k))
             new_params, new_opt, loss = step(params, opt, consts, stacked)
             tokens += sum(b["attention_mask"].flatten(1).sum(1) for b in stacked)
             active = k < steps  # (C,): a finished client's tensors do not move
             params = {n: _where(active, new_params[n], t) for n, t in params.items()}
             opt = {n: _where(active, new_opt[n], t) for n, t in opt.items()}
             losses += torch.where(active, loss.detach().float(), 0.0)
-    time_step = (time.perf_counter() - start) / int(steps.max())
+    time_step = (time.perf_counter() - start) / len(batches)
     results = []
     for job, s, p, o, total, seen in zip(
         jobs, starts, unstack(params, len(jobs)), unstack(opt, len(jobs)), losses.tolist(), tokens.tolist(),
@@ -529,26 +538,29 @@ def predict_cohort(
         return functional_call(model, params, (ids, mask)).argmax(-1)
 
     model.eval()
-    out: list[list[torch.Tensor]] = [[] for _ in states]
-    with eager_attention(model):
-        if isinstance(data, Encoded):  # the same batches for every client: broadcast, not copied
-            batched = vmap(forward, in_dims=(0, None, None))
-            for rows in eval_batches(data.lengths, batch_size, batch_tokens):
-                batch = make_batch(data, rows)
-                preds = batched(stacked, batch["input_ids"], batch["attention_mask"]).cpu()
+    shared = isinstance(data, Encoded)  # the same batches for every client: broadcast, not copied
+    sets = [data] if shared else data
+    plans = [
+        [(Draw(d, rows),) for rows in eval_batches(d.lengths.cpu(), batch_size, batch_tokens)] for d in sets
+    ]
+    counts = [[len(draws[0].rows) for draws in plan] for plan in plans]
+    out: list[list[torch.Tensor]] = [[] for _ in states]  # on the device until the end
+    if any(plans):
+        batches = CohortBatches(plans, device)
+        batched = vmap(forward, in_dims=(0, None, None) if shared else 0)
+        with eager_attention(model):
+            for k in range(len(batches)):
+                (batch,) = batches.step(k)
+                ids, mask = batch["input_ids"], batch["attention_mask"]
+                preds = batched(stacked, ids[0], mask[0]) if shared else batched(stacked, ids, mask)
                 for c in range(len(states)):
-                    out[c].append(preds[c])
-        else:
-            batched = vmap(forward)
-            plans = [list(eval_batches(d.lengths, batch_size, batch_tokens)) for d in data]
-            for k in range(max((len(p) for p in plans), default=0)):
-                rows = [p[k] if k < len(p) else None for p in plans]
-                inputs = [
-                    (make_batch(d, r),) if r is not None else None for d, r in zip(data, rows, strict=True)
-                ]
-                (batch,) = stack_step(inputs)
-                preds = batched(stacked, batch["input_ids"], batch["attention_mask"]).cpu()
-                for c, r in enumerate(rows):
-                    if r is not None:
-                        out[c].append(preds[c, : len(r)])
-    return [torch.cat(p).numpy() if p else np.zeros(0, dtype=np.int64) for p in out]
+                    rows = counts[0 if shared else c]
+                    if k < len(rows):
+                        out[c].append(preds[c, : rows[k]])
+    sizes = [sum(len(p) for p in preds) for preds in out]
+    flat = (
+        torch.cat([p for preds in out for p in preds]).cpu()
+        if any(sizes)
+        else torch.zeros(0, dtype=torch.long)
+    )
+    return [part.numpy() for part in flat.split(sizes)]

@@ -25,7 +25,7 @@ import torch
 from pydantic import Field
 from torch.func import grad, grad_and_value
 
-from fedpeft.data.task import make_batch, take_steps
+from fedpeft.data.task import make_batch, take_draws
 from fedpeft.methods.base import ClientData, MethodConfig, Tensors, load_tensors
 from fedpeft.methods.cohort import GradientFn, model_inputs, model_loss, prepare_step
 from fedpeft.methods.fedavg import FedAvgPeft
@@ -83,7 +83,7 @@ class PerFedAvg(FedAvgPeft):
         return {n: p for n, p in model.named_parameters() if n in names}
 
     # ----- the local step, as pure functions (vectorised over a cohort by the engine)
-    def step_inputs(self, client: ClientData, steps: int, generator: torch.Generator):
+    def step_draws(self, client: ClientData, steps: int, generator: torch.Generator):
         return self.batch_pairs(client, steps, generator)
 
     def step_gradients(self, model) -> GradientFn:
@@ -103,19 +103,17 @@ class PerFedAvg(FedAvgPeft):
         pass over ``n = 1 mod batch_size`` examples) cannot be halved and is skipped."""
         size = self.train.batch_size
         if not self.cfg.split_batch:
-            batches = take_steps(client.train, size, 2 * steps, generator)
+            draws = take_draws(client.train, size, 2 * steps, generator)
             for _ in range(steps):
-                yield next(batches), next(batches)
+                yield next(draws), next(draws)
             return
         if len(client.train) < 2:
             raise ValueError(
                 f"method.split_batch: client {client.cid} has {len(client.train)} example(s), needs 2"
             )
-        batches = (b for b in take_steps(client.train, size, 2 * steps, generator) if len(b["labels"]) >= 2)
+        draws = (d for d in take_draws(client.train, size, 2 * steps, generator) if len(d.rows) >= 2)
         for _ in range(steps):
-            batch = next(batches)
-            half = len(batch["labels"]) // 2
-            yield {k: v[:half] for k, v in batch.items()}, {k: v[half:] for k, v in batch.items()}
+            yield next(draws).halves()
 
     def adapt_size(self) -> int:
         """Rows of the adaptation step: those of a training step's inner batch ``D1``."""
