@@ -110,6 +110,9 @@ def main() -> None:
     ap.add_argument("--examples", type=int, default=300, help="examples per silo (6:2:2 train/val/test)")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/cross_silo"))
+    ap.add_argument(
+        "--extend", type=int, default=2, help="--tune: grid extensions past a best rate at an end"
+    )
     ap.add_argument("--tuned-file", type=Path, default=TUNED_FILE)
     ap.add_argument(
         "--untuned", action="store_true",
@@ -167,7 +170,7 @@ def tune(names: list[str], args: argparse.Namespace) -> None:
             run_or_reuse(config(name, TUNING_SEED, out, args, train))
             return read_records(out)[-1]["val"]["accuracy_mean"]
 
-        best, report = tune_method(score, GRIDS.get(name, GRID))
+        best, report = tune_method(score, GRIDS.get(name, GRID), extend=args.extend)
         print(f"  {name}: {report}", flush=True)
         write_tuned(args.tuned_file, {name: best})
     print(f"written: {args.tuned_file}")
