@@ -134,7 +134,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--examples", type=int, default=1500)
     ap.add_argument("--lm", action="store_true", help="also the causal-LM runs (SmolLM2; slow on a CPU)")
-    ap.add_argument("--extend", type=int, default=2, help="--tune: grid extensions past a best rate at an end")
+    ap.add_argument(
+        "--extend", type=int, default=2, help="--tune: grid extensions past a best rate at an end"
+    )
     ap.add_argument("--tuned-file", type=Path, default=TUNED_FILE)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/fdlora"))
     args = ap.parse_args()
