@@ -58,7 +58,8 @@ KEEP = {"train.optimizer_state": "keep"}
 
 FDLORA = {"name": "fdlora", "sync_every": 1}  # all three stages (local, outer step, sync) in 2 rounds
 CASES = [({"name": "fedlr"}, {}), (PF2, {}), ({"name": "federa"}, {}), (HET, KEEP), ({"name": "fedmcp"}, {}),
-         (FDLORA, {}), ({"name": "c2a"}, {})]  # fmt: skip
+         (FDLORA, {}), ({"name": "c2a"}, {}),
+         ({"name": "fedlr"}, {"server.optimizer": "fedadam", "server.lr": 0.05})]  # fmt: skip
 PERSONAL_CASES = [(PF2, {}), (PF2, KEEP), (HET, KEEP), ({"name": "fedmcp"}, {}), (FDLORA, {})]
 
 

@@ -24,10 +24,14 @@ def _scores(records):
 
 
 @pytest.mark.parametrize(
-    "method", ["fedlr", "federa", "local", "fedamp", "fedkd", "moon", "ditto", "fedmcp", "fdlora"]
+    "method",
+    ["fedlr", "federa", "local", "fedamp", "fedkd", "moon", "ditto", "fedmcp", "fdlora", "fedlr+fedadam"],
 )
 def test_resume_equals_uninterrupted(tiny_config, tmp_path, method):
-    common = {"method": {"name": method}, "train.rounds": 4, "partition.num_clients": 4}
+    """(``+fedadam``: with a server optimiser, whose state is server state.)"""
+    method, _, optimizer = method.partition("+")
+    server = {"server.optimizer": optimizer, "server.lr": 0.05} if optimizer else {}
+    common = {"method": {"name": method}, "train.rounds": 4, "partition.num_clients": 4, **server}
     straight = tiny_config(**common, output_dir=str(tmp_path / "straight"))
     broken = tiny_config(**common, output_dir=str(tmp_path / "broken"))
     run(straight)
@@ -58,6 +62,10 @@ def test_resume_equals_uninterrupted(tiny_config, tmp_path, method):
     cb = C.load_checkpoint(broken.output_dir / "checkpoint.pt", fingerprint(broken))
     for name, t in ca.server.tensors.items():
         assert torch.equal(t, cb.server.tensors[name]), name
+    assert ca.server.extras.keys() == cb.server.extras.keys()
+    assert not optimizer or any(k.startswith("server_opt.") for k in ca.server.extras)
+    for name, t in ca.server.extras.items():
+        assert not torch.is_tensor(t) or torch.equal(t, cb.server.extras[name]), name
     assert ca.personal.keys() == cb.personal.keys()
 
 

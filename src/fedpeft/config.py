@@ -341,6 +341,54 @@ class TrainConfig(BaseModel):
     )
 
 
+class ServerConfig(BaseModel):
+    """The server's step after a method aggregates (``fedpeft.engines.server_opt``): the
+    aggregate as it is (FedAvg), or a server optimiser fed the pseudo-gradient
+    (aggregate - current). Composes with any method whose server keeps one set of
+    shared tensors that it averages; a method with a server step of its own refuses it."""
+
+    model_config = Strict
+
+    optimizer: Literal["fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad"] = Field(
+        "fedavg",
+        description="fedavg: x += lr D (D = aggregate - x); fedavgm: server momentum (Hsu et al. 2019); "
+        "fedadam, fedyogi, fedadagrad: Reddi et al. 2021.",
+    )
+    lr: float | None = Field(
+        None,
+        gt=0,
+        description="Server learning rate; default 1 for fedavg and fedavgm; required for the adaptive "
+        "optimisers (their rate depends on the model and task: tune it).",
+    )
+    momentum: float = Field(0.9, ge=0, lt=1, description="fedavgm's momentum.")
+    betas: tuple[float, float] = Field(
+        (0.9, 0.99), description="b1, b2 of fedadam, fedyogi (b2) and fedadagrad (b1)."
+    )
+    tau: float = Field(
+        1e-3, gt=0, description="The adaptive optimisers' degree of adaptivity (and sqrt of v's start)."
+    )
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in value):
+            raise ValueError(f"server.betas: each in [0, 1), got {list(value)}")
+        return value
+
+    @model_validator(mode="after")
+    def _rate_given(self) -> ServerConfig:
+        if self.lr is None and self.optimizer in ("fedadam", "fedyogi", "fedadagrad"):
+            raise ValueError(
+                f"server.lr: server.optimizer {self.optimizer} needs a server learning rate (none suits "
+                "every model; Reddi et al. tune it per task, e.g. on a grid 1e-3 ... 1)"
+            )
+        return self
+
+    @property
+    def rate(self) -> float:
+        return self.lr if self.lr is not None else 1.0
+
+
 class GenerationConfig(BaseModel):
     """How a causal LM's responses are generated for scoring (Hugging Face ``generate``)."""
 
@@ -465,6 +513,7 @@ class ExperimentConfig(BaseModel):
         default_factory=lambda: {"name": "fedlr"}, validate_default=True
     )
     train: TrainConfig = TrainConfig()
+    server: ServerConfig = ServerConfig()
     eval: EvalConfig = EvalConfig()
     export: ExportConfig = ExportConfig()
     deploy: DeployConfig = DeployConfig()

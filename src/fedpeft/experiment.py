@@ -26,6 +26,7 @@ from fedpeft.data.task import Encoded, encode_corpus
 from fedpeft.engines.checkpoint import STORE_DIR, Checkpoints, ResumeError
 from fedpeft.engines.guard import DivergedError, nonfinite_tensor
 from fedpeft.engines.inprocess import InProcessEngine, Schedule
+from fedpeft.engines.server_opt import check_composes
 from fedpeft.engines.store import ClientStore
 from fedpeft.methods import build_method
 from fedpeft.methods.base import ClientData, Method, ServerState, Tensors, load_tensors, read_tensors
@@ -162,6 +163,7 @@ def build(cfg: ExperimentConfig, model: TaskModel | None = None, tokenizer=None)
         model, tokenizer = build_model(cfg.model, outputs, cfg.seed, cfg.data.task)
     pool, global_test = encode_corpus(corpus, tokenizer, cfg.data)
     method, initial = attach_method(cfg, model)
+    check_composes(cfg.server, method)
     device = place(model, cfg.train)
     pool, global_test = pool.to(device), global_test.to(device)
     spaces = corpus.label_spaces or [None] * len(split.train)
@@ -280,6 +282,7 @@ def make_engine(
         on_corrupt_state=cfg.train.on_corrupt_state,
         lr=cfg.train.lr,
         memory_check=cfg.train.memory_check,
+        server=cfg.server,
     )
 
 

@@ -24,10 +24,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fedpeft.config import ServerConfig
 from fedpeft.data.task import Encoded, make_batch
 from fedpeft.engines import guard
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
 from fedpeft.engines.memory import check_memory, measure_peak_cuda, probe_copy
+from fedpeft.engines.server_opt import server_step
 from fedpeft.engines.store import ClientStore, StoreError
 from fedpeft.methods.base import (
     ClientData,
@@ -124,6 +126,7 @@ class InProcessEngine:
         on_corrupt_state: str = "stop",
         lr: float = float("nan"),
         memory_check: bool = True,
+        server: ServerConfig | None = None,
     ):
         self.model, self.method, self.clients = model, method, clients
         self.eval_clients = eval_clients if eval_clients is not None else clients
@@ -134,6 +137,7 @@ class InProcessEngine:
         self.on_corrupt_state, self.resets = on_corrupt_state, {}
         self.lr = lr  # named when a round diverges
         self.memory_check = memory_check  # train.memory_check: probe the peak before training
+        self.server_cfg = server or ServerConfig()  # the server's step after the method aggregates
         self.on_round = on_round or (lambda record: None)
         self.on_start = on_start or (lambda records: None)
         # name -> f(previous global tensors, new global tensors), recorded every round
@@ -415,7 +419,8 @@ class InProcessEngine:
             t0 = time.perf_counter()
             results, record = self.fit_round(server, rnd)
             t1 = time.perf_counter()
-            previous, server = server, self.method.aggregate(server, results, rnd)
+            previous = server
+            server = server_step(self.server_cfg, previous, self.method.aggregate(server, results, rnd))
             guard.check_aggregate(rnd, server, self.lr, previous)
             self._loaded = ()
             t2 = time.perf_counter()

@@ -255,6 +255,14 @@ class Method:
         states = [r.uplink for r in results]
         return ServerState(weighted_mean(states, [r.num_examples for r in results]), server.extras)
 
+    def server_step_refusal(self) -> str:
+        """Why a server optimiser (``server.optimizer``: a step along ``aggregate - current``
+        of the shared tensors, ``fedpeft.engines.server_opt``) cannot follow this method's
+        aggregate; "" when it can."""
+        if not self.communicates or not self.shared_names:
+            return "it shares no tensors for a server step to move"
+        return ""
+
     def uplink_as_shared(self, uplink: Tensors) -> Tensors:
         """A client's update in the names and shapes of the shared state, which a networked
         server checks every update against (HETLoRA zero-pads a smaller rank); default: as is."""

@@ -186,6 +186,9 @@ class FDLoRA(FedAvgPeft):
     def global_state(self, server: ServerState) -> Tensors | None:
         return server.tensors if self.ready(server) else None
 
+    def server_step_refusal(self) -> str:
+        return "its server takes an outer optimiser step of its own (method.outer_lr, method.outer_momentum)"
+
     def aggregate(self, server: ServerState, results: list[FitResult], rnd: int) -> ServerState:
         """Round 1 (``personal_mean``): ``theta_s^0`` = the mean of the uploaded personal
         modules. Then the outer step on ``Delta = mean_i (theta_s - theta_s^i)``."""

@@ -196,6 +196,9 @@ class FedAMP(FedAvgPeft):
         cloud = self.clouds(server).get(cid)
         return server.tensors if cloud is None else unflatten(cloud, self.layout(server))
 
+    def server_step_refusal(self) -> str:
+        return "its server sends each client a personalised cloud model, not one global model to step"
+
     def aggregate(self, server: ServerState, results: list[FitResult], rnd: int) -> ServerState:
         """Keep each client's upload (replacing its previous one) and form the cloud models
         (an error where a self-weight is negative); the server's tensors become the mean of

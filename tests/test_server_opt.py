@@ -1,0 +1,100 @@
+"""Server optimisers (issue 32): each step against a worked example of its formula,
+FedAvgM at momentum 0 and rate 1 equal to FedAvg bit for bit in a whole run, the
+optimiser's state kept on the server and never sent, and the refusals."""
+
+import math
+
+import pytest
+import torch
+
+from fedpeft.config import ConfigError, ServerConfig, parse_config
+from fedpeft.engines.server_opt import server_step
+from fedpeft.experiment import build, make_engine
+from fedpeft.methods.base import ServerState
+
+
+def _two_rounds(cfg: ServerConfig, first: float, second: float) -> tuple[list[float], list[float]]:
+    """x after each of two rounds whose aggregates sit at ``x + first`` and then ``x + second``
+    in the first coordinate (the second coordinate's aggregate never moves: D = 0)."""
+    server = ServerState({"w": torch.tensor([1.0, -2.0])})
+    out = []
+    for d in (first, second):
+        proposed = ServerState({"w": server.tensors["w"] + torch.tensor([d, 0.0])}, server.extras)
+        server = server_step(cfg, server, proposed)
+        out.append(server.tensors["w"].tolist())
+    return out[0], out[1]
+
+
+# Worked by hand from the formulas (lr 0.4, b1 0.5, b2 0.75, tau 0.5; m starts at 0, v at
+# tau^2 = 0.25). Round 1, D = 0.5: m = 0.25. Round 2, D = 1.0: m = 0.5 * 0.25 + 0.5 = 0.625.
+ADAPTIVE = {"lr": 0.4, "betas": (0.5, 0.75), "tau": 0.5}
+WORKED = {
+    # v = 0.75 * 0.25 + 0.25 * 0.25 = 0.25; then 0.75 * 0.25 + 0.25 * 1 = 0.4375
+    "fedadam": (0.25, 0.4375),
+    # v = 0.25 + 0.25 = 0.5; then 0.5 + 1 = 1.5
+    "fedadagrad": (0.5, 1.5),
+    # v = 0.25 - 0.25 * 0.25 * sign(0.25 - 0.25) = 0.25; then 0.25 - 0.25 * 1 * sign(0.25 - 1) = 0.5
+    "fedyogi": (0.25, 0.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WORKED))
+def test_an_adaptive_step_is_its_formula(name):
+    v1, v2 = WORKED[name]
+    one, two = _two_rounds(ServerConfig(optimizer=name, **ADAPTIVE), 0.5, 1.0)
+    x1 = 1 + 0.4 * 0.25 / (math.sqrt(v1) + 0.5)
+    assert one[0] == pytest.approx(x1, rel=1e-6)
+    assert two[0] == pytest.approx(x1 + 0.4 * 0.625 / (math.sqrt(v2) + 0.5), rel=1e-6)
+    assert one[1] == two[1] == -2.0  # D = 0 and m = 0: no move, whatever v
+
+
+def test_server_momentum_is_its_formula():
+    # v = 0.5, x = 1.5; then v = 0.5 * 0.5 + 0.5 = 0.75, x = 1.5 + 0.75 (lr 1)
+    one, two = _two_rounds(ServerConfig(optimizer="fedavgm", momentum=0.5), 0.5, 0.5)
+    assert one[0] == 1.5 and two[0] == 2.25
+    # fedavg at rate 0.5 moves halfway to each aggregate
+    one, two = _two_rounds(ServerConfig(optimizer="fedavg", lr=0.5), 0.5, 0.5)
+    assert one[0] == 1.25 and two[0] == 1.5
+
+
+def test_fedavgm_at_momentum_0_and_rate_1_is_fedavg_bit_for_bit(tiny_config, tmp_path):
+    common = {"train.rounds": 3, "partition.num_clients": 4, "eval.every": 3}
+    runs = {}
+    for name, server in {
+        "fedavg": {},
+        "fedavgm": {"server.optimizer": "fedavgm", "server.momentum": 0.0},
+    }.items():
+        (tmp_path / name).mkdir()
+        engine = make_engine(build(tiny_config(**common, **server, output_dir=str(tmp_path / name))), None)
+        records = engine.run()
+        runs[name] = (engine.server, records[-1])
+    (plain, last), (momentum, last_m) = runs["fedavg"], runs["fedavgm"]
+    assert plain.tensors.keys() == momentum.tensors.keys()
+    assert all(torch.equal(t, momentum.tensors[n]) for n, t in plain.tensors.items())
+    assert last["global"] == last_m["global"]
+    assert any(k.startswith("server_opt.v.") for k in momentum.extras)  # it did run the optimiser
+
+
+def test_the_optimiser_state_stays_on_the_server(tiny_config):
+    setup = build(tiny_config(**{"train.rounds": 2, "server.optimizer": "fedadam", "server.lr": 0.01}))
+    setup.cfg.output_dir.mkdir(parents=True)
+    engine = make_engine(setup, None)
+    engine.run()
+    state = [k for k in engine.server.extras if k.startswith("server_opt.")]
+    assert {k.split(".")[1] for k in state} == {"m", "v"}
+    sent = setup.method.downlink(engine.server, 0)
+    assert sent.keys() == set(setup.method.shared_names)  # the downlink: the shared tensors only
+
+
+def test_an_adaptive_optimiser_needs_its_rate(tiny_config):
+    with pytest.raises(ValueError, match="server.lr: server.optimizer fedyogi needs a server learning rate"):
+        tiny_config(**{"server.optimizer": "fedyogi"})
+    with pytest.raises(ValueError, match=r"server.betas: each in \[0, 1\)"):
+        parse_config({"server": {"optimizer": "fedadam", "lr": 0.1, "betas": [0.9, 1.0]}}, "x.yaml")
+
+
+@pytest.mark.parametrize("method", ["fdlora", "fedamp", "local"])
+def test_a_method_with_its_own_server_step_refuses_a_server_optimiser(tiny_config, method):
+    cfg = tiny_config(**{"method": {"name": method}, "server.optimizer": "fedadam", "server.lr": 0.01})
+    with pytest.raises(ConfigError, match=f"server.optimizer fedadam .*method {method}: "):
+        build(cfg)
