@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from fedpeft.config import ConfigError, ServerConfig, parse_config
-from fedpeft.engines.server_opt import server_step
+from fedpeft.engines.server_opt import as_weighted, server_step
 from fedpeft.experiment import build, make_engine
-from fedpeft.methods.base import ServerState
+from fedpeft.methods.base import FitResult, ServerState
 
 
 def _two_rounds(cfg: ServerConfig, first: float, second: float) -> tuple[list[float], list[float]]:
@@ -98,3 +98,16 @@ def test_a_method_with_its_own_server_step_refuses_a_server_optimiser(tiny_confi
     cfg = tiny_config(**{"method": {"name": method}, "server.optimizer": "fedadam", "server.lr": 0.01})
     with pytest.raises(ConfigError, match=f"server.optimizer fedadam .*method {method}: "):
         build(cfg)
+
+
+def test_uniform_weighting_gives_each_client_one_share(tiny_config):
+    method = build(tiny_config()).method
+    results = [
+        FitResult({"w": torch.tensor([0.0])}, {}, 30, cid=0),
+        FitResult({"w": torch.tensor([3.0])}, {}, 10, cid=1),
+    ]
+    server = ServerState({"w": torch.tensor([0.0])})
+    by_examples = method.aggregate(server, as_weighted(ServerConfig(), results), 1)
+    uniform = method.aggregate(server, as_weighted(ServerConfig(weighting="uniform"), results), 1)
+    assert by_examples.tensors["w"].item() == 0.75 and uniform.tensors["w"].item() == 1.5
+    assert [r.num_examples for r in results] == [30, 10]  # the records' counts untouched

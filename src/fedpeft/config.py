@@ -367,6 +367,11 @@ class ServerConfig(BaseModel):
     tau: float = Field(
         1e-3, gt=0, description="The adaptive optimisers' degree of adaptivity (and sqrt of v's start)."
     )
+    weighting: Literal["examples", "uniform"] = Field(
+        "examples",
+        description="A client's weight in a method's mean: its training examples, or 1 each (a method "
+        "that weighs otherwise, e.g. HETLoRA by update norms, keeps its own rule).",
+    )
 
     @field_validator("betas")
     @classmethod

@@ -29,7 +29,7 @@ from fedpeft.data.task import Encoded, make_batch
 from fedpeft.engines import guard
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
 from fedpeft.engines.memory import check_memory, measure_peak_cuda, probe_copy
-from fedpeft.engines.server_opt import server_step
+from fedpeft.engines.server_opt import as_weighted, server_step
 from fedpeft.engines.store import ClientStore, StoreError
 from fedpeft.methods.base import (
     ClientData,
@@ -420,7 +420,8 @@ class InProcessEngine:
             results, record = self.fit_round(server, rnd)
             t1 = time.perf_counter()
             previous = server
-            server = server_step(self.server_cfg, previous, self.method.aggregate(server, results, rnd))
+            aggregated = self.method.aggregate(server, as_weighted(self.server_cfg, results), rnd)
+            server = server_step(self.server_cfg, previous, aggregated)
             guard.check_aggregate(rnd, server, self.lr, previous)
             self._loaded = ()
             t2 = time.perf_counter()

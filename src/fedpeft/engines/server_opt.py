@@ -17,15 +17,18 @@ FedAvgM's ``v`` at 0. No bias correction, as in the paper. Arithmetic in float64
 kept in each tensor's dtype in the server's extras (``server_opt.m.<name>``,
 ``server_opt.v.<name>``): checkpointed with the server, resumed exactly, never sent
 (a downlink carries the server's tensors, not its extras). The engines (in-process and
-Flower) call :func:`server_step` after ``Method.aggregate``, the same function.
+Flower) call :func:`server_step` after ``Method.aggregate``, the same function, and hand
+the method its results through :func:`as_weighted` (``server.weighting``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from fedpeft.config import ConfigError, ServerConfig
-from fedpeft.methods.base import Method, ServerState, Tensors
+from fedpeft.methods.base import FitResult, Method, ServerState, Tensors
 
 PREFIX = "server_opt."
 ADAPTIVE = ("fedadam", "fedyogi", "fedadagrad")
@@ -45,6 +48,14 @@ def check_composes(cfg: ServerConfig, method: Method) -> None:
         raise ConfigError(
             f"server.optimizer {cfg.optimizer} (server.lr {cfg.rate:g}): method {method.name}: {why}"
         )
+
+
+def as_weighted(cfg: ServerConfig, results: list[FitResult]) -> list[FitResult]:
+    """The results a method aggregates: as they are, or with ``server.weighting: uniform``
+    each counting as one example (a method's mean weighs by ``num_examples``)."""
+    if cfg.weighting == "examples":
+        return results
+    return [dataclasses.replace(r, num_examples=1) for r in results]
 
 
 def server_step(cfg: ServerConfig, previous: ServerState, aggregated: ServerState) -> ServerState:

@@ -36,7 +36,7 @@ from fedpeft.config import DeployConfig
 from fedpeft.engines import guard
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
 from fedpeft.engines.inprocess import close_record, sample_clients
-from fedpeft.engines.server_opt import server_step
+from fedpeft.engines.server_opt import as_weighted, server_step
 from fedpeft.experiment import Setup
 from fedpeft.flower import codec, secure
 from fedpeft.methods.base import FitResult, ServerState, Tensors, load_tensors, tensor_bytes
@@ -404,7 +404,8 @@ class FlowerServer:
             t1 = time.perf_counter()
             previous = server
             if len(results) >= deploy.min_results:
-                server = server_step(cfg.server, previous, self.method.aggregate(server, results, rnd))
+                aggregated = self.method.aggregate(server, as_weighted(cfg.server, results), rnd)
+                server = server_step(cfg.server, previous, aggregated)
                 skipped = 0
                 guard.check_aggregate(rnd, server, cfg.train.lr, previous)
                 for name, analyze in self.analyzers.items():
