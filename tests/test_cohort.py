@@ -272,6 +272,41 @@ def test_cohort_equals_one_at_a_time(tiny_config, name):
     assert_cohort_equals_alone(setup, cids, name)
 
 
+def test_fedprox_cohort_equals_one_at_a_time_and_autograd(tiny_config):
+    """FedProx (``train.prox_mu``): a cohort gets each client's lone round, and a lone round
+    is the imperative one with ``mu/2 ||w - w_received||^2`` over the shared tensors
+    added to the loss (autograd, ``clip_grad_norm_``, ``torch.optim.SGD``)."""
+    mu = 0.5
+    over = {"train.local_steps": None, "train.local_epochs": 1, "train.prox_mu": mu, "train.optimizer": "sgd",
+            "train.lr": 0.5}  # fmt: skip
+    setup = build(tiny_config(method={"name": "fedlr", "head": "personal"}, **over))
+    cids = list(range(len(setup.clients)))
+    assert_cohort_equals_alone(setup, cids, "fedlr+fedprox")
+
+    model, method, train = setup.model, setup.method, setup.cfg.train
+    (job,) = _jobs(setup, [1])
+    (result,) = method.fit_cohort(model, [copy.deepcopy(job)])
+    load_tensors(model, {**job.received, **method.params_of(job.personal)})
+    named = trainable_params(model)
+    anchor = {n: named[n].detach().clone() for n in method.shared_names}
+    opt = torch.optim.SGD(list(named.values()), lr=train.lr)
+    for batch in take_steps(
+        job.client.train, train.batch_size, int(result.metrics["steps"]), job.generator()
+    ):
+        loss = torch.nn.functional.cross_entropy(model(**batch), batch["labels"])
+        loss = loss + mu / 2 * sum(((named[n] - a) ** 2).sum() for n, a in anchor.items())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(named.values()), train.max_grad_norm)
+        opt.step()
+        opt.zero_grad()
+    for name in method.shared_names:
+        torch.testing.assert_close(result.uplink[name], named[name].detach(), atol=1e-5, rtol=1e-4)
+    method.train = method.train.model_copy(update={"prox_mu": 0.0})
+    (plain,) = method.fit_cohort(model, [copy.deepcopy(job)])
+    moved = max((result.uplink[n] - plain.uplink[n]).abs().max().item() for n in method.shared_names)
+    assert moved > 1e-4  # the proximal term did pull
+
+
 def test_c2a_authors_code_readings_cohort_equals_one_at_a_time(tiny_config):
     """C2A with every authors'-code option (slice norms, generator and adapter biases, the
     viewed down-projection, mean-pooled context): the vectorised cohort gets each client's

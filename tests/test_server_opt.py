@@ -57,21 +57,22 @@ def test_server_momentum_is_its_formula():
     assert one[0] == 1.25 and two[0] == 1.5
 
 
-def test_fedavgm_at_momentum_0_and_rate_1_is_fedavg_bit_for_bit(tiny_config, tmp_path):
+def test_fedavgm_at_momentum_0_and_rate_1_and_fedprox_at_mu_0_are_fedavg_bit_for_bit(tiny_config, tmp_path):
     common = {"train.rounds": 3, "partition.num_clients": 4, "eval.every": 3}
     runs = {}
-    for name, server in {
-        "fedavg": {},
-        "fedavgm": {"server.optimizer": "fedavgm", "server.momentum": 0.0},
-    }.items():
+    variants = {"fedavg": {}, "fedavgm": {"server.optimizer": "fedavgm", "server.momentum": 0.0},
+                "fedprox": {"train.prox_mu": 0.0}}  # fmt: skip
+    for name, server in variants.items():
         (tmp_path / name).mkdir()
         engine = make_engine(build(tiny_config(**common, **server, output_dir=str(tmp_path / name))), None)
         records = engine.run()
         runs[name] = (engine.server, records[-1])
-    (plain, last), (momentum, last_m) = runs["fedavg"], runs["fedavgm"]
-    assert plain.tensors.keys() == momentum.tensors.keys()
-    assert all(torch.equal(t, momentum.tensors[n]) for n, t in plain.tensors.items())
-    assert last["global"] == last_m["global"]
+    plain, last = runs.pop("fedavg")
+    for other, last_o in runs.values():  # FedAvgM at (0, 1); FedProx at mu 0
+        assert plain.tensors.keys() == other.tensors.keys()
+        assert all(torch.equal(t, other.tensors[n]) for n, t in plain.tensors.items())
+        assert last["global"] == last_o["global"]
+    momentum = runs["fedavgm"][0]
     assert any(k.startswith("server_opt.v.") for k in momentum.extras)  # it did run the optimiser
 
 
@@ -111,3 +112,8 @@ def test_uniform_weighting_gives_each_client_one_share(tiny_config):
     uniform = method.aggregate(server, as_weighted(ServerConfig(weighting="uniform"), results), 1)
     assert by_examples.tensors["w"].item() == 0.75 and uniform.tensors["w"].item() == 1.5
     assert [r.num_examples for r in results] == [30, 10]  # the records' counts untouched
+
+
+def test_fedprox_needs_shared_tensors(tiny_config):
+    with pytest.raises(ConfigError, match="train.prox_mu 0.1: method local shares no tensors"):
+        build(tiny_config(**{"method": {"name": "local"}, "train.prox_mu": 0.1}))

@@ -300,6 +300,12 @@ class TrainConfig(BaseModel):
         "keep: each client keeps its optimizer state between its rounds, as personal state (never sent).",
     )
     max_grad_norm: float | None = Field(1.0, gt=0)
+    prox_mu: float = Field(
+        0.0,
+        ge=0,
+        description="FedProx (Li et al. 2020): mu of the proximal term mu/2 ||w - w_received||^2 over "
+        "the shared tensors, added to every method's local objective; 0: none.",
+    )
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None: default).")
     device: str = Field(
         "auto",

@@ -27,7 +27,7 @@ import dataclasses
 
 import torch
 
-from fedpeft.config import ConfigError, ServerConfig
+from fedpeft.config import ConfigError, ExperimentConfig, ServerConfig
 from fedpeft.methods.base import FitResult, Method, ServerState, Tensors
 
 PREFIX = "server_opt."
@@ -39,14 +39,17 @@ def is_plain(cfg: ServerConfig) -> bool:
     return cfg.optimizer == "fedavg" and cfg.rate == 1.0
 
 
-def check_composes(cfg: ServerConfig, method: Method) -> None:
-    """A :class:`ConfigError` naming both when ``method`` cannot take a server optimiser."""
-    if is_plain(cfg):
-        return
-    why = method.server_step_refusal()
-    if why:
+def check_composes(cfg: ExperimentConfig, method: Method) -> None:
+    """A :class:`ConfigError` naming both when ``method`` cannot take the configured server
+    optimiser, or FedProx's proximal term (``train.prox_mu``: it needs shared tensors)."""
+    server = cfg.server
+    if not is_plain(server) and (why := method.server_step_refusal()):
         raise ConfigError(
-            f"server.optimizer {cfg.optimizer} (server.lr {cfg.rate:g}): method {method.name}: {why}"
+            f"server.optimizer {server.optimizer} (server.lr {server.rate:g}): method {method.name}: {why}"
+        )
+    if cfg.train.prox_mu > 0 and not (method.communicates and method.shared_names):
+        raise ConfigError(
+            f"train.prox_mu {cfg.train.prox_mu:g}: method {method.name} shares no tensors to anchor"
         )
 
 

@@ -419,8 +419,10 @@ def unvmapped(step: Callable) -> Callable:
     def again(tensors: Tensors) -> Tensors:
         return {n: t.unsqueeze(0) for n, t in tensors.items()}
 
-    def run(params: Tensors, opt: Tensors, consts: Tensors, batches: StepInput):
-        new_params, new_opt, loss = step(first(params), first(opt), first(consts), tuple(map(first, batches)))
+    def run(params: Tensors, opt: Tensors, consts: Tensors, batches: StepInput, anchor: Tensors):
+        new_params, new_opt, loss = step(
+            first(params), first(opt), first(consts), tuple(map(first, batches)), first(anchor)
+        )
         return again(new_params), again(new_opt), loss.unsqueeze(0)
 
     return run
@@ -442,6 +444,7 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
     params = stack([s.params for s in starts], device)
     opt = stack([s.opt for s in starts], device)
     consts = stack([s.consts for s in starts], device)
+    anchor = proximal_anchor(method, params)
     dropout = has_active_dropout(model)
     if dropout:
         torch.manual_seed(jobs[0].seed)  # a cohort of one: its own dropout draws, as alone
@@ -459,7 +462,7 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
     with training_attention(model, method, len(jobs)):
         for k in range(len(batches)):
             stacked = prepare_step(model, batches.step(k))
-            new_params, new_opt, loss = step(params, opt, consts, stacked)
+            new_params, new_opt, loss = step(params, opt, consts, stacked, anchor)
             tokens += sum(b["attention_mask"].flatten(1).sum(1) for b in stacked)
             active = k < steps  # (C,): a finished client's tensors do not move
             params = {n: _where(active, new_params[n], t) for n, t in params.items()}
@@ -481,13 +484,27 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
     return results
 
 
+def proximal_anchor(method: Method, params: Tensors) -> Tensors:
+    """FedProx's anchor (``train.prox_mu`` > 0): the shared tensors as the round starts
+    (what the client received), which the local step is pulled back to; else nothing."""
+    if method.train.prox_mu == 0:
+        return {}
+    return {n: params[n].clone() for n in method.shared_names if n in params}
+
+
 def local_step(method: Method, model: torch.nn.Module):
-    """One client's local step as a pure function (what :func:`run_cohort` vmaps)."""
+    """One client's local step as a pure function (what :func:`run_cohort` vmaps). With
+    FedProx (Li et al. 2020; ``train.prox_mu``), the gradient of ``mu/2 ||w - anchor||^2``
+    over the shared tensors joins the method's gradient before clipping; the loss
+    reported stays the method's."""
     gradients, cfg = method.step_gradients(model), method.train
     skip_overflow = model_scale(model) != 1.0
+    mu = cfg.prox_mu
 
-    def step(params: Tensors, opt: Tensors, consts: Tensors, batches: StepInput):
+    def step(params: Tensors, opt: Tensors, consts: Tensors, batches: StepInput, anchor: Tensors):
         loss, grads, replaced = gradients(params, consts, batches)
+        if anchor:
+            grads = {n: g + mu * (params[n] - anchor[n]) if n in anchor else g for n, g in grads.items()}
         clipped = {}
         for group in clip_groups(method, grads):  # each model of a client clipped on its own
             clipped.update(clip_gradients(group, cfg.max_grad_norm))
