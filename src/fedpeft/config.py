@@ -373,6 +373,13 @@ class ServerConfig(BaseModel):
     tau: float = Field(
         1e-3, gt=0, description="The adaptive optimisers' degree of adaptivity (and sqrt of v's start)."
     )
+    aggregation: Literal["mean", "median", "trimmed_mean", "krum", "multi_krum"] = Field(
+        "mean",
+        description="How the clients' uplinks combine (fedpeft.engines.robust): the weighted mean, or a "
+        "rule robust to faulty clients (coordinate-wise median or trimmed mean, Krum, Multi-Krum).",
+    )
+    trim: float = Field(0.1, ge=0, lt=0.5, description="trimmed_mean: the share dropped at each end.")
+    byzantine: int = Field(1, ge=0, description="krum, multi_krum: f, the faulty clients to tolerate.")
     weighting: Literal["examples", "uniform"] = Field(
         "examples",
         description="A client's weight in a method's mean: its training examples, or 1 each (a method "
@@ -559,6 +566,11 @@ class ExperimentConfig(BaseModel):
             )
         if self.eval.drift:
             self._check_drift()
+        if self.deploy.secure_aggregation and self.server.aggregation != "mean":
+            raise ValueError(
+                f"server.aggregation {self.server.aggregation}: deploy.secure_aggregation hides the "
+                "individual updates a robust rule reads; use one or the other"
+            )
         return self
 
     @model_validator(mode="before")

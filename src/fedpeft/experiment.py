@@ -26,6 +26,7 @@ from fedpeft.data.task import Encoded, encode_corpus
 from fedpeft.engines.checkpoint import STORE_DIR, Checkpoints, ResumeError
 from fedpeft.engines.guard import DivergedError, nonfinite_tensor
 from fedpeft.engines.inprocess import InProcessEngine, Schedule
+from fedpeft.engines.robust import combiner
 from fedpeft.engines.server_opt import check_composes
 from fedpeft.engines.store import ClientStore
 from fedpeft.methods import build_method
@@ -164,6 +165,7 @@ def build(cfg: ExperimentConfig, model: TaskModel | None = None, tokenizer=None)
     pool, global_test = encode_corpus(corpus, tokenizer, cfg.data)
     method, initial = attach_method(cfg, model)
     check_composes(cfg, method)
+    method.mean = combiner(cfg.server)
     device = place(model, cfg.train)
     pool, global_test = pool.to(device), global_test.to(device)
     spaces = corpus.label_spaces or [None] * len(split.train)

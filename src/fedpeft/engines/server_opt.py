@@ -47,6 +47,8 @@ def check_composes(cfg: ExperimentConfig, method: Method) -> None:
         raise ConfigError(
             f"server.optimizer {server.optimizer} (server.lr {server.rate:g}): method {method.name}: {why}"
         )
+    if server.aggregation != "mean" and (why := method.robust_refusal()):
+        raise ConfigError(f"server.aggregation {server.aggregation}: method {method.name}: {why}")
     if cfg.train.prox_mu > 0 and not (method.communicates and method.shared_names):
         raise ConfigError(
             f"train.prox_mu {cfg.train.prox_mu:g}: method {method.name} shares no tensors to anchor"

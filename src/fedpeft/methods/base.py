@@ -30,7 +30,7 @@ state is the mean of the returned ones weighted by ``|D_i|``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
@@ -217,6 +217,10 @@ class Method:
         self.personal_names: list[str] = []
         #: one-off figures of init_server (e.g. FeDeRA's decomposition time), recorded with round 1
         self.setup_info: dict[str, float] = {}
+        #: ``(states, weights) -> state``: how this method's server combines its clients'
+        #: uplinks where it takes their mean; the engine sets it to ``server.aggregation``'s
+        #: rule (``fedpeft.engines.robust``)
+        self.mean: Callable[[list[Tensors], list[float]], Tensors] = weighted_mean
 
     # ----- structure
     def prepare(self, model: TaskModel) -> None:
@@ -253,7 +257,7 @@ class Method:
 
     def aggregate(self, server: ServerState, results: list[FitResult], rnd: int) -> ServerState:
         states = [r.uplink for r in results]
-        return ServerState(weighted_mean(states, [r.num_examples for r in results]), server.extras)
+        return ServerState(self.mean(states, [r.num_examples for r in results]), server.extras)
 
     def server_step_refusal(self) -> str:
         """Why a server optimiser (``server.optimizer``: a step along ``aggregate - current``
@@ -262,6 +266,12 @@ class Method:
         if not self.communicates or not self.shared_names:
             return "it shares no tensors for a server step to move"
         return ""
+
+    def robust_refusal(self) -> str:
+        """Why this method's server cannot combine its clients' uplinks by another rule than
+        the mean (``server.aggregation``: it aggregates otherwise); "" when it can (its
+        aggregate calls :attr:`mean`)."""
+        return self.server_step_refusal()
 
     def uplink_as_shared(self, uplink: Tensors) -> Tensors:
         """A client's update in the names and shapes of the shared state, which a networked

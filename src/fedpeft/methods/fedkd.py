@@ -112,7 +112,6 @@ from fedpeft.methods.base import (
     Tensors,
     local_steps,
     tensor_bytes,
-    weighted_mean,
 )
 from fedpeft.methods.cohort import (
     OWN,
@@ -415,7 +414,7 @@ class FedKD(FedAvgPeft):
         compressed with ``T_rnd`` (``compress_downlink``) and added to the global mentee,
         a version on; each client recorded as having trained from the version before."""
         updates = [self.uplink_as_shared(r.uplink) for r in results]
-        mean = weighted_mean(updates, [r.num_examples for r in results])
+        mean = self.mean(updates, [r.num_examples for r in results])
         if self.cfg.compress_downlink:
             sent = compress(mean, self.energy_at(rnd))
         else:

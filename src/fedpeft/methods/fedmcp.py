@@ -33,7 +33,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from fedpeft.methods.base import FitResult, MethodConfig, ServerState, Tensors, weighted_mean
+from fedpeft.methods.base import FitResult, MethodConfig, ServerState, Tensors
 from fedpeft.methods.cohort import (
     GradientFn,
     Job,
@@ -101,7 +101,7 @@ class FedMCP(FedAvgPeft):
 
     def aggregate(self, server: ServerState, results: list[FitResult], rnd: int) -> ServerState:
         """The uniform average of the clients' global adapters."""
-        return ServerState(weighted_mean([r.uplink for r in results], [1.0] * len(results)), server.extras)
+        return ServerState(self.mean([r.uplink for r in results], [1.0] * len(results)), server.extras)
 
     def global_state(self, server: ServerState) -> Tensors | None:
         return None  # the heads are personal: every client predicts with its own model

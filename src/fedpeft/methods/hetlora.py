@@ -213,6 +213,9 @@ class HETLoRA(FedAvgPeft):
     def downlink(self, server: ServerState, cid: int) -> Tensors:
         return truncate(server.tensors, self.rank(server, cid))
 
+    def robust_refusal(self) -> str:
+        return "its server weighs the clients' adapters by their update norms (its own rule)"
+
     def aggregate(self, server: ServerState, results: list[FitResult], rnd: int) -> ServerState:
         r_max = self.cfg.lora.r
         lora = [pad({n: t for n, t in r.uplink.items() if is_a(n) or is_b(n)}, r_max) for r in results]
