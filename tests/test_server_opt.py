@@ -1,6 +1,8 @@
-"""Server optimisers (issue 32): each step against a worked example of its formula,
-FedAvgM at momentum 0 and rate 1 equal to FedAvg bit for bit in a whole run, the
-optimiser's state kept on the server and never sent, and the refusals."""
+"""The layers around every method's server (issue 32): server optimisers (each step
+against a worked example of its formula, FedAvgM at momentum 0 and rate 1 and FedProx at
+mu 0 equal to FedAvg bit for bit in a whole run, the state kept on the server), robust
+aggregation against numpy and a hand-scored Krum, simulated faulty clients, and the
+refusals."""
 
 import math
 
@@ -8,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedpeft.config import ConfigError, ServerConfig, parse_config
+from fedpeft.config import ConfigError, FaultsConfig, ServerConfig, parse_config
+from fedpeft.engines.faults import corrupt, faulty_clients
 from fedpeft.engines.robust import combiner, krum_scores
 from fedpeft.engines.server_opt import as_weighted, server_step
 from fedpeft.experiment import build, make_engine
@@ -199,3 +202,83 @@ def test_robust_rules_refuse_what_they_cannot_read(tiny_config):
         build(tiny_config(**{"method": {"name": "hetlora"}, "server.aggregation": "median"}))
     with pytest.raises(ValueError, match="server.aggregation krum: deploy.secure_aggregation hides"):
         tiny_config(**{"server.aggregation": "krum", "deploy.secure_aggregation": True})
+
+
+# ---------------------------------------------------------------- faulty clients
+
+
+def test_faulty_clients_are_drawn_from_the_seed():
+    cfg = FaultsConfig(byzantine_clients=3)
+    a, b, c = faulty_clients(cfg, 0, 10), faulty_clients(cfg, 0, 10), faulty_clients(cfg, 1, 10)
+    assert a == b and a != c and len(set(a)) == 3 and all(0 <= x < 10 for x in a)
+    with pytest.raises(
+        ConfigError, match="faults.byzantine_clients: 11 faulty clients but partition.num_clients is 10"
+    ):
+        faulty_clients(FaultsConfig(byzantine_clients=11), 0, 10)
+
+
+def test_model_attacks_are_their_formulas():
+    received = {"w": torch.tensor([1.0, 2.0])}
+    honest = FitResult({"w": torch.tensor([1.5, 1.0])}, {}, 5, cid=2)  # update (0.5, -1)
+    flip = corrupt(FaultsConfig(attack="sign_flip"), honest, received, 0, 1, "fedlr")
+    scale = corrupt(FaultsConfig(attack="scale", scale=3.0), honest, received, 0, 1, "fedlr")
+    noise = [
+        corrupt(FaultsConfig(attack="gaussian", noise_std=2.0), honest, received, 0, r, "fedlr")
+        for r in (1, 1, 2)
+    ]
+    assert flip.uplink["w"].tolist() == [0.5, 3.0] and scale.uplink["w"].tolist() == [2.5, -1.0]
+    assert torch.equal(noise[0].uplink["w"], noise[1].uplink["w"])  # seeded by seed, round and client
+    assert not torch.equal(noise[0].uplink["w"], noise[2].uplink["w"])
+    assert honest.uplink["w"].tolist() == [1.5, 1.0]  # the client's own result untouched
+
+
+def test_a_sign_flipping_client_sends_its_update_reversed(tiny_config, tmp_path):
+    """The same run with and without one faulty client of three: the faulty one trains the
+    same round and sends ``2 received - uplink``; the others send the same; the record names it."""
+    common = {"train.rounds": 1, "partition.num_clients": 3, "train.clients_per_round": 3}
+    sent = {}
+    for name, over in {"honest": {}, "faulty": {"faults.byzantine_clients": 1}}.items():
+        setup = build(tiny_config(**common, **over, output_dir=str(tmp_path / name)))
+        received = setup.method.init_server(setup.model).tensors
+        real = setup.method.aggregate
+        setup.method.aggregate = lambda server, results, rnd, real=real, name=name: (
+            sent.update({name: {r.cid: r.uplink for r in results}}) or real(server, results, rnd)
+        )
+        setup.cfg.output_dir.mkdir(parents=True)
+        records = make_engine(setup, None).run()
+    (bad,) = faulty_clients(FaultsConfig(byzantine_clients=1), setup.cfg.seed, 3)
+    assert records[0]["byzantine"] == [bad]
+    for cid, uplink in sent["honest"].items():
+        for n, t in uplink.items():
+            want = 2 * received[n].double() - t.double() if cid == bad else t.double()
+            torch.testing.assert_close(sent["faulty"][cid][n].double(), want, atol=1e-6, rtol=0)
+
+
+def test_label_flipping_clients_train_on_flipped_labels(tiny_config, tmp_path):
+    cfg = tiny_config(**{"faults.byzantine_clients": 2, "faults.attack": "label_flip"})
+    setup = build(cfg)
+    before = [c.train.labels.clone() for c in setup.clients]
+    cfg.output_dir.mkdir(parents=True)
+    engine = make_engine(setup, None)
+    bad = faulty_clients(cfg.faults, cfg.seed, len(setup.clients))
+    classes = setup.corpus.num_classes
+    for cid, labels in enumerate(before):
+        want = classes - 1 - labels if cid in bad else labels
+        assert torch.equal(engine.clients[cid].train.labels, want)
+
+
+def test_a_model_attack_needs_an_uplink_of_received_tensors(tiny_config, tmp_path):
+    setup = build(tiny_config(**{"method": {"name": "fedkd"}, "faults.byzantine_clients": 4,
+                                 "partition.num_clients": 4, "train.rounds": 1}))  # fmt: skip
+    setup.cfg.output_dir.mkdir(parents=True)
+    with pytest.raises(ConfigError, match="faults.attack sign_flip: method fedkd sends"):
+        make_engine(setup, None).run()
+
+
+def test_a_deployment_refuses_simulated_faults(tiny_config):
+    from fedpeft.flower.deploy import check_deployable
+
+    with pytest.raises(
+        ConfigError, match="faults.byzantine_clients: faulty clients are simulated by the in-process"
+    ):
+        check_deployable(tiny_config(**{"faults.byzantine_clients": 1}))

@@ -407,6 +407,21 @@ class ServerConfig(BaseModel):
         return self.lr if self.lr is not None else 1.0
 
 
+class FaultsConfig(BaseModel):
+    """Simulated faulty clients (``fedpeft.engines.faults``), in-process runs only."""
+
+    model_config = Strict
+
+    byzantine_clients: int = Field(0, ge=0, description="How many clients (drawn from the seed) are faulty.")
+    attack: Literal["sign_flip", "scale", "gaussian", "label_flip"] = Field(
+        "sign_flip",
+        description="sign_flip: the update reversed; scale: times faults.scale; gaussian: replaced by noise "
+        "of std faults.noise_std; label_flip: the client trains on flipped class labels.",
+    )
+    scale: float = Field(10.0, description="The scale attack's factor.")
+    noise_std: float = Field(1.0, gt=0, description="The gaussian attack's standard deviation.")
+
+
 class GenerationConfig(BaseModel):
     """How a causal LM's responses are generated for scoring (Hugging Face ``generate``)."""
 
@@ -532,6 +547,7 @@ class ExperimentConfig(BaseModel):
     )
     train: TrainConfig = TrainConfig()
     server: ServerConfig = ServerConfig()
+    faults: FaultsConfig = FaultsConfig()
     eval: EvalConfig = EvalConfig()
     export: ExportConfig = ExportConfig()
     deploy: DeployConfig = DeployConfig()

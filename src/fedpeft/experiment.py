@@ -24,6 +24,7 @@ from fedpeft.data.silos import load_silos
 from fedpeft.data.sources import Corpus, load_corpus
 from fedpeft.data.task import Encoded, encode_corpus
 from fedpeft.engines.checkpoint import STORE_DIR, Checkpoints, ResumeError
+from fedpeft.engines.faults import faulty_clients, flip_labels
 from fedpeft.engines.guard import DivergedError, nonfinite_tensor
 from fedpeft.engines.inprocess import InProcessEngine, Schedule
 from fedpeft.engines.robust import combiner
@@ -244,6 +245,14 @@ def make_engine(
     """The in-process engine for ``setup``, writing ``metrics.jsonl`` as rounds complete."""
     cfg, out = setup.cfg, Path(setup.cfg.output_dir)
     clients, per_round = setup.clients, cfg.train.clients_per_round
+    faulty = faulty_clients(cfg.faults, cfg.seed, len(clients))
+    if faulty and setup.method.pooled:
+        raise ConfigError(
+            f"faults.byzantine_clients: method {setup.method.name} pools the data; no client sends"
+        )
+    if cfg.faults.attack == "label_flip":  # the faulty clients train on flipped labels from the start
+        for cid in faulty:
+            clients[cid].train = flip_labels(clients[cid].train, setup.corpus.num_classes)
     if setup.method.pooled:
         clients, steps = pooled_schedule(setup)
         setup.method.train = cfg.train.model_copy(update={"local_steps": steps})
@@ -285,6 +294,8 @@ def make_engine(
         lr=cfg.train.lr,
         memory_check=cfg.train.memory_check,
         server=cfg.server,
+        faults=cfg.faults,
+        faulty=faulty,
     )
 
 

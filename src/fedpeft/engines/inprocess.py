@@ -24,10 +24,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedpeft.config import ServerConfig
+from fedpeft.config import FaultsConfig, ServerConfig
 from fedpeft.data.task import Encoded, make_batch
 from fedpeft.engines import guard
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
+from fedpeft.engines.faults import corrupt
 from fedpeft.engines.memory import check_memory, measure_peak_cuda, probe_copy
 from fedpeft.engines.server_opt import as_weighted, server_step
 from fedpeft.engines.store import ClientStore, StoreError
@@ -127,6 +128,8 @@ class InProcessEngine:
         lr: float = float("nan"),
         memory_check: bool = True,
         server: ServerConfig | None = None,
+        faults: FaultsConfig | None = None,
+        faulty: Sequence[int] = (),
     ):
         self.model, self.method, self.clients = model, method, clients
         self.eval_clients = eval_clients if eval_clients is not None else clients
@@ -138,6 +141,8 @@ class InProcessEngine:
         self.lr = lr  # named when a round diverges
         self.memory_check = memory_check  # train.memory_check: probe the peak before training
         self.server_cfg = server or ServerConfig()  # the server's step after the method aggregates
+        # simulated faulty clients (faults.*): whose uplinks a model attack corrupts
+        self.faults, self.faulty = faults or FaultsConfig(), set(faulty)
         self.on_round = on_round or (lambda record: None)
         self.on_start = on_start or (lambda records: None)
         # name -> f(previous global tensors, new global tensors), recorded every round
@@ -223,6 +228,7 @@ class InProcessEngine:
             fitted = self.method.fit_cohort(self.model, cohort)
             for job, result in zip(cohort, fitted, strict=True):
                 result.cid = job.client.cid
+            fitted = [self.attacked(job, result, rnd) for job, result in zip(cohort, fitted, strict=True)]
             kept, cut = guard.screen(fitted)  # a diverged client keeps its last finite state
             for result in kept:  # stored at once, as each cohort ends
                 self.personal[result.cid] = result.personal
@@ -241,6 +247,7 @@ class InProcessEngine:
         names = sorted({k for r in results for k in r.metrics} - {"loss"})
         return results, {
             "clients": sampled,
+            **({"byzantine": sorted(self.faulty & set(sampled))} if self.faulty else {}),
             **({"dropped": {str(c): why for c, why in sorted(dropped.items())}} if dropped else {}),
             "loss": float(np.average([r.metrics.get("loss", np.nan) for r in results], weights=weights)),
             # any other figure a method reports (steps, time per step, rank), averaged over clients
@@ -251,6 +258,12 @@ class InProcessEngine:
             "time_fit_max": max(fit_times),
             **({"client_readout": readouts} if readouts else {}),
         }
+
+    def attacked(self, job: Job, result: FitResult, rnd: int) -> FitResult:
+        """``result`` as a faulty client sends it (``faults.attack``, a model attack), else as it is."""
+        if result.cid not in self.faulty or self.faults.attack == "label_flip":
+            return result
+        return corrupt(self.faults, result, job.received, self.schedule.seed, rnd, self.method.name)
 
     def client_model(self, server: ServerState, client: ClientData) -> tuple[Tensors, dict[str, Tensors]]:
         """The tensors client ``client`` is scored with (:meth:`Method.eval_state`: the

@@ -299,6 +299,11 @@ def check_deployable(cfg: ExperimentConfig) -> None:
             f"data.task {cfg.data.task}: deployed (Flower) runs are classification only so far; run it "
             "in-process with `fedpeft run`"
         )
+    if cfg.faults.byzantine_clients:
+        raise ConfigError(
+            "faults.byzantine_clients: faulty clients are simulated by the in-process engine "
+            "(`fedpeft run`); a deployed node runs its own code"
+        )
     if cfg.eval.drift:
         raise ConfigError(
             "eval.drift: client drift is measured by the in-process engine (`fedpeft run`); a deployed "
