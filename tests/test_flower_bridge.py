@@ -57,9 +57,12 @@ KEEP = {"train.optimizer_state": "keep"}
 
 
 FDLORA = {"name": "fdlora", "sync_every": 1}  # all three stages (local, outer step, sync) in 2 rounds
+#: the server's layers (issue 32): an optimiser, a robust rule, uniform weights
+SERVER_LAYERS = {"server.optimizer": "fedadam", "server.lr": 0.05, "server.aggregation": "median",
+                 "server.weighting": "uniform"}  # fmt: skip
 CASES = [({"name": "fedlr"}, {}), (PF2, {}), ({"name": "federa"}, {}), (HET, KEEP), ({"name": "fedmcp"}, {}),
          (FDLORA, {}), ({"name": "c2a"}, {}),
-         ({"name": "fedlr"}, {"server.optimizer": "fedadam", "server.lr": 0.05})]  # fmt: skip
+         ({"name": "fedlr"}, SERVER_LAYERS)]  # fmt: skip
 PERSONAL_CASES = [(PF2, {}), (PF2, KEEP), (HET, KEEP), ({"name": "fedmcp"}, {}), (FDLORA, {})]
 
 
