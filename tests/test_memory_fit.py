@@ -108,8 +108,11 @@ def test_gathered_head_under_vmap_equals_full_logits_and_plain_autograd(lm_setup
     params = _trainable(model)
     draws = [Draw(c.train, torch.arange(n)) for c, n in zip(lm_setup.clients[:2], (5, 3), strict=True)]
     batches = [d.batch() for d in draws]
-    stacked = CohortBatches([[(d,)] for d in draws], torch.device("cpu")).step(0)
-    (gathered,) = prepare_step(model, stacked)
+    cohort = CohortBatches([[(d,)] for d in draws], torch.device("cpu"))
+    stacked = cohort.step(0)
+    (gathered,) = prepare_step(model, stacked, cohort.scored[0])  # K worked out on the CPU
+    (counted,) = prepare_step(model, stacked)  # K counted from the batch's labels
+    assert torch.equal(gathered[SCORED], counted[SCORED])
     both = {n: torch.stack([t, t * 0.5]) for n, t in params.items()}  # two clients' tensors
     loss = model_loss(model)
 

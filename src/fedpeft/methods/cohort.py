@@ -39,7 +39,7 @@ import torch
 from torch.func import functional_call, vjp, vmap
 
 from fedpeft.data.task import IGNORE, Draw, Encoded, eval_batches
-from fedpeft.models.causal import SCORED
+from fedpeft.models.causal import SCORED, scored_counts
 
 if TYPE_CHECKING:
     from fedpeft.config import TrainConfig
@@ -163,11 +163,14 @@ def model_inputs(batch: Batch) -> tuple[tuple[torch.Tensor, torch.Tensor], dict[
     return (batch["input_ids"], batch["attention_mask"]), ({SCORED: batch[SCORED]} if SCORED in batch else {})
 
 
-def prepare_step(model: torch.nn.Module, batches: StepInput) -> StepInput:
+def prepare_step(model: torch.nn.Module, batches: StepInput, scored: list[int] | None = None) -> StepInput:
     """A step's batches with what the model computes of them outside ``vmap`` (its
-    ``prepare_batch``: a causal LM's scored positions, whose count depends on the data)."""
+    ``prepare_batch``: a causal LM's scored positions, whose count depends on the data;
+    ``scored``: that count for each batch, when worked out beforehand)."""
     prepare = getattr(model, "prepare_batch", None)
-    return tuple(prepare(b) for b in batches) if prepare is not None else batches
+    if prepare is None:
+        return batches
+    return tuple(prepare(b, k) for b, k in zip(batches, scored or [None] * len(batches), strict=True))
 
 
 def model_loss(model: torch.nn.Module) -> Callable[[Tensors, Batch], torch.Tensor]:
@@ -291,13 +294,19 @@ class CohortBatches:
         self._pool(parts)
         lengths = torch.cat([d.lengths.cpu() for d in parts] + [torch.zeros(1, dtype=torch.long)])
         pad = len(lengths) - 1
+        zero = torch.zeros(1, dtype=torch.long)  # token labels: each row's scored positions
+        counts = (
+            torch.cat([scored_counts(d.labels).cpu() for d in parts] + [zero]) if self.per_token else None
+        )
         # each step's batches: (rows, width, where its indices start)
         self.shapes: list[list[tuple[int, int, int]]] = []
+        #: each step's batches' SCORED count K (token labels): the most of any client, at least 1
+        self.scored: list[list[int]] = []
         index, extras, at = [], [], 0
         for k in range(max(len(plan) for plan in plans)):
             draws = [plan[k] if k < len(plan) else None for plan in plans]
             live = next(d for d in draws if d is not None)
-            shapes = []
+            shapes, scored = [], []
             for j in range(len(live)):
                 rows = max(len(d[j].rows) for d in draws if d is not None)
                 rows_of = torch.full((self.clients, rows), pad, dtype=torch.long)
@@ -305,9 +314,12 @@ class CohortBatches:
                     if d is not None:
                         rows_of[c, : len(d[j].rows)] = d[j].rows + offsets[id(d[j].data)]
                 shapes.append((rows, int(lengths[rows_of].max()), at))
+                if counts is not None:
+                    scored.append(max(int(counts[rows_of].sum(1).max()), 1))
                 index.append(rows_of.flatten())
                 at += rows_of.numel()
             self.shapes.append(shapes)
+            self.scored.append(scored)
             extras.append([_stacked_extras(draws, j) for j in range(len(live))])
         self.index = torch.cat(index).to(device)
         #: ``extras[j][key]``: batch j's extra ``key`` at every step, ``(steps, C, ...)``
@@ -461,7 +473,7 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
     start = time.perf_counter()
     with training_attention(model, method, len(jobs)):
         for k in range(len(batches)):
-            stacked = prepare_step(model, batches.step(k))
+            stacked = prepare_step(model, batches.step(k), batches.scored[k] or None)
             new_params, new_opt, loss = step(params, opt, consts, stacked, anchor)
             tokens += sum(b["attention_mask"].flatten(1).sum(1) for b in stacked)
             active = k < steps  # (C,): a finished client's tensors do not move

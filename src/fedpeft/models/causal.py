@@ -39,22 +39,30 @@ HEAD_CHUNK = 1024
 SCORED = "scored"
 
 
-def scored_positions(labels: torch.Tensor) -> torch.Tensor:
+def scored_positions(labels: torch.Tensor, k: int | None = None) -> torch.Tensor:
     """The :data:`SCORED` entry of token labels ``(..., B, L)``: position ``t`` of row
     ``b`` (flat index ``b * L + t``) counts when token ``t + 1`` is labelled. ``(..., K)``;
     K, the most scored positions of any leading index (at least 1), depends on the data,
-    so this runs outside ``vmap``."""
+    so this runs outside ``vmap``; given ``k`` (K worked out on the CPU beforehand:
+    :func:`scored_counts`), nothing here waits for the device."""
     follows = labels[..., 1:] != IGNORE
     counted = torch.cat([follows, torch.zeros_like(follows[..., :1])], -1).flatten(-2)  # (..., B * L)
     counts = counted.sum(-1, keepdim=True)
-    k = max(int(counts.max()), 1) if counts.numel() else 1
+    if k is None:
+        k = max(int(counts.max()), 1) if counts.numel() else 1
     first = torch.argsort((~counted).to(torch.uint8), dim=-1, stable=True)[..., :k]  # scored first, in order
     return torch.where(torch.arange(k, device=labels.device) < counts, first, -1)
 
 
-def with_scored(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``batch`` with its :data:`SCORED` positions."""
-    return {**batch, SCORED: scored_positions(batch["labels"])}
+def scored_counts(labels: torch.Tensor) -> torch.Tensor:
+    """How many :data:`SCORED` positions each row of token labels ``(N, L)`` has: its
+    labelled tokens after the first position (a row's padding is :data:`IGNORE`)."""
+    return (labels[:, 1:] != IGNORE).sum(1)
+
+
+def with_scored(batch: dict[str, torch.Tensor], k: int | None = None) -> dict[str, torch.Tensor]:
+    """``batch`` with its :data:`SCORED` positions (``k``: their count, if known)."""
+    return {**batch, SCORED: scored_positions(batch["labels"], k)}
 
 
 def scored_weight(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -96,9 +104,10 @@ class CausalLM(nn.Module):
         return additive_mask(attention_mask, True, self.precision or torch.float32)
 
     @staticmethod
-    def prepare_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """What a training step adds to a batch outside ``vmap``: its :data:`SCORED` positions."""
-        return with_scored(batch)
+    def prepare_batch(batch: dict[str, torch.Tensor], scored: int | None = None) -> dict[str, torch.Tensor]:
+        """What a training step adds to a batch outside ``vmap``: its :data:`SCORED`
+        positions (``scored``: how many, when the caller worked it out)."""
+        return with_scored(batch, scored)
 
     def forward(
         self,
