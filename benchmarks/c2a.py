@@ -153,6 +153,9 @@ def main() -> None:
                     help="accuracy for the rounds-to-target table (default: 90%% of the adapter "
                     "baseline's final accuracy at the hardest beta)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/c2a"))
+    ap.add_argument(
+        "--extend", type=int, default=3, help="--tune: grid extensions past a best rate at an end"
+    )
     ap.add_argument("--tuned-file", type=Path, default=TUNED_FILE)
     args = ap.parse_args()
     names = args.methods.split(",")
@@ -203,7 +206,9 @@ def tune(names: list[str], args: argparse.Namespace) -> None:
             return read_records(out)[-1]["val"]["accuracy_mean"]
 
         # three extensions: in 20 short rounds the best rates sit high, past two
-        best, report = tune_method(score, GRIDS.get(name, LR_GRID), extend=3, keep=name not in RESET_ONLY)
+        best, report = tune_method(
+            score, GRIDS.get(name, LR_GRID), extend=args.extend, keep=name not in RESET_ONLY
+        )
         print(f"  {name}: {report}", flush=True)
         write_tuned(args.tuned_file, {name: best})
 
