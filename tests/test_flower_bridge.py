@@ -60,10 +60,12 @@ FDLORA = {"name": "fdlora", "sync_every": 1}  # all three stages (local, outer s
 #: the server's layers (issue 32): an optimiser, a robust rule, uniform weights
 SERVER_LAYERS = {"server.optimizer": "fedadam", "server.lr": 0.05, "server.aggregation": "median",
                  "server.weighting": "uniform"}  # fmt: skip
+SCAFFOLD = {"train.correction": "scaffold", "train.optimizer": "sgd", "train.lr": 0.05}
 CASES = [({"name": "fedlr"}, {}), (PF2, {}), ({"name": "federa"}, {}), (HET, KEEP), ({"name": "fedmcp"}, {}),
          (FDLORA, {}), ({"name": "c2a"}, {}),
-         ({"name": "fedlr"}, SERVER_LAYERS)]  # fmt: skip
-PERSONAL_CASES = [(PF2, {}), (PF2, KEEP), (HET, KEEP), ({"name": "fedmcp"}, {}), (FDLORA, {})]
+         ({"name": "fedlr"}, SERVER_LAYERS), ({"name": "fedmcp"}, SCAFFOLD)]  # fmt: skip
+PERSONAL_CASES = [(PF2, {}), (PF2, KEEP), (HET, KEEP), ({"name": "fedmcp"}, {}), (FDLORA, {}),
+                  ({"name": "fedmcp"}, SCAFFOLD)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("method", "over"), CASES)
@@ -98,8 +100,10 @@ def test_same_metrics_as_in_process(tiny_config, tmp_path, method, over):
 
 @pytest.mark.parametrize(("method", "over"), PERSONAL_CASES)
 def test_personal_state_stays_on_the_nodes(tiny_config, tmp_path, method, over):
-    """Personal parameters, kept optimizer state (``opt.*``) and HETLoRA's own adapter
-    (``own.*``) never appear in a message; each node keeps them on its own disk."""
+    """Personal parameters, kept optimizer state (``opt.*``), HETLoRA's own adapter
+    (``own.*``) and SCAFFOLD's client control (``control.*``) never appear in a message;
+    each node keeps them on its own disk. SCAFFOLD's server control goes down with each
+    training message, and each client's control update comes back with its update."""
     cfg = tiny_config(method=method, output_dir=str(tmp_path / "flower"), **over)
     grid = deploy(cfg, tmp_path)
     serve(grid)
@@ -109,15 +113,22 @@ def test_personal_state_stays_on_the_nodes(tiny_config, tmp_path, method, over):
     for m in grid.sent + grid.replies:
         names = {k for rec in m.content.array_records.values() for k in rec}
         assert not names & personal
-        assert not any(n.startswith(("opt.", "own.")) for n in names)
+        assert not any(n.startswith(("opt.", "own.", "control.")) for n in names)
     uplinks = [set(m.content["uplink"]) for m in grid.replies if "uplink" in m.content]
     assert uplinks and all(u == shared for u in uplinks)
     # each trained node keeps its own snapshots on its own disk
     saved = torch.load(tmp_path / "node0" / "client-0-personal.pt", weights_only=True)["value"]
     kept = set(next(iter(saved.values())))
-    assert {n for n in kept if not n.startswith(("opt.", "own."))} == personal
-    if over:
+    assert {n for n in kept if not n.startswith(("opt.", "own.", "control."))} == personal
+    if over == KEEP:
         assert any(n.startswith("opt.") for n in kept)
+    scaffold = over == SCAFFOLD
+    assert scaffold == ({n for n in kept if n.startswith("control.")} == {f"control.{n}" for n in shared})
+    trains = [m for m in grid.sent if m.metadata.message_type == "train"]
+    assert trains and all(("control" in m.content) == scaffold for m in trains)
+    if scaffold:
+        assert all(set(m.content["control"]) == shared for m in trains)
+        assert all(set(m.content["control"]) == shared for m in grid.replies if "uplink" in m.content)
 
 
 def test_crashed_silent_and_vanished_clients_are_dropped_and_recorded(tiny_config, tmp_path):

@@ -25,12 +25,27 @@ def _scores(records):
 
 @pytest.mark.parametrize(
     "method",
-    ["fedlr", "federa", "local", "fedamp", "fedkd", "moon", "ditto", "fedmcp", "fdlora", "fedlr+fedadam"],
+    [
+        "fedlr",
+        "federa",
+        "local",
+        "fedamp",
+        "fedkd",
+        "moon",
+        "ditto",
+        "fedmcp",
+        "fdlora",
+        "fedlr+fedadam",
+        "fedlr+scaffold",
+    ],  # fmt: skip
 )
 def test_resume_equals_uninterrupted(tiny_config, tmp_path, method):
-    """(``+fedadam``: with a server optimiser, whose state is server state.)"""
-    method, _, optimizer = method.partition("+")
-    server = {"server.optimizer": optimizer, "server.lr": 0.05} if optimizer else {}
+    """(``+fedadam``: with a server optimiser, whose state is server state; ``+scaffold``:
+    with SCAFFOLD, the server's control server state, each client's personal state.)"""
+    method, _, layer = method.partition("+")
+    server = {"server.optimizer": layer, "server.lr": 0.05} if layer == "fedadam" else {}
+    if layer == "scaffold":
+        server = {"train.correction": "scaffold", "train.optimizer": "sgd", "train.lr": 0.05}
     common = {"method": {"name": method}, "train.rounds": 4, "partition.num_clients": 4, **server}
     straight = tiny_config(**common, output_dir=str(tmp_path / "straight"))
     broken = tiny_config(**common, output_dir=str(tmp_path / "broken"))
@@ -63,10 +78,14 @@ def test_resume_equals_uninterrupted(tiny_config, tmp_path, method):
     for name, t in ca.server.tensors.items():
         assert torch.equal(t, cb.server.tensors[name]), name
     assert ca.server.extras.keys() == cb.server.extras.keys()
-    assert not optimizer or any(k.startswith("server_opt.") for k in ca.server.extras)
+    assert not layer or any(k.startswith(("server_opt.", "scaffold.")) for k in ca.server.extras)
     for name, t in ca.server.extras.items():
         assert not torch.is_tensor(t) or torch.equal(t, cb.server.extras[name]), name
     assert ca.personal.keys() == cb.personal.keys()
+    for cid in ca.personal:  # every client's state, SCAFFOLD's control included
+        mine, theirs = ca.personal[cid], cb.personal[cid]
+        assert mine.keys() == theirs.keys() and all(torch.equal(t, theirs[n]) for n, t in mine.items())
+        assert (layer == "scaffold") == any(k.startswith("control.") for k in mine)
 
 
 def test_resume_refuses_another_config(tiny_config, tmp_path):

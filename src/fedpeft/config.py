@@ -306,6 +306,12 @@ class TrainConfig(BaseModel):
         description="FedProx (Li et al. 2020): mu of the proximal term mu/2 ||w - w_received||^2 over "
         "the shared tensors, added to every method's local objective; 0: none.",
     )
+    correction: Literal["none", "scaffold"] = Field(
+        "none",
+        description="scaffold: SCAFFOLD's drift correction (Karimireddy et al. 2020, option II): every local "
+        "step of the shared tensors follows g - c_i + c, c the server's control and c_i the client's "
+        "(personal state); both cross the network each round. Needs train.optimizer sgd.",
+    )
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None: default).")
     device: str = Field(
         "auto",
@@ -582,6 +588,8 @@ class ExperimentConfig(BaseModel):
             )
         if self.eval.drift:
             self._check_drift()
+        if self.train.correction == "scaffold":
+            self._check_scaffold()
         if self.deploy.secure_aggregation and self.server.aggregation != "mean":
             raise ValueError(
                 f"server.aggregation {self.server.aggregation}: deploy.secure_aggregation hides the "
@@ -606,6 +614,19 @@ class ExperimentConfig(BaseModel):
         train = dict(data.get("train") or {})
         train.setdefault("clients_per_round", len(silos))
         return {**data, "partition": partition, "train": train}
+
+    def _check_scaffold(self) -> None:
+        if self.train.optimizer != "sgd":
+            raise ValueError(
+                f"train.correction scaffold: train.optimizer is {self.train.optimizer}; SCAFFOLD's client "
+                "control (x - y) / (K lr) is the mean of the local gradients only under plain SGD steps "
+                "(Karimireddy et al. 2020, option II): set train.optimizer: sgd"
+            )
+        if self.deploy.secure_aggregation:
+            raise ValueError(
+                "train.correction scaffold: deploy.secure_aggregation sums the model updates alone, not "
+                "the clients' control updates SCAFFOLD's server needs; use one or the other"
+            )
 
     def _check_drift(self) -> None:
         if self.data.task != "classification":

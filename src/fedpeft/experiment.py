@@ -23,6 +23,7 @@ from fedpeft.data import partition as P
 from fedpeft.data.silos import load_silos
 from fedpeft.data.sources import Corpus, load_corpus
 from fedpeft.data.task import Encoded, encode_corpus
+from fedpeft.engines import scaffold
 from fedpeft.engines.checkpoint import STORE_DIR, Checkpoints, ResumeError
 from fedpeft.engines.faults import faulty_clients, flip_labels
 from fedpeft.engines.guard import DivergedError, nonfinite_tensor
@@ -166,6 +167,7 @@ def build(cfg: ExperimentConfig, model: TaskModel | None = None, tokenizer=None)
     pool, global_test = encode_corpus(corpus, tokenizer, cfg.data)
     method, initial = attach_method(cfg, model)
     check_composes(cfg, method)
+    scaffold.check_composes(cfg, method)
     method.mean = combiner(cfg.server)
     device = place(model, cfg.train)
     pool, global_test = pool.to(device), global_test.to(device)

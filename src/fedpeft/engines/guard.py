@@ -38,8 +38,8 @@ def nonfinite_tensor(tensors: Tensors) -> str | None:
 
 
 def nonfinite_reason(result: FitResult) -> str | None:
-    """Why ``result`` cannot be aggregated (its loss, update or personal state is not
-    finite), or None when it can."""
+    """Why ``result`` cannot be aggregated (its loss, update, personal state or SCAFFOLD
+    control update is not finite), or None when it can."""
     loss = result.metrics.get("loss")
     if loss is not None and not math.isfinite(loss):
         return f"loss is {loss}"
@@ -47,6 +47,8 @@ def nonfinite_reason(result: FitResult) -> str | None:
         return f"update tensor {name!r} is not finite"
     if (name := nonfinite_tensor(result.personal)) is not None:
         return f"personal tensor {name!r} is not finite"
+    if (name := nonfinite_tensor(result.control)) is not None:
+        return f"control update {name!r} is not finite"
     return None
 
 

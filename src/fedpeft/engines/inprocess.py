@@ -26,7 +26,7 @@ import torch
 
 from fedpeft.config import FaultsConfig, ServerConfig
 from fedpeft.data.task import Encoded, make_batch
-from fedpeft.engines import guard
+from fedpeft.engines import guard, scaffold
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
 from fedpeft.engines.faults import corrupt
 from fedpeft.engines.memory import check_memory, measure_peak_cuda, probe_copy
@@ -206,9 +206,11 @@ class InProcessEngine:
             down += tensor_bytes(self.method.join_message(server))
             self.joined.add(cid)
         client = self.clients[cid]
-        return Job(
-            received, self.personal_of(client), client, derive_seed(self.schedule.seed, rnd, cid), rnd
-        ), down
+        control = scaffold.server_control(server, self.method) if scaffold.enabled(self.method) else {}
+        seed = derive_seed(self.schedule.seed, rnd, cid)
+        return Job(received, self.personal_of(client), client, seed, rnd, control), down + tensor_bytes(
+            control
+        )
 
     def fit_round(self, server: ServerState, rnd: int) -> tuple[list[FitResult], dict]:
         """The sampled clients' local rounds, in cohorts of up to ``cohort_size`` clients
@@ -240,7 +242,7 @@ class InProcessEngine:
         for result in results:
             if readout := self.method.readout(result):
                 readouts[str(result.cid)] = readout
-        up = sum(tensor_bytes(r.uplink) for r in results)
+        up = sum(tensor_bytes(r.uplink) + tensor_bytes(r.control) for r in results)
         if not self.method.communicates:  # pooled training: nothing crossed a network
             down = up = 0
         weights = [r.num_examples for r in results]
@@ -435,6 +437,9 @@ class InProcessEngine:
             previous = server
             aggregated = self.method.aggregate(server, as_weighted(self.server_cfg, results), rnd)
             server = server_step(self.server_cfg, previous, aggregated)
+            if scaffold.enabled(self.method):
+                updates = [r.control for r in results]
+                server = scaffold.update_control(self.method, previous, server, updates, len(self.clients))
             guard.check_aggregate(rnd, server, self.lr, previous)
             self._loaded = ()
             t2 = time.perf_counter()

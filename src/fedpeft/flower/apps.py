@@ -175,9 +175,12 @@ def train(msg: Message, context: Context) -> Message:
     node = node_of(context)
     received = _received(node, msg)
     t0 = time.perf_counter()
-    result = node.fit(received, int(msg.content["config"]["round"]))
+    control = codec.from_record(msg.content["control"]) if "control" in msg.content else None
+    result = node.fit(received, int(msg.content["config"]["round"]), control)
     fit = {**result.metrics, "num_examples": result.num_examples, "time_fit": time.perf_counter() - t0}
     records = {"uplink": codec.to_record(result.uplink), "fit": codec.to_metrics(fit)}
+    if result.control:  # SCAFFOLD: the update of this client's control
+        records["control"] = codec.to_record(result.control)
     if readout := node.method.readout(result):  # computed here: it may need the personal state
         records["readout"] = codec.to_metrics(readout)
     return Message(RecordDict(records), reply_to=msg)

@@ -192,14 +192,16 @@ class Node:
         self._join = message
         self._save("join", message)
 
-    def fit(self, received: Tensors, rnd: int) -> FitResult:
-        """Local round ``rnd``, seeded exactly as the in-process engine seeds it."""
+    def fit(self, received: Tensors, rnd: int, control: Tensors | None = None) -> FitResult:
+        """Local round ``rnd``, seeded exactly as the in-process engine seeds it (``control``:
+        SCAFFOLD's server control, when the run corrects drift; the client's own control is
+        part of its personal state)."""
         seed = derive_seed(self.cfg.seed, rnd, self.cid)
         torch.manual_seed(seed)
         personal = self.personal_before(rnd)
         if personal is None:
             personal = self.method.init_client(self.model, self.initial, self.client)
-        result = self.method.fit(self.model, Job(received, personal, self.client, seed, rnd))
+        result = self.method.fit(self.model, Job(received, personal, self.client, seed, rnd, control or {}))
         result.cid = self.cid
         if guard.nonfinite_reason(result) is not None:  # the server drops it; keep the last finite state
             return result

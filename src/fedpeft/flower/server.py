@@ -33,7 +33,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedpeft.config import DeployConfig
-from fedpeft.engines import guard
+from fedpeft.engines import guard, scaffold
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
 from fedpeft.engines.inprocess import close_record, sample_clients
 from fedpeft.engines.server_opt import as_weighted, server_step
@@ -216,9 +216,13 @@ class FlowerServer:
         if self.deploy.secure_aggregation:
             return self.fit_round_secure(server, rnd, peers, sampled)
         messages, payload_down = [], 0
+        control = scaffold.server_control(server, self.method) if scaffold.enabled(self.method) else {}
         for cid in sampled:
             records, payload = self.downlink_records(server, cid, peers[cid])
             records["config"] = ConfigRecord({"round": rnd})
+            if control:  # SCAFFOLD: the server's control, with every training message
+                records["control"] = codec.to_record(control)
+                payload += tensor_bytes(control)
             messages.append(self.message(peers[cid].node_id, TRAIN, records, self.deploy.round_timeout))
             payload_down += payload
         down = sum(codec.wire_bytes(m) for m in messages)
@@ -234,12 +238,15 @@ class FlowerServer:
                 uplink = codec.from_record(reply.content["uplink"])
                 fit = dict(reply.content["fit"])
                 result = FitResult(uplink, {}, int(fit.pop("num_examples")), fit, cid)
+                if control:  # SCAFFOLD: the update of the client's control
+                    result.control = codec.from_record(reply.content["control"])
                 if (reason := guard.nonfinite_reason(result)) is not None:  # the in-process engine's rule
                     dropped[cid] = diverged[cid] = f"non-finite: {reason}"
                     continue
                 codec.check_tensors(
                     self.method.uplink_as_shared(uplink), self.uplink_like, f"client {cid} update"
                 )
+                codec.check_tensors(result.control, control, f"client {cid} control update")
             except (codec.ReplyError, KeyError) as err:
                 dropped[cid] = f"refused: {err}"
                 continue
@@ -266,7 +273,7 @@ class FlowerServer:
             "bytes_down": down,
             "bytes_up": up,
             "payload_bytes_down": payload_down,
-            "payload_bytes_up": sum(tensor_bytes(r.uplink) for r in results),
+            "payload_bytes_up": sum(tensor_bytes(r.uplink) + tensor_bytes(r.control) for r in results),
             "time_fit_max": max(fit_times, default=float("nan")),
             **({"client_readout": readouts} if readouts else {}),
         }
@@ -406,6 +413,10 @@ class FlowerServer:
             if len(results) >= deploy.min_results:
                 aggregated = self.method.aggregate(server, as_weighted(cfg.server, results), rnd)
                 server = server_step(cfg.server, previous, aggregated)
+                if scaffold.enabled(self.method):
+                    updates = [r.control for r in results]
+                    clients = cfg.partition.num_clients
+                    server = scaffold.update_control(self.method, previous, server, updates, clients)
                 skipped = 0
                 guard.check_aggregate(rnd, server, cfg.train.lr, previous)
                 for name, analyze in self.analyzers.items():

@@ -93,6 +93,9 @@ class FitResult:
     num_examples: int
     metrics: dict[str, float] = field(default_factory=dict)
     cid: int = -1  # the client it came from (set by the engine, as a server would know)
+    #: SCAFFOLD (``train.correction``): the update of the client's control, ``c_i+ - c_i``,
+    #: sent beside the uplink (its new control stays in ``personal``); else empty
+    control: Tensors = field(default_factory=dict)
 
 
 @dataclass
@@ -266,6 +269,14 @@ class Method:
         if not self.communicates or not self.shared_names:
             return "it shares no tensors for a server step to move"
         return ""
+
+    def correction_refusal(self) -> str:
+        """Why SCAFFOLD's drift correction (``train.correction``: every local step of a
+        shared tensor adds ``c - c_i``, and the client's control becomes the mean gradient
+        ``(x - y) / (K lr)``) does not fit this method's local round; "" when it does: its
+        clients train the shared tensors they received, all of them at every step of
+        ``train.optimizer`` at ``train.lr``, and send the trained values."""
+        return self.server_step_refusal()
 
     def robust_refusal(self) -> str:
         """Why this method's server cannot combine its clients' uplinks by another rule than

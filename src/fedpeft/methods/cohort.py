@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -54,6 +54,8 @@ GradientFn = Callable[["Tensors", "Tensors", StepInput], tuple[torch.Tensor, "Te
 
 OPT = "opt."  # personal keys of a kept optimizer state: opt.<state key>.<parameter name>
 OWN = "own."  # personal keys of a client's private copy of a model: own.<parameter name>
+#: personal keys of a client's SCAFFOLD control c_i: control.<shared tensor name> (``train.correction``)
+CONTROL = "control."
 BETAS, EPS = (0.9, 0.999), 1e-8  # torch.optim.AdamW's defaults, which fedpeft has always used
 #: float16's loss scale: static (a dynamic scaler only grows after thousands of steps, more
 #: than a round has); a step whose gradients overflow is skipped (:func:`local_step`).
@@ -70,13 +72,15 @@ def derive_seed(*keys: int) -> int:
 @dataclass
 class Job:
     """One client's local round: what it received, what it kept, its data, its seed and
-    the round's number (which a networked client learns from the server too)."""
+    the round's number (which a networked client learns from the server too); with
+    SCAFFOLD (``train.correction``), the server's control ``c`` it received too."""
 
     received: Tensors
     personal: Tensors
     client: ClientData
     seed: int
     rnd: int = 0
+    control: Tensors = field(default_factory=dict)
 
     def generator(self) -> torch.Generator:
         return torch.Generator().manual_seed(self.seed)
@@ -431,9 +435,21 @@ def unvmapped(step: Callable) -> Callable:
     def again(tensors: Tensors) -> Tensors:
         return {n: t.unsqueeze(0) for n, t in tensors.items()}
 
-    def run(params: Tensors, opt: Tensors, consts: Tensors, batches: StepInput, anchor: Tensors):
+    def run(
+        params: Tensors,
+        opt: Tensors,
+        consts: Tensors,
+        batches: StepInput,
+        anchor: Tensors,
+        correction: Tensors,
+    ):
         new_params, new_opt, loss = step(
-            first(params), first(opt), first(consts), tuple(map(first, batches)), first(anchor)
+            first(params),
+            first(opt),
+            first(consts),
+            tuple(map(first, batches)),
+            first(anchor),
+            first(correction),
         )
         return again(new_params), again(new_opt), loss.unsqueeze(0)
 
@@ -457,6 +473,11 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
     opt = stack([s.opt for s in starts], device)
     consts = stack([s.consts for s in starts], device)
     anchor = proximal_anchor(method, params)
+    own = [client_control(job) for job in jobs]  # SCAFFOLD's c_i (none without it)
+    correction = stack(
+        [{n: c - own_i[n] for n, c in job.control.items()} for job, own_i in zip(jobs, own, strict=True)],
+        device,
+    )
     dropout = has_active_dropout(model)
     if dropout:
         torch.manual_seed(jobs[0].seed)  # a cohort of one: its own dropout draws, as alone
@@ -474,7 +495,7 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
     with training_attention(model, method, len(jobs)):
         for k in range(len(batches)):
             stacked = prepare_step(model, batches.step(k), batches.scored[k] or None)
-            new_params, new_opt, loss = step(params, opt, consts, stacked, anchor)
+            new_params, new_opt, loss = step(params, opt, consts, stacked, anchor, correction)
             tokens += sum(b["attention_mask"].flatten(1).sum(1) for b in stacked)
             active = k < steps  # (C,): a finished client's tensors do not move
             params = {n: _where(active, new_params[n], t) for n, t in params.items()}
@@ -482,9 +503,9 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
             losses += torch.where(active, loss.detach().float(), 0.0)
     time_step = (time.perf_counter() - start) / len(batches)
     results = []
-    for job, s, p, o, total, seen in zip(
+    for job, s, p, o, total, seen, own_i in zip(
         jobs, starts, unstack(params, len(jobs)), unstack(opt, len(jobs)), losses.tolist(), tokens.tolist(),
-        strict=True,
+        own, strict=True,
     ):  # fmt: skip
         metrics = {
             "loss": total / s.steps,
@@ -492,7 +513,10 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
             "time_step": time_step,
             "tokens": float(seen),
         }
-        results.append(method.cohort_finish(job, p, o, metrics))
+        result = method.cohort_finish(job, p, o, metrics)
+        if job.control:
+            settle_control(result, job, own_i, p, s.steps, method.train.lr)
+        results.append(result)
     return results
 
 
@@ -504,22 +528,56 @@ def proximal_anchor(method: Method, params: Tensors) -> Tensors:
     return {n: params[n].clone() for n in method.shared_names if n in params}
 
 
+def client_control(job: Job) -> Tensors:
+    """SCAFFOLD: the client's control ``c_i`` as it enters the round (its personal state's
+    ``control.*`` entries; 0 before its first round), for the tensors the server's control
+    ``job.control`` names; nothing without SCAFFOLD."""
+    return {n: job.personal.get(CONTROL + n, torch.zeros_like(c)) for n, c in job.control.items()}
+
+
+def settle_control(
+    result: FitResult, job: Job, own: Tensors, trained: Tensors, steps: int, lr: float
+) -> None:
+    """SCAFFOLD after a client's round (Karimireddy et al. 2020, option II): its new control
+    ``c_i+ = c_i - c + (x - y) / (K lr)`` (``x`` the shared tensors it received, ``y`` the
+    ones it trained, ``K`` its steps), which under SGD is the mean of its ``K`` (clipped)
+    gradients, kept in its personal state; the update ``c_i+ - c_i`` is what it sends
+    (``result.control``). A client that took no step keeps its control (and sends zeros)."""
+    new = {}
+    for n, c in job.control.items():
+        drift = (job.received[n].double() - trained[n].double()) / (steps * lr) if steps else None
+        new[n] = own[n] if drift is None else (own[n].double() - c.double() + drift).to(c.dtype)
+    result.personal = {**result.personal, **{CONTROL + n: t for n, t in new.items()}}
+    result.control = {n: new[n] - own[n] for n in new}
+
+
 def local_step(method: Method, model: torch.nn.Module):
     """One client's local step as a pure function (what :func:`run_cohort` vmaps). With
     FedProx (Li et al. 2020; ``train.prox_mu``), the gradient of ``mu/2 ||w - anchor||^2``
     over the shared tensors joins the method's gradient before clipping; the loss
-    reported stays the method's."""
+    reported stays the method's. With SCAFFOLD (``train.correction``), ``correction``
+    (``c - c_i`` per shared tensor) is added to the clipped gradient, so the step follows
+    ``g - c_i + c`` (clipping bounds the stochastic gradient, not the drift estimate)."""
     gradients, cfg = method.step_gradients(model), method.train
     skip_overflow = model_scale(model) != 1.0
     mu = cfg.prox_mu
 
-    def step(params: Tensors, opt: Tensors, consts: Tensors, batches: StepInput, anchor: Tensors):
+    def step(
+        params: Tensors,
+        opt: Tensors,
+        consts: Tensors,
+        batches: StepInput,
+        anchor: Tensors,
+        correction: Tensors,
+    ):
         loss, grads, replaced = gradients(params, consts, batches)
         if anchor:
             grads = {n: g + mu * (params[n] - anchor[n]) if n in anchor else g for n, g in grads.items()}
         clipped = {}
         for group in clip_groups(method, grads):  # each model of a client clipped on its own
             clipped.update(clip_gradients(group, cfg.max_grad_norm))
+        if correction:
+            clipped = {n: g + correction[n] if n in correction else g for n, g in clipped.items()}
         updated, new_opt = optimizer_step(params, clipped, opt, cfg)
         new_params = {**params, **updated, **replaced}
         if skip_overflow:  # float16: a step with an overflowed gradient changes nothing

@@ -403,6 +403,11 @@ class FedKD(FedAvgPeft):
                 out[n] = personal[OWN + n]
         return out
 
+    def correction_refusal(self) -> str:
+        return (
+            "a client sends a compressed update (SVD factors), not the trained tensors a control is read from"
+        )
+
     def uplink_as_shared(self, uplink: Tensors) -> Tensors:
         """A client's update reconstructed from its factors, by parameter name (a malformed
         one comes back as it is, for the server's check to refuse)."""

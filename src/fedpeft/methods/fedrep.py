@@ -102,6 +102,12 @@ class FedRep(FedAvgPeft):
         super().__init__(cfg, train, seed)
         self.phase: Phase | None = None  # the phase the cohort loop is running
 
+    def correction_refusal(self) -> str:
+        return (
+            "its round trains the head, then the body, in phases of their own lengths: no one step "
+            "count K turns the body's move into its mean gradient"
+        )
+
     def head_steps(self, n: int) -> int:
         return self.cfg.head_steps or self.cfg.head_epochs * math.ceil(n / self.train.batch_size)
 

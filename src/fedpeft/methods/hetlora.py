@@ -216,6 +216,9 @@ class HETLoRA(FedAvgPeft):
     def robust_refusal(self) -> str:
         return "its server weighs the clients' adapters by their update norms (its own rule)"
 
+    def correction_refusal(self) -> str:
+        return "each client trains its own rank of the shared adapter, so no one control fits all of them"
+
     def aggregate(self, server: ServerState, results: list[FitResult], rnd: int) -> ServerState:
         r_max = self.cfg.lora.r
         lora = [pad({n: t for n, t in r.uplink.items() if is_a(n) or is_b(n)}, r_max) for r in results]

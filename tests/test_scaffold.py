@@ -1,0 +1,136 @@
+"""SCAFFOLD (issue 32; ``train.correction: scaffold``): the controls of a two-client run
+worked by hand, a cohort equal to its clients one at a time, the bytes counted, and the
+refusals. A resumed run equals an uninterrupted one: ``tests/test_resume.py``
+(``fedlr+scaffold``)."""
+
+import pytest
+import torch
+
+from fedpeft.config import ConfigError, TrainConfig
+from fedpeft.data.task import Encoded
+from fedpeft.engines.inprocess import InProcessEngine, Schedule
+from fedpeft.engines.scaffold import PREFIX
+from fedpeft.experiment import build
+from fedpeft.methods.base import ClientData, Method, MethodConfig
+from fedpeft.methods.cohort import CONTROL, Job, row_mean
+
+
+class Scalar(torch.nn.Module):
+    """A model of one number ``w`` whose loss on a row labelled ``t`` is ``(w - t)^2 / 2``:
+    its gradient ``w - t`` is worked by hand."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, input_ids, attention_mask):
+        return self.w.expand(input_ids.shape[0])
+
+    def loss(self, out, batch):
+        return row_mean(0.5 * (out - batch["labels"].float()) ** 2, batch)
+
+
+class Plain(Method):
+    name = "plain"
+
+
+def _client(cid: int, target: int, rows: int = 4) -> ClientData:
+    data = Encoded(
+        torch.ones(rows, 1, dtype=torch.long), torch.ones(rows, dtype=torch.long), torch.full((rows,), target)
+    )
+    return ClientData(cid, data, data.subset([]))
+
+
+class NoScores:
+    def score(self, model, data):
+        return {}
+
+
+def _engine(correction: str = "scaffold") -> InProcessEngine:
+    model = Scalar()
+    train = TrainConfig(
+        optimizer="sgd", lr=0.5, local_steps=2, batch_size=4, max_grad_norm=None, correction=correction
+    )
+    method = Plain(MethodConfig(name="plain"), train)
+    method.prepare(model)
+    clients = [_client(0, 1), _client(1, 3)]
+    schedule = Schedule(rounds=2, clients_per_round=2, seed=0, eval_local=False)
+    return InProcessEngine(
+        model, method, clients, clients[0].test, schedule, scorer=NoScores(), memory_check=False
+    )
+
+
+def test_two_clients_controls_are_worked_by_hand():
+    """Two clients, targets 1 and 3, x = 0, SGD at lr 0.5 for K = 2 steps, both sampled
+    every round (N = S = 2), clipping off.
+
+    Round 1 (c = c_i = 0): client 1 goes 0 -> 0.5 -> 0.75 (gradients -1, -0.5), so
+    c_1 = (0 - 0.75) / (2 * 0.5) = -0.75, their mean; client 2 goes 0 -> 1.5 -> 2.25, c_2 =
+    -2.25. Server: x = 1.5, c = 0 + (-0.75 - 2.25) / 2 = -1.5.
+    Round 2: client 1 steps along (w - 1) - c_1 + c = w - 1.75: 1.5 -> 1.625 -> 1.6875;
+    c_1 = -0.75 + 1.5 + (1.5 - 1.6875) = 0.5625 (its gradients 0.5, 0.625: their mean).
+    Client 2 along (w - 3) + 0.75: 1.5 -> 1.875 -> 2.0625; c_2 = -2.25 + 1.5 - 0.5625 =
+    -1.3125. Server: x = 1.875, c = -1.5 + (1.3125 + 0.9375) / 2 = -0.375 (= the mean of
+    the c_i, as it stays while every client is sampled)."""
+    engine = _engine()
+    records = engine.run()
+    server = engine.server
+    assert server.tensors["w"].item() == pytest.approx(1.875)
+    assert server.extras[PREFIX + "w"].item() == pytest.approx(-0.375)
+    assert engine.personal[0][CONTROL + "w"].item() == pytest.approx(0.5625)
+    assert engine.personal[1][CONTROL + "w"].item() == pytest.approx(-1.3125)
+    # each client receives x and c and sends y and dc: four floats of 4 bytes each way per round
+    assert [r["bytes_down"] for r in records] == [16, 16]
+    assert [r["bytes_up"] for r in records] == [16, 16]
+
+
+def test_round_one_is_fedavg_and_then_the_correction_moves_the_clients():
+    """With c = c_i = 0 round 1 is FedAvg's; afterwards the clients step along the corrected
+    gradient, so they end elsewhere (here the server's x happens to agree: the losses are
+    quadratic with one curvature, and the corrections cancel in the mean)."""
+    scaffold, plain = _engine(), _engine("none")
+    scaffold.run()
+    plain.run()
+    assert scaffold.server.tensors["w"].item() == pytest.approx(plain.server.tensors["w"].item())
+    assert not any(k.startswith(PREFIX) for k in plain.server.extras)
+    assert CONTROL + "w" not in plain.personal[0]
+
+
+def test_a_cohort_trains_each_client_as_alone(tiny_config, tmp_path):
+    """Three clients' corrected rounds in one cohort equal each client's round alone, their
+    controls too (the cohort loop's tolerance, tests/test_cohort.py)."""
+    cfg = tiny_config(
+        **{"train.optimizer": "sgd", "train.lr": 0.05, "train.correction": "scaffold"},
+        output_dir=str(tmp_path),
+    )
+    setup = build(cfg)
+    method, model = setup.method, setup.model
+    received = {n: setup.initial[n] for n in method.shared_names}
+    control = {n: torch.randn_like(t) * 0.01 for n, t in received.items()}
+    jobs = []
+    for client in setup.clients[:3]:
+        own = {CONTROL + n: torch.randn_like(t) * 0.01 for n, t in received.items()}
+        jobs.append(Job(received, own, client, seed=client.cid + 7, rnd=2, control=control))
+    together = method.fit_cohort(model, jobs)
+    for job, joint in zip(jobs, together, strict=True):
+        (alone,) = method.fit_cohort(model, [job])
+        for part in ("uplink", "personal", "control"):
+            mine, theirs = getattr(alone, part), getattr(joint, part)
+            assert mine.keys() == theirs.keys() and mine
+            for n, t in mine.items():
+                torch.testing.assert_close(theirs[n], t, rtol=1e-4, atol=1e-5)
+    # and the correction did something: a round without it ends elsewhere
+    (uncorrected,) = method.fit_cohort(model, [Job(received, {}, jobs[0].client, jobs[0].seed, 2)])
+    assert any(not torch.allclose(uncorrected.uplink[n], t) for n, t in together[0].uplink.items())
+
+
+def test_scaffold_refuses_what_it_cannot_correct(tiny_config):
+    with pytest.raises(ConfigError, match="train.optimizer: sgd"):
+        tiny_config(**{"train.correction": "scaffold"})
+    with pytest.raises(ConfigError, match="secure_aggregation"):
+        tiny_config(**{"train.correction": "scaffold", "train.optimizer": "sgd",
+                       "deploy.secure_aggregation": True})  # fmt: skip
+    for name, why in (("local", "shares no tensors"), ("fedrep", "phases"), ("fdlora", "outer")):
+        cfg = tiny_config(**{"train.correction": "scaffold", "train.optimizer": "sgd", "method.name": name})
+        with pytest.raises(ConfigError, match=f"method {name}: .*{why}"):
+            build(cfg)
