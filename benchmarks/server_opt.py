@@ -1,0 +1,299 @@
+"""Server optimisers, FedProx and SCAFFOLD against FedAvg, and robust aggregation against
+sign-flipping clients (issue 32), for FedLR and FeDeRA on the bundled MiniLM.
+
+Two splits of the built-in WordNet glosses (45 topic classes, ``--examples`` of them):
+
+- ``dirichlet``: label skew, Dirichlet(0.1) per class over 20 clients, 10 a round;
+- ``natural``: one client per part of speech (``partition.scheme: natural``,
+  ``data.group_column: pos``): four organisations whose label sets do not overlap
+  (noun topics, verb topics, adjectives, adverbs), all four every round.
+
+Every row runs the same clients, rounds, local steps and batch (the same examples each
+round); rows differ in the layer only. What each row tunes, on seed 3 (which the table
+does not use), by the clients' mean validation accuracy (20 % of each client's data held
+out) after the last round:
+
+- FedAvg: the client rate (AdamW, reset or kept state);
+- FedAvgM, FedAdam, FedYogi, FedAdagrad: the server rate, at FedAvg's tuned client setting;
+- FedProx: mu, at FedAvg's tuned client setting;
+- FedAvg (SGD) and SCAFFOLD: the client rate, under plain SGD (SCAFFOLD's control is the
+  mean gradient only under SGD steps): FedAvg (SGD) is the row SCAFFOLD corrects.
+
+The grid grows past a best value at its end (``tuning.tune_method``). The table: global
+test accuracy after the last round (mean ± sample std over seeds), rounds to a target
+(90 % of FedAvg's final accuracy, per seed) and MB sent per client per round.
+
+Robustness (``--robust``): FedLR on the Dirichlet split at FedAvg's tuned setting, 0, 2
+and 6 of the 20 clients (0, 10, 30 %) flipping the sign of their updates
+(``faults.attack: sign_flip``), under each aggregator: the mean, the coordinate-wise
+median, the trimmed mean (``server.trim`` 0.3, so up to 3 of a round's 10 updates at
+either end are dropped), Krum and Multi-Krum (``server.byzantine`` 3).
+
+    .venv/bin/python benchmarks/server_opt.py --tune [--methods fedlr] [--splits dirichlet] [--rows ...]
+    .venv/bin/python benchmarks/server_opt.py [--seeds 0,1,2] [--robust]
+
+Runs are picked up from ``--out`` when finished (``tuning.run_or_reuse``); tuned settings
+live in ``--tuned-file`` (``benchmarks/tuned/server_opt.json``, keyed
+``<method>/<split>/<row>``). Set ``OMP_NUM_THREADS`` for the CPU threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+from tuning import LR_GRID, TUNED_DIR, mean_std, read_tuned, run_or_reuse, tune_method, write_tuned
+
+from fedpeft.config import ExperimentConfig, load_config
+from fedpeft.report.results import read_records
+
+METHODS = {
+    "fedlr": ("FedLR", {"name": "fedlr", "lora": {"r": 8, "alpha": 16}}),
+    "federa": ("FeDeRA", {"name": "federa", "lora": {"r": 8, "alpha": 16}}),
+}
+SPLITS = {
+    "dirichlet": (
+        "Dirichlet 0.1, 20 clients, 10 a round",
+        {"scheme": "dirichlet", "num_clients": 20, "alpha": 0.1, "min_size": 10},
+        10,
+    ),
+    "natural": (
+        "natural: one client per part of speech, 4 clients, all each round",
+        {"scheme": "natural", "num_clients": 4},
+        4,
+    ),
+}
+SGD_GRID = [0.05, 0.1, 0.2]
+SERVER_GRID = {"fedavgm": [0.5, 1.0], "fedadam": [3e-3, 1e-2, 3e-2], "fedyogi": [3e-3, 1e-2, 3e-2],
+               "fedadagrad": [3e-3, 1e-2, 3e-2]}  # fmt: skip
+MU_GRID = [1e-3, 1e-2, 1e-1]
+# key: (label, what it tunes, grid); "client": train.lr (and optimizer state), "server":
+# server.lr, "mu": train.prox_mu; the last two at FedAvg's tuned client setting
+ROWS = {
+    "fedavg": ("FedAvg", "client", LR_GRID),
+    **{
+        name: (label, "server", SERVER_GRID[name])
+        for name, label in (
+            ("fedavgm", "FedAvgM"),
+            ("fedadam", "FedAdam"),
+            ("fedyogi", "FedYogi"),
+            ("fedadagrad", "FedAdagrad"),
+        )
+    },
+    "fedprox": ("FedProx", "mu", MU_GRID),
+    "fedavg_sgd": ("FedAvg (SGD)", "client", SGD_GRID),
+    "scaffold": ("SCAFFOLD (SGD)", "client", SGD_GRID),
+}
+AGGREGATORS = {"mean": "mean", "median": "median", "trimmed_mean": "trimmed mean (0.3)", "krum": "Krum (f 3)",
+               "multi_krum": "Multi-Krum (f 3)"}  # fmt: skip
+BYZANTINE = (0, 2, 6)  # of 20 clients
+TUNING_SEED, VAL_FRACTION = 3, 0.2
+TUNED_FILE = TUNED_DIR / "server_opt.json"
+
+
+def layer(row: str, setting: dict, base: dict) -> tuple[dict, dict]:
+    """``(train overrides, server overrides)`` of ``row`` with its knob at ``setting["lr"]``
+    (``base``: FedAvg's tuned client setting, for the rows that tune a server knob or mu)."""
+    value, knob = setting["lr"], ROWS[row][1]
+    if row == "fedavg":
+        return {"lr": value, "optimizer_state": setting["optimizer_state"]}, {}
+    if knob == "client":  # the SGD rows
+        return {
+            "optimizer": "sgd",
+            "lr": value,
+            **({"correction": "scaffold"} if row == "scaffold" else {}),
+        }, {}
+    client = {"lr": base["lr"], "optimizer_state": base["optimizer_state"]}
+    if knob == "mu":
+        return {**client, "prox_mu": value}, {}
+    return client, {"optimizer": row, "lr": value}
+
+
+def config(
+    method: str, split: str, seed: int, out: Path, args: argparse.Namespace, train: dict, server: dict,
+    tuning: bool = False, faults: dict | None = None,
+) -> ExperimentConfig:  # fmt: skip
+    _, partition, per_round = SPLITS[split]
+    data = {"source": "wordnet", "max_samples": args.examples, "max_test_samples": args.test_examples,
+            "max_length": args.max_length}  # fmt: skip
+    if split == "natural":
+        data["group_column"] = "pos"
+    scored = {"every": 1, "local": False}
+    if tuning:
+        scored, partition = {"every": args.rounds, "local": True}, {**partition, "val_fraction": VAL_FRACTION}
+    return load_config(
+        None,
+        {
+            "name": f"server-opt-{method}-{split}",
+            "seed": seed,
+            "output_dir": str(out),
+            "method": METHODS[method][1],
+            "data": data,
+            "partition": partition,
+            "train": {"rounds": args.rounds, "clients_per_round": per_round, "local_steps": args.steps,
+                      "batch_size": 16, **train},
+            "server": server,
+            "faults": faults or {},
+            "eval": scored,
+        },
+    )  # fmt: skip
+
+
+def key(method: str, split: str, row: str) -> str:
+    return f"{method}/{split}/{row}"
+
+
+def tuning_score(args: argparse.Namespace, method: str, split: str, row: str, base: dict | None):
+    """``score(setting)`` for ``tune_method``: ``row`` run on the tuning seed with its knob at
+    ``setting["lr"]``; the clients' mean validation accuracy after the last round."""
+
+    def score(setting: dict) -> float:
+        train, server = layer(row, setting, base or {})
+        tag = f"{setting['lr']:g}" + ("-keep" if setting["optimizer_state"] == "keep" else "")
+        out = args.out / "tune-val" / f"{method}-{split}-{row}-{tag}"
+        run_or_reuse(config(method, split, TUNING_SEED, out, args, train, server, tuning=True))
+        return read_records(out)[-1]["val"]["accuracy_mean"]
+
+    return score
+
+
+def tune(args: argparse.Namespace, methods: list[str], splits: list[str], rows: list[str]) -> None:
+    print(f"tuning on seed {TUNING_SEED}: the clients' mean validation accuracy ({100 * VAL_FRACTION:g} % "
+          f"of each client's data held out) after round {args.rounds}")  # fmt: skip
+    for method in methods:
+        for split in splits:
+            base = None  # FedAvg's tuned client setting, tuned first
+            for row in ["fedavg", *[r for r in rows if r != "fedavg"]]:
+                _, knob, grid = ROWS[row]
+                score = tuning_score(args, method, split, row, base)
+                best, report = tune_method(score, grid, extend=args.extend, keep=row == "fedavg")
+                print(f"  {method} {split} {row}: {report}", flush=True)
+                write_tuned(args.tuned_file, {key(method, split, row): {**best, "knob": knob}})
+                if row == "fedavg":
+                    base = best
+
+
+def final_accuracy(outs: list[Path]) -> np.ndarray:
+    return np.array([read_records(out)[-1]["global"]["accuracy"] for out in outs])
+
+
+def mb_per_client_round(out: Path) -> float:
+    records = read_records(out)
+    sent = sum(r["bytes_up"] + r["bytes_down"] for r in records)
+    return sent / sum(len(r["clients"]) for r in records) / 1e6
+
+
+def table_runs(args, methods, splits, rows, seeds) -> dict[tuple[str, str, str], list[Path]]:
+    keys = [key(m, s, r) for m in methods for s in splits for r in rows]
+    tuned = read_tuned(args.tuned_file, keys)
+    runs = {}
+    for method in methods:
+        for split in splits:
+            base = tuned[key(method, split, "fedavg")] if "fedavg" in rows else {}
+            for row in rows:
+                train, server = layer(row, tuned[key(method, split, row)], base)
+                outs = []
+                for seed in seeds:
+                    out = args.out / f"{method}-{split}-{row}-seed{seed}"
+                    run_or_reuse(config(method, split, seed, out, args, train, server))
+                    outs.append(out)
+                runs[(method, split, row)] = outs
+    return runs
+
+
+def print_tables(runs, args, methods, splits, rows, seeds) -> None:
+    from fedpeft.report.efficiency import first_round_reaching
+
+    tuned = read_tuned(args.tuned_file, [key(m, s, r) for m in methods for s in splits for r in rows])
+    for split in splits:
+        print(f"\n{SPLITS[split][0]}; MiniLM, WordNet topics ({args.examples} glosses), "
+              f"{args.rounds} rounds x {args.steps} steps x batch 16; seeds {seeds}; global test accuracy "
+              "(%) after the last round, mean ± sample std over seeds; rounds to 90 % of FedAvg's final "
+              "accuracy, per seed\n")  # fmt: skip
+        print("| Method | Layer | tuned | Accuracy (%) | Rounds to target | MB per client per round |")
+        print("|---|---|---|---|---|---|")
+        for method in methods:
+            if (method, split, "fedavg") not in runs:
+                continue
+            targets = 0.9 * final_accuracy(runs[(method, split, "fedavg")])
+            for row in rows:
+                outs = runs[(method, split, row)]
+                setting = tuned[key(method, split, row)]
+                knob = {"client": "lr", "server": "server lr", "mu": "mu"}[ROWS[row][1]]
+                state = f", {setting['optimizer_state']}" if row == "fedavg" else ""
+                reached = [
+                    first_round_reaching(read_records(o), t) for o, t in zip(outs, targets, strict=True)
+                ]
+                rounds = " / ".join(str(r) if r is not None else f"> {args.rounds}" for r in reached)
+                cells = [METHODS[method][0], ROWS[row][0], f"{knob} {setting['lr']:g}{state}",
+                         mean_std(final_accuracy(outs), scale=100, digits=1), rounds,
+                         f"{mb_per_client_round(outs[0]):.2f}"]  # fmt: skip
+                print("| " + " | ".join(cells) + " |", flush=True)
+
+
+def robustness(args, seeds) -> None:
+    base = read_tuned(args.tuned_file, [key("fedlr", "dirichlet", "fedavg")])[
+        key("fedlr", "dirichlet", "fedavg")
+    ]
+    train = {"lr": base["lr"], "optimizer_state": base["optimizer_state"]}
+    print(f"\nRobustness: FedLR, Dirichlet 0.1, 20 clients, 10 a round, FedAvg's tuned setting "
+          f"(lr {base['lr']:g}, {base['optimizer_state']}); sign-flipping clients (of 20); global test "
+          f"accuracy (%) after the last round, mean ± sample std over seeds {seeds}\n")  # fmt: skip
+    print("| Aggregator | " + " | ".join(f"{100 * b / 20:g} % ({b})" for b in BYZANTINE) + " |")
+    print("|---|" + "---|" * len(BYZANTINE))
+    for rule, label in AGGREGATORS.items():
+        server = {"aggregation": rule, **({"trim": 0.3} if rule == "trimmed_mean" else {}),
+                  **({"byzantine": 3} if "krum" in rule else {})}  # fmt: skip
+        cells = []
+        for bad in BYZANTINE:
+            outs = []
+            for seed in seeds:
+                out = args.out / f"robust-{rule}-byz{bad}-seed{seed}"
+                faults = {"byzantine_clients": bad, "attack": "sign_flip"} if bad else {}
+                run_or_reuse(config("fedlr", "dirichlet", seed, out, args, train, server, faults=faults))
+                outs.append(out)
+            cells.append(mean_std(final_accuracy(outs), scale=100, digits=1))
+        print(f"| {label} | " + " | ".join(cells) + " |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tune", action="store_true", help=f"tune each row's knob (seed {TUNING_SEED})")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--splits", default=",".join(SPLITS))
+    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--robust", action="store_true", help="the robustness table only")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=10, help="local steps a round")
+    ap.add_argument("--examples", type=int, default=3000, help="training pool (all clients)")
+    ap.add_argument("--test-examples", type=int, default=500)
+    ap.add_argument("--max-length", type=int, default=32)
+    ap.add_argument(
+        "--extend", type=int, default=3, help="--tune: grid extensions past a best value at an end"
+    )
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/server_opt"))
+    ap.add_argument("--tuned-file", type=Path, default=TUNED_FILE)
+    args = ap.parse_args()
+    methods, splits, rows = args.methods.split(","), args.splits.split(","), args.rows.split(",")
+    for given, known, what in (
+        (methods, METHODS, "methods"),
+        (splits, SPLITS, "splits"),
+        (rows, ROWS, "rows"),
+    ):
+        if unknown := [x for x in given if x not in known]:
+            ap.error(f"--{what}: unknown {unknown}; choose from {list(known)}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if args.tune:
+        tune(args, methods, splits, rows)
+        return
+    if args.robust:
+        robustness(args, seeds)
+        return
+    runs = table_runs(args, methods, splits, rows, seeds)
+    print_tables(runs, args, methods, splits, rows, seeds)
+
+
+if __name__ == "__main__":
+    main()
