@@ -354,3 +354,40 @@ def test_secure_aggregation_refuses_other_aggregations(tiny_config, tmp_path):
     cfg = tiny_config(method={"name": "hetlora"}, **{"deploy.secure_aggregation": True})
     with pytest.raises(DeploymentError, match="example-weighted mean"):
         serve(deploy(cfg, tmp_path))
+
+
+def _task_config(task, tiny_config, tiny_decoder, tmp_path, out, **over):
+    """A seconds-long config of ``task`` (the task tests' own) writing to ``out``."""
+    from tests.test_causal_lm import lm_config
+    from tests.test_ner import SENTENCES, ner_config, write_conll
+
+    over = {"train.rounds": 2, "output_dir": str(out), **over}
+    if task == "causal_lm":
+        return lm_config(tiny_config, tiny_decoder, **over)
+    if task == "token_classification":
+        return ner_config(tiny_config, write_conll(tmp_path / "train.conll", SENTENCES * 20), **over)
+    return tiny_config(**{"data.task": "extractive_qa", "data.max_length": 48, "data.stride": 16,
+                          "data.max_samples": 120, "data.max_test_samples": 20, **over})  # fmt: skip
+
+
+@pytest.mark.parametrize("task", ["causal_lm", "token_classification", "extractive_qa"])
+def test_every_task_deploys_with_the_in_process_metrics(tiny_config, tiny_decoder, tmp_path, task):
+    """Instruction tuning (loss, perplexity, generation scores), NER (entity scores) and
+    extractive QA (EM, F1) deployed: each node scores its own model with the task's
+    scorer, the server the global model; every figure equals the in-process run's."""
+    local_cfg = _task_config(task, tiny_config, tiny_decoder, tmp_path, tmp_path / "inproc")
+    flower_cfg = _task_config(task, tiny_config, tiny_decoder, tmp_path, tmp_path / "flower")
+    run(local_cfg)
+    grid = deploy(flower_cfg, tmp_path)
+    serve(grid)
+    a, b = read_records(local_cfg.output_dir), read_records(flower_cfg.output_dir)
+    assert len(a) == len(b) == 2
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["clients"] == ra["clients"]
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-6)
+        assert rb["global"].keys() == ra["global"].keys() and ra["global"]
+        assert rb["global"] == pytest.approx(ra["global"], rel=1e-6, nan_ok=True)
+        assert rb["local"] == pytest.approx(ra["local"], rel=1e-6, nan_ok=True)
+        assert rb["payload_bytes_up"] == ra["bytes_up"] and rb["payload_bytes_down"] == ra["bytes_down"]
+    assert all(r["dropped"] == {} for r in b if "dropped" in r)
+    assert read_summary(flower_cfg.output_dir)["headline"] == read_summary(local_cfg.output_dir)["headline"]

@@ -68,3 +68,28 @@ def test_deployment_matches_in_process(tiny_config, tmp_path, tls_federation, me
     traffic = status["network-traffic"]
     assert traffic["inbound-bytes"] >= sum(r["bytes_up"] for r in b)
     assert read_summary(flower_cfg.output_dir)["engine"] == "flower"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["causal_lm", "token_classification", "extractive_qa"])
+def test_every_task_deployed_matches_in_process(tiny_config, tiny_decoder, tmp_path, tls_federation, task):
+    """Instruction tuning, NER and extractive QA on the real SuperLink and three SuperNodes:
+    the in-process figures, to the classification test's tolerance."""
+    from tests.test_flower_bridge import _task_config
+
+    runs = {e: _task_config(task, tiny_config, tiny_decoder, tmp_path, tmp_path / e, **SMALL)
+            for e in ("flower", "inproc")}  # fmt: skip
+    status = deploy.submit(runs["flower"], tls_federation.address, workdir=tmp_path / "submit",
+                           tls=tls_federation.tls, timeout=420, echo=False)  # fmt: skip
+    assert status["status"] == "finished:completed"
+    run(runs["inproc"])
+    a, b = read_records(runs["inproc"].output_dir), read_records(runs["flower"].output_dir)
+    assert [r["clients"] for r in b] == [r["clients"] for r in a]
+    assert all("dropped" not in r for r in b)
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-6)
+        for key in [k for k in ("global", "local") if k in ra]:  # scored every eval.every rounds
+            assert rb[key].keys() == ra[key].keys()
+            assert rb[key] == pytest.approx(ra[key], rel=1e-6, nan_ok=True)
+        assert rb["payload_bytes_up"] == ra["bytes_up"]
+    assert "global" in a[-1] and "local" in a[-1]

@@ -191,7 +191,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     node = node_of(context)
     config = msg.content["config"]
     received = _received(node, msg)
-    ev = node.evaluate(received, int(config["round"]), bool(config["global_test"]), node.cfg.eval.batch_size)
+    ev = node.evaluate(received, int(config["round"]), bool(config["global_test"]))
     records: dict = {"config": ConfigRecord({"trained": ev.trained})}
     if ev.local:
         records["local"] = MetricRecord(ev.local)

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -29,9 +31,8 @@ from fedpeft.data.task import Encoded, encode, encode_corpus
 from fedpeft.engines import guard
 from fedpeft.engines.inprocess import derive_seed
 from fedpeft.experiment import attach_method, fingerprint, make_split, place
-from fedpeft.methods.base import ClientData, FitResult, Job, Method, Tensors
-from fedpeft.methods.cohort import predict_cohort
-from fedpeft.metrics.classification import scores
+from fedpeft.methods.base import ClientData, FitResult, Job, Method, Tensors, load_tensors
+from fedpeft.metrics.scorers import Scorer, SpanScorer, scorer_for
 from fedpeft.models.backbone import TaskModel, build_model, load_tokenizer
 
 KEEP_SNAPSHOTS = 2
@@ -43,6 +44,32 @@ class Evaluation:
     local: dict[str, float]
     global_: dict[str, float]
     extra: dict[str, dict[str, float]] = field(default_factory=dict)  # local_<name>: another client model
+
+
+def pack(data: Encoded) -> dict:
+    """``data`` as a node saves it: its tensors and its per-row extras (QA's offsets)."""
+    return {"fields": data.fields(), "aux": dict(data.aux)}
+
+
+def unpack(saved: dict | list) -> Encoded:
+    """The inverse of :func:`pack` (a list: the tensors alone, as nodes saved them before)."""
+    if isinstance(saved, list):
+        return Encoded(*saved)
+    return Encoded(*saved["fields"], aux=saved["aux"])
+
+
+def scoring_facts(corpus, sets: list[Encoded]) -> dict:
+    """What a node's scorer needs of the corpus besides its own rows: NER's tag names;
+    for extractive QA the passage and gold answers of each example its rows come from
+    (by the corpus-wide example id its features carry)."""
+    if corpus.tag_names is not None:
+        return {"tag_names": list(corpus.tag_names)}
+    if corpus.train_contexts is None:
+        return {"tag_names": None}
+    contexts = corpus.train_contexts + corpus.test_contexts
+    answers = [[text for text, _ in a] for a in corpus.train_answers + corpus.test_answers]
+    ids = sorted({int(i) for d in sets for i in d.aux["example_ids"].tolist()})
+    return {"contexts": {i: contexts[i] for i in ids}, "answers": {i: answers[i] for i in ids}}
 
 
 class NotSetUp(RuntimeError):
@@ -85,8 +112,10 @@ class Node:
             data = self._prepare_data(class_names, data_file)
             self._save("data", data)
         self.class_names: list[str] = data["class_names"]
-        self.client = ClientData(cid, Encoded(*data["train"]), Encoded(*data["test"]))
-        self.global_test = Encoded(*data["global_test"]) if data["global_test"] else None
+        self.client = ClientData(self.cid, unpack(data["train"]), unpack(data["test"]))
+        self.global_test = unpack(data["global_test"]) if data["global_test"] else None
+        self.scoring: dict = data.get("scoring", {})  # what the task's scorer needs besides the model
+        self._scorer: Scorer | None = None
         self._join = self._load("join")  # the method's join message, once received
         self._learner: tuple[TaskModel, Method, Tensors] | None = None  # built on first use
         self.snapshots: dict[int, Tensors] = self._load("personal") or {}
@@ -101,7 +130,9 @@ class Node:
         engine's, so the same initial adapters; the join message applied if held. The model
         and the data go to this node's own ``train.device`` (``auto``: its GPU if it has one)."""
         if self._learner is None:
-            model, _ = build_model(self.cfg.model, len(self.class_names), self.cfg.seed)
+            tags = self.scoring.get("tag_names")  # NER: one output per tag, as in-process
+            outputs = len(tags) if tags is not None else len(self.class_names)
+            model, _ = build_model(self.cfg.model, outputs, self.cfg.seed, self.cfg.data.task)
             method, initial = attach_method(self.cfg, model)
             device = place(model, self.cfg.train)
             self.client = ClientData(self.cid, self.client.train.to(device), self.client.test.to(device))
@@ -129,6 +160,7 @@ class Node:
         the node mirrors a simulation): the same rows and padding as the in-process engine."""
         cfg = self.cfg
         tokenizer = load_tokenizer(cfg.model)
+        scoring: dict = {}
         if data_file is None:  # partition ``cid`` of the experiment's corpus
             corpus = load_corpus(cfg.data, cfg.seed)
             if corpus.class_names != class_names:
@@ -140,7 +172,14 @@ class Node:
             client = ClientData(
                 self.cid, pool.examples(split.train[self.cid]), pool.examples(split.test[self.cid])
             )
+            scoring = scoring_facts(corpus, [client.train, client.test, global_test])
         else:
+            if cfg.data.task != "classification":
+                raise ValueError(
+                    f"node config data-file={data_file}: a node's own file holds classification rows so "
+                    f"far; data.task {cfg.data.task} deploys with partitions of the experiment's corpus "
+                    "(no data-file)"
+                )
             texts, labels = load_client_file(data_file, cfg.data, class_names)
             rng = np.random.default_rng([cfg.seed, self.cid])
             (train,), (test,) = P.split_local_test(
@@ -150,10 +189,26 @@ class Node:
             client, global_test = ClientData(self.cid, enc.subset(train), enc.subset(test)), None
         return {
             "class_names": list(class_names),
-            "train": client.train.fields(),
-            "test": client.test.fields(),
-            "global_test": global_test.fields() if global_test is not None else [],
+            "train": pack(client.train),
+            "test": pack(client.test),
+            "global_test": pack(global_test) if global_test is not None else [],
+            "scoring": scoring,
         }
+
+    @property
+    def scorer(self) -> Scorer:
+        """The task's scorer (``metrics.scorers``), as the in-process engine's: the same
+        scores of the same model on the same examples."""
+        if self._scorer is None:
+            cfg, facts, ev = self.cfg, self.scoring, self.cfg.eval
+            if cfg.data.task == "extractive_qa":  # the passages and answers of this node's examples
+                self._scorer = SpanScorer(
+                    facts["contexts"], facts["answers"], ev.batch_size, ev.max_answer_tokens, ev.batch_tokens
+                )
+            else:
+                tokenizer = load_tokenizer(cfg.model) if cfg.data.task == "causal_lm" else None
+                self._scorer = scorer_for(cfg.data.task, tokenizer, ev, SimpleNamespace(**facts))
+        return self._scorer
 
     # ---------------------------------------------------------------- the node's disk
     def _path(self, what: str) -> Path:
@@ -211,7 +266,7 @@ class Node:
         self._save("personal", self.snapshots)
         return result
 
-    def evaluate(self, received: Tensors, rnd: int, on_global_test: bool, batch_size: int) -> Evaluation:
+    def evaluate(self, received: Tensors, rnd: int, on_global_test: bool) -> Evaluation:
         """Scores of this client's model (after round ``rnd``) on its local test split and,
         if asked and held, on the global test set. A client that has not trained yet is
         scored too, with its initial personal state, as in-process."""
@@ -222,9 +277,8 @@ class Node:
         trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
 
         def score(state: Tensors, data: Encoded) -> dict[str, float]:
-            """The client's model ``state`` on ``data``, computed as in-process (a cohort of one)."""
-            preds = predict_cohort(self.model, [state], data, batch_size, self.cfg.eval.batch_tokens)[0]
-            return scores(preds, data.labels.cpu().numpy())
+            """The client's model ``state`` on ``data``, scored as in-process (a cohort of one)."""
+            return self.scorer.score_clients(self.model, [state], data, partial(load_tensors, self.model))[0]
 
         extra = {}
         for name, state in self.method.extra_eval_states(self.model, received, personal, self.client).items():

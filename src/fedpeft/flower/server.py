@@ -40,7 +40,8 @@ from fedpeft.engines.server_opt import as_weighted, server_step
 from fedpeft.experiment import Setup
 from fedpeft.flower import codec, secure
 from fedpeft.methods.base import FitResult, ServerState, Tensors, load_tensors, tensor_bytes
-from fedpeft.metrics.classification import mean_scores, predict, scores, spread
+from fedpeft.metrics.classification import mean_scores, spread
+from fedpeft.metrics.scorers import scorer_for
 
 ROLL_CALL, TRAIN, EVALUATE = "query", "train", "evaluate"
 POLL_SECONDS = 0.5  # how often the server asks the SuperLink for replies
@@ -102,6 +103,8 @@ class FlowerServer:
         self.uplink_like: Tensors = {}
         self.peers: dict[int, Peer] = {}  # client id -> the node that holds it
         self.strangers: set[int] = set()  # nodes that answered with an unusable client id
+        # the global model's scorer: the in-process engine's, for this task
+        self.scorer = scorer_for(self.cfg.data.task, setup.tokenizer, self.cfg.eval, setup.corpus)
 
     # ------------------------------------------------------------ messaging
     def exchange(self, messages: list[Message], timeout: float) -> tuple[dict[int, Message], dict[int, str]]:
@@ -337,14 +340,10 @@ class FlowerServer:
         """Global-test scores of the global model (or the clients' mean when there is
         none), and each client's scores on its local test split, computed on its node."""
         setup, out = self.setup, {}
-        bs = self.cfg.eval.batch_size
         global_tensors = self.method.global_state(server)
         if global_tensors is not None:
             load_tensors(setup.model, global_tensors)
-            out["global"] = scores(
-                predict(setup.model, setup.global_test, bs, self.cfg.eval.batch_tokens),
-                setup.global_test.labels.cpu().numpy(),
-            )
+            out["global"] = self.scorer.score(setup.model, setup.global_test)
         ask_global = global_tensors is None
         if not (self.cfg.eval.local or ask_global):
             return out
