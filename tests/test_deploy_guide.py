@@ -24,6 +24,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,21 +32,22 @@ import yaml
 
 from fedpeft.config import dump_config
 from fedpeft.flower import deploy
-from fedpeft.flower.certs import make_certificates
+from fedpeft.flower.certs import make_certificates, make_node_keys
 from fedpeft.report.results import read_records, read_summary
 
 pytestmark = [pytest.mark.deploy, pytest.mark.guide, pytest.mark.xdist_group("deploy_guide")]
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "<!-- walkthrough: one-machine-tls"
+ENROLMENT = "<!-- walkthrough: enrol-revoke"
 LONG_LIVED = ("fedpeft superlink", "fedpeft join")  # "keep running until Ctrl-C"
 
 
-def walkthrough(page: str) -> list[str]:
-    """The commands of the fenced block after ``MARKER``, continuation lines joined."""
-    after = page.split(MARKER, 1)[1]
+def walkthrough(page: str, marker: str = MARKER) -> list[str]:
+    """The commands of the fenced block after ``marker``, continuation lines joined."""
+    after = page.split(marker, 1)[1]
     block = re.search(r"```bash\n(.*?)```", after, flags=re.S)
-    assert block, f"docs/deployment.md: no ```bash block after {MARKER}"
+    assert block, f"docs/deployment.md: no ```bash block after {marker}"
     text = block.group(1).replace("\\\n", " ")
     return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
@@ -127,12 +129,23 @@ def compare_runs(deployed: Path, simulated: Path) -> None:
     assert read_summary(simulated).get("engine") != "flower"
 
 
+def wait_for(condition, timeout: float, what: str, shell: Terminals) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {timeout:g} s\n{shell.logs()}"
+        time.sleep(1)
+
+
 def test_one_machine_tls_walkthrough(tmp_path):
-    commands = walkthrough((ROOT / "docs" / "deployment.md").read_text())
+    """Then the enrolment block: a fourth node enrolled joins; revoked, its `fedpeft join`
+    stops with the one line and a non-zero exit while the others stay up."""
+    page = (ROOT / "docs" / "deployment.md").read_text()
+    commands, enrolment = walkthrough(page), walkthrough(page, ENROLMENT)
     clone = fresh_copy(tmp_path / "fedpeft")
     if not port_free(9092):  # taken on this machine: the only change to the page's commands
         port = str(deploy.free_port())
         commands = [c.replace("9092", port) for c in commands]
+        enrolment = [c.replace("9092", port) for c in enrolment]
     shell = Terminals(clone, shell_env())
     background = []
     try:
@@ -143,6 +156,21 @@ def test_one_machine_tls_walkthrough(tmp_path):
                 shell.run(command, timeout=900)
         # the nodes outlive the run: still up for the next one
         assert background and all(p.poll() is None for p in background), shell.logs()
+        late, late_log = None, tmp_path / "terminal-late.log"
+        for command in enrolment:
+            if command.startswith("fedpeft join"):
+                late = shell.start(command, late_log)
+                continue
+            if command.startswith("fedpeft revoke"):  # once the late node is in
+                wait_for(
+                    lambda: "SuperNode ID" in late_log.read_text(), 180, "the enrolled node joined", shell
+                )
+            shell.run(command, timeout=300)
+        assert late is not None
+        wait_for(lambda: late.poll() is not None, 300, "the revoked node stopped", shell)
+        said = late_log.read_text()
+        assert late.returncode != 0 and "refused this node" in " ".join(said.split()), shell.logs()
+        assert all(p.poll() is None for p in background), shell.logs()  # the others stay
     finally:
         shell.stop()
     assert any(c.startswith("fedpeft serve") and "--ca runs/certs/ca.crt" in c for c in commands)
@@ -157,17 +185,18 @@ def test_serve_with_relative_certificates_and_nodes_that_outlive_runs(tiny_confi
     the same port: they rejoin its new SuperLink by themselves."""
     work = tmp_path / "work"
     make_certificates(work / "certs", ["127.0.0.1", "localhost"])
+    make_node_keys(work / "certs" / "nodes", range(3))
     cfg = tiny_config(**{"partition.num_clients": 3, "train.clients_per_round": 3, "train.threads": 1,
                          "train.rounds": 1, "eval.every": 1, "output_dir": "runs/first"})  # fmt: skip
     (work / "exp.yaml").write_text(dump_config(cfg))
     port = deploy.free_port()
     tls = "--ca certs/ca.crt --cert certs/server.pem --key certs/server.key"
-    serve = f"fedpeft serve exp.yaml {tls} --host 127.0.0.1 --port {port}"
+    serve = f"fedpeft serve exp.yaml {tls} --enrolled certs/nodes --host 127.0.0.1 --port {port}"
     shell = Terminals(work, shell_env())
     try:
         join = f"fedpeft join --superlink 127.0.0.1:{port} --ca certs/ca.crt --max-wait 300"
-        nodes = [shell.start(f"{join} --partition-id {i} --state-dir node{i}", tmp_path / f"join{i}.log")
-                 for i in range(3)]  # fmt: skip
+        nodes = [shell.start(f"{join} --key certs/nodes/node-{i}.key --partition-id {i} --state-dir node{i}",
+                             tmp_path / f"join{i}.log") for i in range(3)]  # fmt: skip
         first = shell.run(serve, timeout=600)
         assert "clients join with: fedpeft join --superlink 127.0.0.1:" in first.stdout
         assert "--ca certs/ca.crt" in first.stdout  # the hint says how to connect

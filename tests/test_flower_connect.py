@@ -331,3 +331,43 @@ def test_serve_refuses_client_drift_before_starting_anything(tmp_path):
     assert result.exit_code != 0
     assert "eval.drift" in result.output and "fedpeft run" in result.output
     assert not (tmp_path / "run" / "flower").exists()  # no SuperLink was started
+
+
+#: flower-supernode refused by an authenticating SuperLink (its key not enrolled), as logged
+#: by Flower 1.41 (abridged).
+NOT_ENROLLED_LOG = """\
+\x1b[92mINFO \x1b[0m:      Starting Flower SuperNode
+INFO:     Uvicorn running on http://127.0.0.1:49685 (Press CTRL+C to quit)
+\x1b[93mWARNING \x1b[0m:   Connection attempt failed, retrying in 3.82 seconds
+\x1b[91mERROR \x1b[0m:     Exit Code: 305
+Failed to initialize the connection to the SuperLink.
+[code: 2004] Failed to activate SuperNode.
+The SuperNode could not establish a connection to the SuperLink.
+
+For more information, visit: <https://flower.ai/docs/framework/1.41/en/ref-exit-codes/305.html>
+INFO:     Shutting down
+"""
+
+
+def test_a_node_not_admitted_is_told_in_one_line():
+    """The node's terminal shows none of Flower's exit message; the supervisor, seeing the
+    refusal, says it in one line (``run_node``) and the command exits non-zero."""
+    out, log = io.StringIO(), io.StringIO()
+    echo = Echo(out, log)
+    for line in NOT_ENROLLED_LOG.splitlines(keepends=True):
+        echo.feed(line)
+    echo.close()
+    assert echo.refused and not echo.forgotten
+    assert log.getvalue() == NOT_ENROLLED_LOG
+    shown = out.getvalue()
+    assert "Starting Flower SuperNode" in shown and "Shutting down" in shown
+    assert not re.search(r"Exit Code|2004|activate|flower.ai|Connection attempt", shown)
+    # another exit message is shown whole
+    other = io.StringIO()
+    echo = Echo(other, io.StringIO())
+    for line in NOT_ENROLLED_LOG.replace(
+        "[code: 2004] Failed to activate SuperNode.", "Disk full."
+    ).splitlines(keepends=True):
+        echo.feed(line)
+    echo.close()
+    assert not echo.refused and "Exit Code: 305" in other.getvalue() and "Disk full." in other.getvalue()

@@ -9,6 +9,8 @@ float64 as in-process. So the metrics should agree to float rounding; the tolera
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from fedpeft.experiment import run
@@ -93,3 +95,54 @@ def test_every_task_deployed_matches_in_process(tiny_config, tiny_decoder, tmp_p
             assert rb[key] == pytest.approx(ra[key], rel=1e-6, nan_ok=True)
         assert rb["payload_bytes_up"] == ra["bytes_up"]
     assert "global" in a[-1] and "local" in a[-1]
+
+
+@pytest.mark.slow
+def test_only_enrolled_nodes_join_and_a_revoked_one_is_refused(tiny_config, tmp_path):
+    """A TLS SuperLink admits enrolled nodes only: a node with a key it never enrolled is
+    refused at once (one line, non-zero exit: ``fedpeft join``), the three enrolled ones
+    train; client 2's node, revoked after round 1, is refused from then on and the run
+    completes with the other two."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from fedpeft.flower.certs import make_node_keys
+
+    paths = make_certificates(tmp_path / "certs", ["127.0.0.1", "localhost"])
+    tls = deploy.Tls(paths["ca.crt"], paths["server.pem"], paths["server.key"])
+    cfg = tiny_config(**{**SMALL, "train.rounds": 3, "eval.every": 1, "deploy.min_results": 2,
+                         "deploy.round_timeout": 60}, output_dir=str(tmp_path / "run"))  # fmt: skip
+    with deploy.local_federation(tmp_path / "fed", 3, tls=tls) as fed:
+        assert sorted(fed.enrolled) == [0, 1, 2]
+        stranger = make_node_keys(tmp_path / "stranger", [0])[0][0]
+        fedpeft = str(Path(sys.executable).parent / "fedpeft")
+        refused = subprocess.run(
+            [fedpeft, "join", "--superlink", fed.address, "--ca", str(tls.ca), "--key", str(stranger),
+             "--partition-id", "0", "--state-dir", str(tmp_path / "stranger-node"), "--max-wait", "30"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert refused.returncode != 0
+        assert "refused this node" in refused.stdout + refused.stderr
+        assert "Exit Code" not in refused.stdout + refused.stderr
+
+        metrics = Path(cfg.output_dir) / "metrics.jsonl"
+
+        def revoke_after_round_1() -> None:
+            while not (metrics.is_file() and metrics.read_text().count("\n") >= 1):
+                time.sleep(0.5)
+            fed.revoke(2)
+
+        revoker = threading.Thread(target=revoke_after_round_1, daemon=True)
+        revoker.start()
+        status = deploy.submit(
+            cfg, fed.address, workdir=tmp_path / "submit", tls=tls, timeout=420, echo=False
+        )
+        revoker.join(5)
+        assert status["status"] == "finished:completed"
+        records = read_records(cfg.output_dir)
+        assert len(records) == 3
+        assert 2 in records[0]["clients"]
+        assert all(2 not in r.get("clients_returned", r["clients"]) for r in records[1:])
+        assert all(r["nodes"] == 2 for r in records[2:])

@@ -427,6 +427,20 @@ HostOpt = Annotated[str, typer.Option(help="Interface the SuperLink listens on (
 PortOpt = Annotated[int, typer.Option(help="The SuperLink's port (one port: nodes and runs alike).")]
 CertOpt = Annotated[Path | None, typer.Option(help="SuperLink certificate (TLS).")]  # noqa: UP007
 KeyOpt = Annotated[Path | None, typer.Option(help="SuperLink private key (TLS).")]  # noqa: UP007
+EnrolledOpt = Annotated[
+    Path | None,  # noqa: UP007
+    typer.Option(
+        help="A folder of node public keys (*.pub, from `fedpeft certs --nodes N`) enrolled at start."
+    ),
+]
+AuthOpt = Annotated[
+    bool | None,  # noqa: UP007
+    typer.Option(
+        "--auth/--no-auth",
+        help="SuperNode authentication: only enrolled nodes join (default: on with TLS; Flower allows "
+        "it over TLS only).",
+    ),
+]
 
 
 def _tls(ca: Path | None, insecure: bool, cert: Path | None = None, key: Path | None = None):
@@ -454,9 +468,31 @@ def _say(prefix: str):
     return lambda line: console.print(f"[bold]{prefix}:[/] {escape(line)}", soft_wrap=True)
 
 
-def _join_hint(address: str, ca: Path | None) -> str:
+def _join_hint(address: str, ca: Path | None, auth: bool = False) -> str:
     security = f"--ca {ca}" if ca is not None else "--insecure"
-    return f"fedpeft join --superlink {address} {security} --partition-id N --state-dir DIR"
+    signing = " --key NODE_KEY" if auth else ""
+    return f"fedpeft join --superlink {address} {security}{signing} --partition-id N --state-dir DIR"
+
+
+def _auth(auth: bool | None, tls, enrolled: Path | None) -> bool:
+    """Whether the SuperLink authenticates nodes: on with TLS unless --no-auth."""
+    on = tls is not None if auth is None else auth
+    if on and tls is None:
+        _fail(ValueError("--auth: Flower authenticates SuperNodes over TLS only; give --ca, --cert, --key"))
+    if enrolled is not None and not on:
+        _fail(ValueError(f"--enrolled {enrolled}: enrolment needs SuperNode authentication (drop --no-auth)"))
+    if enrolled is not None and not enrolled.is_dir():
+        _fail(FileNotFoundError(f"--enrolled {enrolled}: no such folder"))
+    return on
+
+
+def _enrol_folder(address: str, enrolled: Path | None, tls, work: Path) -> None:
+    """Enrol every public key of ``enrolled`` with the SuperLink just started at ``address``."""
+    from fedpeft.flower import deploy
+
+    for key in sorted(enrolled.glob("*.pub")) if enrolled is not None else []:
+        node = deploy.enrol(address, key, tls, work, name=key.stem)
+        console.print(f"enrolled {key.name} as node {node}", soft_wrap=True)
 
 
 def _public_address(host: str, port: int) -> str:
@@ -483,6 +519,8 @@ def serve(
     cert: CertOpt = None,
     key: KeyOpt = None,
     insecure: InsecureOpt = False,
+    enrolled: EnrolledOpt = None,
+    auth: AuthOpt = None,
     workdir: Annotated[Path | None, typer.Option(help="Flower's files (default: OUTPUT_DIR/flower).")] = None,  # noqa: UP007
     max_wait: Annotated[
         float,
@@ -510,15 +548,24 @@ def serve(
             ValueError("--cert/--key: for the SuperLink serve starts itself; with --superlink give --ca only")
         )
     tls = _tls(ca, insecure, cert, key)
+    if superlink is not None and (enrolled is not None or auth is not None):
+        _fail(
+            ValueError("--enrolled/--auth: for the SuperLink serve starts itself; a running one has its own")
+        )
+    authenticate = _auth(auth, tls, enrolled) if superlink is None else False
     work = (workdir or Path(cfg.output_dir) / "flower").resolve()
     link = None
     try:
         if superlink is None:
-            link = deploy.start_superlink(work, host, port, tls, log=work / "superlink.log")
+            link = deploy.start_superlink(
+                work, host, port, tls, log=work / "superlink.log", auth=authenticate
+            )
             superlink = local_address(host, port, tls)
+            _enrol_folder(superlink, enrolled, tls, work)
             log = work / "superlink.log"
             console.print(f"SuperLink on {host}:{port} for this run (log: {log})", soft_wrap=True)
-            console.print(f"clients join with: {_join_hint(_public_address(host, port), ca)}", soft_wrap=True)
+            hint = _join_hint(_public_address(host, port), ca, authenticate)
+            console.print(f"clients join with: {hint}", soft_wrap=True)
         else:
             wait_for_superlink(superlink, tls, max_wait=max_wait, say=_say("fedpeft serve"))
         status = deploy.submit(cfg, superlink, workdir=work, tls=tls, resume=resume)
@@ -548,25 +595,35 @@ def superlink(
     cert: CertOpt = None,
     key: KeyOpt = None,
     insecure: InsecureOpt = False,
+    enrolled: EnrolledOpt = None,
+    auth: AuthOpt = None,
     workdir: Annotated[Path, typer.Option(help="The SuperLink's files (database, log).")] = Path(
         "runs/superlink"
     ),
 ) -> None:
     """Run a long-lived SuperLink until stopped (Ctrl-C): nodes join it once and take part in
-    every run submitted with ``fedpeft serve CONFIG --superlink HOST:PORT``."""
+    every run submitted with ``fedpeft serve CONFIG --superlink HOST:PORT``. With TLS only
+    enrolled nodes join (``--enrolled`` at start, ``fedpeft enrol`` while it runs)."""
     from fedpeft.flower import deploy
+    from fedpeft.flower.connect import local_address
 
     tls = _tls(ca, insecure, cert, key)
+    authenticate = _auth(auth, tls, enrolled)
     work = workdir.resolve()
     try:
-        link = deploy.start_superlink(work, host, port, tls, log=work / "superlink.log")
+        link = deploy.start_superlink(work, host, port, tls, log=work / "superlink.log", auth=authenticate)
+        try:
+            _enrol_folder(local_address(host, port, tls), enrolled, tls, work)
+        except deploy.DeployError:
+            deploy.stop(link)
+            raise
     except deploy.DeployError as err:
         _fail(err)
     address = _public_address(host, port)
     console.print(
         f"SuperLink listening on {host}:{port} until stopped (log: {work / 'superlink.log'})", soft_wrap=True
     )
-    console.print(f"clients join with: {_join_hint(address, ca)}", soft_wrap=True)
+    console.print(f"clients join with: {_join_hint(address, ca, authenticate)}", soft_wrap=True)
     security = f"--ca {ca}" if ca is not None else "--insecure"
     console.print(f"runs start with: fedpeft serve CONFIG --superlink {address} {security}", soft_wrap=True)
     try:
@@ -608,6 +665,13 @@ def join(
     ] = 300,
     ca: CaOpt = None,
     insecure: InsecureOpt = False,
+    key: Annotated[
+        Path | None,  # noqa: UP007
+        typer.Option(
+            help="This node's private key (from `fedpeft certs --nodes N`), for a SuperLink that "
+            "admits enrolled nodes only."
+        ),  # fmt: skip
+    ] = None,
 ) -> None:
     """Join a federation as one client, until stopped (Ctrl-C). The node receives the
     experiment's config from the server with each run, trains and evaluates on its own data,
@@ -623,6 +687,8 @@ def join(
     tls = _tls(ca, insecure)
     if data_file is not None and not data_file.is_file():
         _fail(FileNotFoundError(f"--data-file {data_file}: no such file"))
+    if key is not None and not key.is_file():
+        _fail(FileNotFoundError(f"--key {key}: no such file"))
     try:
         split_address(superlink)
     except deploy.DeployError as err:
@@ -631,7 +697,13 @@ def join(
 
     def command() -> list[str]:
         return deploy.supernode_command(
-            superlink, partition_id, state, data_file=data_file, tls=tls, port=port or deploy.free_port()
+            superlink,
+            partition_id,
+            state,
+            data_file=data_file,
+            tls=tls,
+            port=port or deploy.free_port(),
+            key=key,
         )
 
     def interrupt(signum, frame):
@@ -668,12 +740,76 @@ def certs(
         list[str],
         typer.Option("--host", help="Name or IP address clients use for the SuperLink (repeatable)."),
     ] = ["127.0.0.1", "localhost"],  # noqa: B006 - typer reads the default, never mutates it
+    nodes: Annotated[
+        int, typer.Option(min=0, help="Also a key pair per node, OUT/nodes/node-<i>.key and .pub, i < N.")
+    ] = 0,
 ) -> None:
-    """Make a local certificate authority and a SuperLink certificate for TLS."""
-    from fedpeft.flower.certs import make_certificates
+    """Make a local certificate authority and a SuperLink certificate for TLS, and (``--nodes``)
+    the key pairs nodes sign with: the SuperLink enrols the ``.pub`` files, node ``i`` joins
+    with ``--key OUT/nodes/node-<i>.key``."""
+    from fedpeft.flower.certs import make_certificates, make_node_keys
 
     for name, path in make_certificates(out, host).items():
         console.print(f"{name}: {path}")
+    for i, (private, public) in make_node_keys(out / "nodes", range(nodes)).items():
+        console.print(f"node {i}: {private} (its own), {public} (the SuperLink's)")
+
+
+@app.command()
+def enrol(
+    public_key: Annotated[Path, typer.Argument(help="The node's public key (node-<i>.pub).")],
+    superlink: Annotated[str, typer.Option(help="The SuperLink's address, HOST:PORT.")],
+    ca: CaOpt = None,
+    workdir: Annotated[Path, typer.Option(help="The flwr CLI's files.")] = Path("runs/superlink"),
+) -> None:
+    """Admit a node to a running SuperLink that authenticates nodes: prints the node id it
+    will hold (``fedpeft revoke`` takes it, or the key file)."""
+    from fedpeft.flower import deploy
+
+    tls = _tls(ca, False)
+    try:
+        node = deploy.enrol(superlink, public_key, tls, workdir.resolve(), name=public_key.stem)
+    except deploy.DeployError as err:
+        _fail(err)
+    console.print(f"enrolled {public_key} as node {node}", soft_wrap=True)
+
+
+@app.command()
+def revoke(
+    node: Annotated[str, typer.Argument(help="The node: the public key file enrolled, or its node id.")],
+    superlink: Annotated[str, typer.Option(help="The SuperLink's address, HOST:PORT.")],
+    ca: CaOpt = None,
+    workdir: Annotated[Path, typer.Option(help="The flwr CLI's files.")] = Path("runs/superlink"),
+) -> None:
+    """Remove a node from a running SuperLink: it is refused from its next request on, and
+    runs go on with the other nodes."""
+    from fedpeft.flower import deploy
+
+    tls = _tls(ca, False)
+    work = workdir.resolve()
+    try:
+        node_id = int(node) if node.isdigit() else deploy.enrolled_node(Path(node), work)
+        deploy.revoke(superlink, node_id, tls, work)
+    except deploy.DeployError as err:
+        _fail(err)
+    console.print(f"revoked node {node_id}", soft_wrap=True)
+
+
+@app.command()
+def keys(
+    out: Annotated[Path, typer.Argument(help="Directory for node-<i>.key and node-<i>.pub.")],
+    ids: Annotated[list[int], typer.Argument(help="The nodes (client ids) to make a key pair for.")],
+) -> None:
+    """Make a node's key pair for a SuperLink that admits enrolled nodes only (``fedpeft certs
+    --nodes N`` makes those of nodes 0..N-1): the node joins with ``--key node-<i>.key``, the
+    SuperLink's operator enrols ``node-<i>.pub``. An existing pair is kept."""
+    from fedpeft.flower.certs import make_node_keys
+
+    new = [i for i in ids if not (out / f"node-{i}.key").exists()]
+    for i in sorted(set(ids) - set(new)):
+        console.print(f"node {i}: {out / f'node-{i}.key'} exists; kept")
+    for i, (private, public) in make_node_keys(out, new).items():
+        console.print(f"node {i}: {private} (its own), {public} (the SuperLink's)")
 
 
 def main() -> None:  # pragma: no cover

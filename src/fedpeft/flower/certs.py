@@ -14,7 +14,7 @@ from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
 
@@ -75,4 +75,28 @@ def make_certificates(out: Path, hosts: list[str], days: int = 365) -> dict[str,
     _write_key(ca_key, paths["ca.key"])
     paths["server.pem"].write_bytes(server.public_bytes(serialization.Encoding.PEM))
     _write_key(server_key, paths["server.key"])
+    return paths
+
+
+def make_node_keys(out: Path, nodes: list[int] | range) -> dict[int, tuple[Path, Path]]:
+    """One elliptic-curve key pair (P-384) per node, for SuperNode authentication: node
+    ``i`` signs with ``node-<i>.key`` (OpenSSH private key, readable by its owner only;
+    ``fedpeft join --key``) and the SuperLink registers ``node-<i>.pub`` (``fedpeft enrol``).
+    Returns ``{i: (private key, public key)}``."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for i in nodes:
+        key = ec.generate_private_key(ec.SECP384R1())
+        private, public = out / f"node-{i}.key", out / f"node-{i}.pub"
+        private.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+            )
+        )
+        private.chmod(0o600)
+        public.write_bytes(
+            key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+            + b"\n"
+        )
+        paths[i] = (private, public)
     return paths

@@ -112,11 +112,18 @@ def _spawn(cmd: list[str], workdir: Path, home: Path, log: Path | None) -> subpr
 
 
 def start_superlink(
-    workdir: Path, host: str, port: int, tls: Tls | None, log: Path | None = None
+    workdir: Path, host: str, port: int, tls: Tls | None, log: Path | None = None, *, auth: bool | None = None
 ) -> subprocess.Popen:
-    """``flower-superlink`` on ``host:port``; returns once it answers its health check."""
+    """``flower-superlink`` on ``host:port``; returns once it answers its health check.
+    ``auth`` (default: with TLS): SuperNode authentication, so that only nodes whose public
+    key was registered (:func:`enrol`) can join; Flower allows it over TLS only."""
     from fedpeft.flower.connect import local_address
 
+    auth = tls is not None if auth is None else auth
+    if auth and tls is None:
+        raise DeployError(
+            "SuperNode authentication needs TLS (--ca, --cert, --key): Flower refuses it without"
+        )
     if tls is None:
         security = ["--insecure"]
     else:
@@ -133,7 +140,8 @@ def start_superlink(
         ]
     database = str(workdir / "superlink.db")
     cmd = [_script("flower-superlink"), *security, "--host", host, "--port", str(port),
-           "--disable-runtime-dependency-installation", "--database", database]  # fmt: skip
+           "--disable-runtime-dependency-installation", "--database", database,
+           *(["--enable-supernode-auth"] if auth else [])]  # fmt: skip
     proc = _spawn(cmd, workdir, workdir / "home-superlink", log)
     wait_healthy(proc, local_address(host, port, tls), tls, log)
     return proc
@@ -169,10 +177,20 @@ def node_config(partition_id: int, state_dir: Path, data_file: Path | None = Non
 
 
 def supernode_command(
-    superlink: str, partition_id: int, state_dir: Path, *, data_file: Path | None, tls: Tls | None, port: int
+    superlink: str,
+    partition_id: int,
+    state_dir: Path,
+    *,
+    data_file: Path | None,
+    tls: Tls | None,
+    port: int,
+    key: Path | None = None,
 ) -> list[str]:
+    """``key``: the node's private key, which it signs its requests with (an authenticating
+    SuperLink admits it only once its public key is enrolled)."""
     security = ["--insecure"] if tls is None else ["--root-certificates", str(tls.ca)]
-    return [_script("flower-supernode"), *security, "--superlink", superlink,
+    signing = [] if key is None else ["--auth-supernode-private-key", str(Path(key).expanduser().resolve())]
+    return [_script("flower-supernode"), *security, *signing, "--superlink", superlink,
             "--host", "127.0.0.1", "--port", str(port),
             "--node-config", node_config(partition_id, state_dir, data_file)]  # fmt: skip
 
@@ -187,11 +205,13 @@ def start_supernode(
     tls: Tls | None = None,
     port: int | None = None,
     log: Path | None = None,
+    key: Path | None = None,
 ) -> subprocess.Popen:
-    """``flower-supernode`` for client ``partition_id``, connecting to ``superlink``."""
+    """``flower-supernode`` for client ``partition_id``, connecting to ``superlink``
+    (signing with ``key``, its private key, when given)."""
     state_dir = state_dir or workdir / f"node-{partition_id}"
     cmd = supernode_command(
-        superlink, partition_id, state_dir, data_file=data_file, tls=tls, port=port or free_port()
+        superlink, partition_id, state_dir, data_file=data_file, tls=tls, port=port or free_port(), key=key
     )
     return _spawn(cmd, workdir, workdir / f"home-node-{partition_id}-{time.time_ns()}", log)
 
@@ -284,6 +304,75 @@ def _flwr(home: Path, *args: str, check: bool = True) -> subprocess.CompletedPro
     return proc
 
 
+# ---------------------------------------------------------------- enrolment
+def enrol(superlink: str, public_key: Path, tls: Tls, workdir: Path, name: str | None = None) -> int:
+    """Register a node's public key with the authenticating SuperLink whose Control API
+    is at ``superlink`` (``flwr supernode register``); returns the node id it will hold.
+    A node whose key is not enrolled is refused when it connects."""
+    home = workdir / "home-cli"
+    write_connection(home, superlink, tls)
+    path = Path(public_key).expanduser().resolve()
+    if not path.is_file():
+        raise DeployError(f"{public_key}: no such public key file")
+    args = ["supernode", "register", str(path), CONNECTION, "--format", "json"] + (
+        ["--name", name] if name else []
+    )
+    proc = _flwr(home, *args, check=False)
+    reply = _json_tail(proc.stdout)
+    if proc.returncode != 0 or not reply.get("success"):
+        said = reply.get("error-message") or proc.stderr.strip()[-500:] or proc.stdout.strip()[-500:]
+        raise DeployError(f"enrolling {public_key} at {superlink}: {said}")
+    node = int(reply["node-id"])
+    registry = _registry(workdir)
+    registry.write_text(json.dumps({**_enrolled(workdir), str(path): node}, indent=1) + "\n")
+    return node
+
+
+def _registry(workdir: Path) -> Path:
+    """The node ids this workdir's enrolments got, by public key file: ``fedpeft revoke KEY.pub``."""
+    return workdir / "enrolled.json"
+
+
+def _enrolled(workdir: Path) -> dict[str, int]:
+    path = _registry(workdir)
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def enrolled_node(public_key: Path, workdir: Path) -> int:
+    """The node id ``public_key`` was enrolled as (from ``workdir``); :class:`DeployError` if none."""
+    path = str(Path(public_key).expanduser().resolve())
+    known = _enrolled(workdir)
+    if path not in known:
+        raise DeployError(
+            f"{public_key}: not enrolled from {workdir} (its enrolled.json); revoke by the node id "
+            "`fedpeft enrol` printed"
+        )
+    return known[path]
+
+
+def revoke(superlink: str, node_id: int, tls: Tls, workdir: Path) -> None:
+    """Unregister node ``node_id`` (``flwr supernode unregister``): the SuperLink refuses
+    it from its next request on; a run goes on with the other nodes."""
+    home = workdir / "home-cli"
+    write_connection(home, superlink, tls)
+    proc = _flwr(home, "supernode", "unregister", str(node_id), CONNECTION, "--format", "json", check=False)
+    reply = _json_tail(proc.stdout)
+    if proc.returncode != 0 or not reply.get("success"):
+        said = reply.get("error-message") or proc.stderr.strip()[-500:] or proc.stdout.strip()[-500:]
+        raise DeployError(f"revoking node {node_id} at {superlink}: {said}")
+    remaining = {k: v for k, v in _enrolled(workdir).items() if v != node_id}
+    if _registry(workdir).is_file():
+        _registry(workdir).write_text(json.dumps(remaining, indent=1) + "\n")
+
+
+def _json_tail(text: str) -> dict:
+    """The JSON object ``flwr ... --format json`` prints last (after any progress lines)."""
+    start = text.find("{")
+    with contextlib.suppress(json.JSONDecodeError):
+        return json.loads(text[start:]) if start >= 0 else {}
+    return {}
+
+
 def run_status(home: Path, run_id: int) -> dict:
     proc = _flwr(home, "ls", CONNECTION, "--run-id", str(run_id), "--format", "json", check=False)
     with contextlib.suppress(json.JSONDecodeError, KeyError, IndexError):
@@ -358,13 +447,23 @@ def local_federation(
     *,
     tls: Tls | None = None,
     node_dirs: list[Path] | None = None,
+    auth: bool | None = None,
 ) -> Iterator[Federation]:
     """A SuperLink and ``num_nodes`` SuperNodes on loopback (client ids ``0..n-1``), torn
-    down on exit. For tests, benchmarks and trying a deployment on one machine."""
+    down on exit. For tests, benchmarks and trying a deployment on one machine. With
+    ``auth`` (default: with TLS) the SuperLink authenticates SuperNodes: each node gets a
+    key pair (``workdir/keys``), enrolled before it starts."""
+    from fedpeft.flower.certs import make_node_keys
+
     port = free_port()
+    auth = tls is not None if auth is None else auth
     fed = Federation(workdir, f"127.0.0.1:{port}", tls)
-    fed.superlink = start_superlink(workdir, "127.0.0.1", port, tls, log=workdir / "superlink.log")
+    fed.superlink = start_superlink(workdir, "127.0.0.1", port, tls, log=workdir / "superlink.log", auth=auth)
     try:
+        if auth:
+            fed.keys = make_node_keys(workdir / "keys", range(num_nodes))
+            for i in range(num_nodes):
+                fed.enrol(i)
         for i in range(num_nodes):
             fed.start_node(i, state_dir=node_dirs[i] if node_dirs else None)
         yield fed
@@ -382,8 +481,11 @@ class Federation:
 
     def __post_init__(self) -> None:
         self.nodes: dict[int, subprocess.Popen] = {}
+        self.keys: dict[int, tuple[Path, Path]] = {}  # client id -> its key pair (SuperNode auth)
+        self.enrolled: dict[int, int] = {}  # client id -> the node id its key is registered as
 
-    def start_node(self, cid: int, state_dir: Path | None = None) -> None:
+    def start_node(self, cid: int, state_dir: Path | None = None, key: Path | None = None) -> None:
+        """Client ``cid``'s SuperNode, signing with its own key (``key``: another one)."""
         self.nodes[cid] = start_supernode(
             self.workdir,
             self.address,
@@ -391,7 +493,21 @@ class Federation:
             state_dir=state_dir,
             tls=self.tls,
             log=self.workdir / f"supernode-{cid}.log",
+            key=key or (self.keys[cid][0] if cid in self.keys else None),
         )
+
+    def enrol(self, cid: int) -> int:
+        """Register client ``cid``'s public key with the SuperLink; its node id."""
+        assert self.tls is not None
+        self.enrolled[cid] = enrol(
+            self.address, self.keys[cid][1], self.tls, self.workdir, name=f"client-{cid}"
+        )
+        return self.enrolled[cid]
+
+    def revoke(self, cid: int) -> None:
+        """Unregister client ``cid``'s node: refused from its next request on."""
+        assert self.tls is not None
+        revoke(self.address, self.enrolled.pop(cid), self.tls, self.workdir)
 
     def kill_node(self, cid: int) -> None:
         """SIGKILL a node and its app processes: a crash, not a shutdown."""

@@ -42,6 +42,11 @@ QUICK_EXIT_SECONDS = 30.0  # a node that stops sooner than this after starting s
 MAX_QUICK_EXITS = 3  # rejoins in a row that stop at once before giving up
 MAX_PORT_TRIES = 3  # starts in a row whose local port was taken before giving up
 PORT_TAKEN = "address already in use"
+NOT_ADMITTED = "Failed to activate SuperNode"  # Flower's words when the SuperLink does not admit a node
+EXIT_CODE, EXIT_END = (
+    "Exit Code:",
+    "For more information, visit",
+)  # Flower's exit message, first and last line
 RETRY_CHATTER = "Connection attempt failed"
 # a log record of Flower (coloured level, then ":") or of uvicorn ("INFO:     ...")
 LOG_LINE = re.compile(r"^(\x1b\[[0-9;]*m)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b[^:]*:")
@@ -70,12 +75,19 @@ class Echo:
         self.forgotten = False  # the SuperLink answered 401: it does not know this node
         self.after_swallowed = False  # just after a hidden traceback (its notes, chained ones)
         self.port_taken = False  # the node could not bind its local port
+        self.refused = False  # the SuperLink would not admit the node (its key is not enrolled)
+        self.exit_block: list[str] | None = None  # Flower's exit message being read ("Exit Code: N" ...)
 
     def feed(self, line: str) -> None:
         self.log.write(line)
         self.log.flush()
         if PORT_TAKEN in line.lower():
             self.port_taken = True
+        if NOT_ADMITTED in line:
+            self.refused = True
+        if self.exit_block is not None or (LOG_LINE.match(line.lstrip()) and EXIT_CODE in line):
+            self._exit_message(line)
+            return
         if LOG_LINE.match(line.lstrip()):  # a log record, even in the middle of a traceback
             if RETRY_CHATTER not in line:
                 self._write(line.lstrip())
@@ -95,6 +107,16 @@ class Echo:
             self.forgotten = True
         self._write(line)
 
+    def _exit_message(self, line: str) -> None:
+        """Flower's exit message (its code, what failed, a link) is held until its end: a
+        refusal to admit the node is left to the supervisor's one line, any other shown."""
+        block = [*(self.exit_block or []), line]
+        self.exit_block = block
+        if line.startswith(EXIT_END) or len(block) > 20:
+            self.exit_block = None
+            if not any(NOT_ADMITTED in b for b in block):
+                self._write("".join(block))
+
     def _end_block(self, last: str) -> None:
         text, self.block = "".join(self.block), []
         chained = text.startswith(("During handling", "The above exception"))
@@ -112,6 +134,9 @@ class Echo:
         self.out.flush()
 
     def close(self) -> None:
+        if self.exit_block and not any(NOT_ADMITTED in b for b in self.exit_block):
+            self._write("".join(self.exit_block))
+        self.exit_block = None
         if self.block:
             self._write("".join(self.block))
             self.block = []
@@ -174,6 +199,12 @@ def run_node(
             say(f"client {cid}: the node's local port was taken meanwhile; starting it on another")
             continue
         port_tries = 0
+        if echo.refused:
+            raise DeployError(
+                f"the SuperLink at {address} refused this node: it admits enrolled nodes only, and this "
+                "node's key is not enrolled there (never enrolled, or revoked; without --key the node has "
+                f"none). Its operator enrols the public key with `fedpeft enrol KEY.pub` (log: {log_path})"
+            )
         if not (echo.forgotten or proc.returncode == 0):
             raise DeployError(f"flower-supernode exited with code {proc.returncode} (log: {log_path})")
         quick_exits = quick_exits + 1 if time.monotonic() - started < QUICK_EXIT_SECONDS else 0
