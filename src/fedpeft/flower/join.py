@@ -43,6 +43,13 @@ MAX_QUICK_EXITS = 3  # rejoins in a row that stop at once before giving up
 MAX_PORT_TRIES = 3  # starts in a row whose local port was taken before giving up
 PORT_TAKEN = "address already in use"
 NOT_ADMITTED = "Failed to activate SuperNode"  # Flower's words when the SuperLink does not admit a node
+ADMITTED = "SuperNode ID:"  # Flower's line once the SuperLink admitted the node
+#: A node the SuperLink does not admit is retried this long (at most --max-wait) before it
+#: gives up: its operator may still be enrolling the keys (`fedpeft superlink --enrolled`
+#: and `fedpeft serve --enrolled` enrol them once the SuperLink answers, and a node, or a
+#: rejoining one, may come up first). Admitted again, the count starts afresh.
+REFUSAL_GRACE = 60.0
+REFUSAL_RETRY_SECONDS = 3.0
 EXIT_CODE, EXIT_END = (
     "Exit Code:",
     "For more information, visit",
@@ -76,6 +83,7 @@ class Echo:
         self.after_swallowed = False  # just after a hidden traceback (its notes, chained ones)
         self.port_taken = False  # the node could not bind its local port
         self.refused = False  # the SuperLink would not admit the node (its key is not enrolled)
+        self.admitted = False  # the SuperLink admitted the node (it has a node id)
         self.exit_block: list[str] | None = None  # Flower's exit message being read ("Exit Code: N" ...)
 
     def feed(self, line: str) -> None:
@@ -85,6 +93,8 @@ class Echo:
             self.port_taken = True
         if NOT_ADMITTED in line:
             self.refused = True
+        if ADMITTED in line:
+            self.admitted = True
         if self.exit_block is not None or (LOG_LINE.match(line.lstrip()) and EXIT_CODE in line):
             self._exit_message(line)
             return
@@ -166,6 +176,7 @@ def run_node(
     or until :class:`DeployError`, whose message is the one line to show. ``fixed_port``:
     the local port the user chose (``--port``); taken, it is not retried."""
     quick_exits = port_tries = 0
+    refused_since: float | None = None  # when the SuperLink started refusing the node
     while True:
         connect.wait_for_superlink(address, tls, max_wait, say)
         say(f"client {cid}: joining the SuperLink at {address} (node log: {log_path})")
@@ -199,7 +210,16 @@ def run_node(
             say(f"client {cid}: the node's local port was taken meanwhile; starting it on another")
             continue
         port_tries = 0
-        if echo.refused:
+        if echo.admitted:
+            refused_since = None
+        if echo.refused:  # not enrolled (yet?), or revoked: retried a while, then the one line
+            grace = min(REFUSAL_GRACE, max_wait)
+            if refused_since is None:
+                refused_since = time.monotonic()
+                say(f"client {cid}: the SuperLink does not admit this node; retrying for up to {grace:g} s")
+            if time.monotonic() - refused_since < grace:
+                time.sleep(REFUSAL_RETRY_SECONDS)
+                continue
             raise DeployError(
                 f"the SuperLink at {address} refused this node: it admits enrolled nodes only, and this "
                 "node's key is not enrolled there (never enrolled, or revoked; without --key the node has "
