@@ -371,3 +371,33 @@ def test_a_node_not_admitted_is_told_in_one_line():
         echo.feed(line)
     echo.close()
     assert not echo.refused and "Exit Code: 305" in other.getvalue() and "Disk full." in other.getvalue()
+
+
+def test_join_retries_a_node_not_admitted_then_gives_up_in_one_line(tmp_path, monkeypatch):
+    """Not admitted (its key not enrolled yet): retried for the grace (at most --max-wait),
+    then one line; admitted on a retry (enrolled meanwhile), the node runs on."""
+    from fedpeft.flower import join
+
+    monkeypatch.setattr(join.connect, "wait_for_superlink", lambda *a, **k: None)
+    monkeypatch.setattr(join, "REFUSAL_RETRY_SECONDS", 0.05)
+    refused = [sys.executable, "-c", f"print({NOT_ENROLLED_LOG!r}); raise SystemExit(1)"]
+    said: list[str] = []
+    run = dict(cid=2, max_wait=1, log_path=tmp_path / "node.log", say=said.append, out=io.StringIO())
+    tries: list[int] = []
+
+    def command() -> list[str]:
+        tries.append(1)
+        return refused
+
+    with pytest.raises(join.DeployError, match=r"refused this node: it admits enrolled nodes only"):
+        join.run_node(command, {}, "127.0.0.1:1", None, **run)
+    assert len(tries) >= 2  # retried within the grace (here --max-wait, 1 s)
+    assert sum("does not admit this node; retrying for up to 1 s" in s for s in said) == 1
+    assert "Exit Code" not in run["out"].getvalue()
+
+    # enrolled while it retried: admitted on the second try, and it runs (here: stops at once,
+    # which ends the test with the quick-exit error, not the refusal)
+    admitted = [sys.executable, "-c", "print('\\x1b[92mINFO \\x1b[0m:      SuperNode ID: 7')"]
+    commands = iter([refused, admitted, admitted, admitted])
+    with pytest.raises(join.DeployError, match="stopped right after joining"):
+        join.run_node(lambda: next(commands), {}, "127.0.0.1:1", None, **{**run, "max_wait": 30})
