@@ -266,7 +266,7 @@ def main() -> None:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--robust", action="store_true", help="the robustness table only")
     ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--steps", type=int, default=10, help="local steps a round")
+    ap.add_argument("--steps", type=int, default=5, help="local steps a round")
     ap.add_argument("--examples", type=int, default=3000, help="training pool (all clients)")
     ap.add_argument("--test-examples", type=int, default=500)
     ap.add_argument("--max-length", type=int, default=32)
