@@ -490,9 +490,16 @@ def _enrol_folder(address: str, enrolled: Path | None, tls, work: Path) -> None:
     """Enrol every public key of ``enrolled`` with the SuperLink just started at ``address``."""
     from fedpeft.flower import deploy
 
-    for key in sorted(enrolled.glob("*.pub")) if enrolled is not None else []:
+    keys = sorted(enrolled.glob("*.pub")) if enrolled is not None else []
+    for key in keys:
         node = deploy.enrol(address, key, tls, work, name=key.stem)
         console.print(f"enrolled {key.name} as node {node}", soft_wrap=True)
+    if not keys:
+        console.print(
+            "no node enrolled yet: this SuperLink admits enrolled nodes only (--enrolled DIR at start, "
+            f"or `fedpeft enrol KEY.pub --superlink {address} --ca CA` while it runs; --no-auth: anyone)",
+            soft_wrap=True,
+        )
 
 
 def _public_address(host: str, port: int) -> str:
@@ -561,7 +568,8 @@ def serve(
                 work, host, port, tls, log=work / "superlink.log", auth=authenticate
             )
             superlink = local_address(host, port, tls)
-            _enrol_folder(superlink, enrolled, tls, work)
+            if authenticate:
+                _enrol_folder(superlink, enrolled, tls, work)
             log = work / "superlink.log"
             console.print(f"SuperLink on {host}:{port} for this run (log: {log})", soft_wrap=True)
             hint = _join_hint(_public_address(host, port), ca, authenticate)
@@ -613,7 +621,8 @@ def superlink(
     try:
         link = deploy.start_superlink(work, host, port, tls, log=work / "superlink.log", auth=authenticate)
         try:
-            _enrol_folder(local_address(host, port, tls), enrolled, tls, work)
+            if authenticate:
+                _enrol_folder(local_address(host, port, tls), enrolled, tls, work)
         except deploy.DeployError:
             deploy.stop(link)
             raise
