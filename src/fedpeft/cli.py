@@ -764,12 +764,18 @@ def certs(
         console.print(f"node {i}: {private} (its own), {public} (the SuperLink's)")
 
 
+LinkOpt = Annotated[str, typer.Option("--superlink", help="The SuperLink's address, HOST:PORT.")]
+RegistryOpt = Annotated[
+    Path, typer.Option(help="The flwr CLI's files and which key got which node id (the SuperLink's workdir).")
+]
+
+
 @app.command()
 def enrol(
     public_key: Annotated[Path, typer.Argument(help="The node's public key (node-<i>.pub).")],
-    superlink: Annotated[str, typer.Option(help="The SuperLink's address, HOST:PORT.")],
+    superlink: LinkOpt,
     ca: CaOpt = None,
-    workdir: Annotated[Path, typer.Option(help="The flwr CLI's files.")] = Path("runs/superlink"),
+    workdir: RegistryOpt = Path("runs/superlink"),
 ) -> None:
     """Admit a node to a running SuperLink that authenticates nodes: prints the node id it
     will hold (``fedpeft revoke`` takes it, or the key file)."""
@@ -786,9 +792,9 @@ def enrol(
 @app.command()
 def revoke(
     node: Annotated[str, typer.Argument(help="The node: the public key file enrolled, or its node id.")],
-    superlink: Annotated[str, typer.Option(help="The SuperLink's address, HOST:PORT.")],
+    superlink: LinkOpt,
     ca: CaOpt = None,
-    workdir: Annotated[Path, typer.Option(help="The flwr CLI's files.")] = Path("runs/superlink"),
+    workdir: RegistryOpt = Path("runs/superlink"),
 ) -> None:
     """Remove a node from a running SuperLink: it is refused from its next request on, and
     runs go on with the other nodes."""

@@ -309,19 +309,11 @@ def enrol(superlink: str, public_key: Path, tls: Tls, workdir: Path, name: str |
     """Register a node's public key with the authenticating SuperLink whose Control API
     is at ``superlink`` (``flwr supernode register``); returns the node id it will hold.
     A node whose key is not enrolled is refused when it connects."""
-    home = workdir / "home-cli"
-    write_connection(home, superlink, tls)
     path = Path(public_key).expanduser().resolve()
     if not path.is_file():
         raise DeployError(f"{public_key}: no such public key file")
-    args = ["supernode", "register", str(path), CONNECTION, "--format", "json"] + (
-        ["--name", name] if name else []
-    )
-    proc = _flwr(home, *args, check=False)
-    reply = _json_tail(proc.stdout)
-    if proc.returncode != 0 or not reply.get("success"):
-        said = reply.get("error-message") or proc.stderr.strip()[-500:] or proc.stdout.strip()[-500:]
-        raise DeployError(f"enrolling {public_key} at {superlink}: {said}")
+    named = ["--name", name] if name else []
+    reply = _supernode(superlink, tls, workdir, f"enrolling {public_key}", "register", str(path), *named)
     node = int(reply["node-id"])
     registry = _registry(workdir)
     registry.write_text(json.dumps({**_enrolled(workdir), str(path): node}, indent=1) + "\n")
@@ -353,16 +345,25 @@ def enrolled_node(public_key: Path, workdir: Path) -> int:
 def revoke(superlink: str, node_id: int, tls: Tls, workdir: Path) -> None:
     """Unregister node ``node_id`` (``flwr supernode unregister``): the SuperLink refuses
     it from its next request on; a run goes on with the other nodes."""
-    home = workdir / "home-cli"
-    write_connection(home, superlink, tls)
-    proc = _flwr(home, "supernode", "unregister", str(node_id), CONNECTION, "--format", "json", check=False)
-    reply = _json_tail(proc.stdout)
-    if proc.returncode != 0 or not reply.get("success"):
-        said = reply.get("error-message") or proc.stderr.strip()[-500:] or proc.stdout.strip()[-500:]
-        raise DeployError(f"revoking node {node_id} at {superlink}: {said}")
+    _supernode(superlink, tls, workdir, f"revoking node {node_id}", "unregister", str(node_id))
     remaining = {k: v for k, v in _enrolled(workdir).items() if v != node_id}
     if _registry(workdir).is_file():
         _registry(workdir).write_text(json.dumps(remaining, indent=1) + "\n")
+
+
+def _supernode(
+    superlink: str, tls: Tls, workdir: Path, what: str, command: str, target: str, *options: str
+) -> dict:
+    """``flwr supernode COMMAND TARGET [OPTIONS]`` against the SuperLink's Control API at
+    ``superlink``: its JSON reply, or :class:`DeployError` saying ``what`` failed and why."""
+    home = workdir / "home-cli"
+    write_connection(home, superlink, tls)
+    proc = _flwr(home, "supernode", command, target, CONNECTION, *options, "--format", "json", check=False)
+    reply = _json_tail(proc.stdout)
+    if proc.returncode != 0 or not reply.get("success"):
+        said = reply.get("error-message") or proc.stderr.strip()[-500:] or proc.stdout.strip()[-500:]
+        raise DeployError(f"{what} at {superlink}: {said}")
+    return reply
 
 
 def _json_tail(text: str) -> dict:
