@@ -5,15 +5,18 @@ refused whole, restarted nodes rejoining with their state."""
 from __future__ import annotations
 
 import contextlib
+import shutil
 
 import pytest
 import torch
-from flwr.app import Context, RecordDict
+from flwr.app import ArrayRecord, Context, RecordDict
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from fedpeft.config import dump_config
 from fedpeft.engines.checkpoint import load_checkpoint
 from fedpeft.experiment import fingerprint, run
 from fedpeft.flower import apps, codec
+from fedpeft.flower.node import Node
 from fedpeft.flower.server import DeploymentError
 from fedpeft.report.results import read_records, read_summary
 from tests.flower_fakes import FakeGrid
@@ -111,10 +114,10 @@ def test_personal_state_stays_on_the_nodes(tiny_config, tmp_path, method, over):
     personal, shared = set(node.method.personal_names), set(node.method.shared_names)
     assert shared
     for m in grid.sent + grid.replies:
-        names = {k for rec in m.content.array_records.values() for k in rec}
+        names = {k for rec in m.content.array_records.values() for k in codec.from_record(rec)}
         assert not names & personal
         assert not any(n.startswith(("opt.", "own.", "control.")) for n in names)
-    uplinks = [set(m.content["uplink"]) for m in grid.replies if "uplink" in m.content]
+    uplinks = [set(codec.from_record(m.content["uplink"])) for m in grid.replies if "uplink" in m.content]
     assert uplinks and all(u == shared for u in uplinks)
     # each trained node keeps its own snapshots on its own disk
     saved = torch.load(tmp_path / "node0" / "client-0-personal.pt", weights_only=True)["value"]
@@ -127,8 +130,61 @@ def test_personal_state_stays_on_the_nodes(tiny_config, tmp_path, method, over):
     trains = [m for m in grid.sent if m.metadata.message_type == "train"]
     assert trains and all(("control" in m.content) == scaffold for m in trains)
     if scaffold:
-        assert all(set(m.content["control"]) == shared for m in trains)
-        assert all(set(m.content["control"]) == shared for m in grid.replies if "uplink" in m.content)
+        assert all(set(codec.from_record(m.content["control"])) == shared for m in trains)
+        replies = [m for m in grid.replies if "uplink" in m.content]
+        assert all(set(codec.from_record(m.content["control"])) == shared for m in replies)
+
+
+def test_a_kept_node_serves_the_next_run_unless_its_files_changed(tiny_config, tmp_path):
+    """A process that lives on (a warm node's worker) keeps each node across runs of the
+    same experiment: the second run builds no model and gives the first run's results
+    (the server starts afresh; the nodes already hold the join message). A node whose
+    state directory was cleared meanwhile is built afresh from the roll call on."""
+    cfg = tiny_config(**{"train.rounds": 2, "eval.every": 2, "train.clients_per_round": 4})
+    nodes = {100 + i: {"partition-id": i, "state-dir": str(tmp_path / f"node{i}")} for i in range(4)}
+
+    def fresh_run(name: str) -> list[dict]:
+        out = cfg.model_copy(update={"output_dir": tmp_path / name})
+        serve(FakeGrid(apps.client_app, nodes, {"experiment": dump_config(cfg)}))
+        shutil.move(cfg.output_dir, out.output_dir)  # the next run starts afresh
+        return read_records(out.output_dir)
+
+    first = fresh_run("first")
+    built, kept = Node.models_built, dict(apps._nodes)
+    second = fresh_run("second")
+    assert Node.models_built == built and all(apps._nodes[k] is node for k, node in kept.items())
+    assert [r["global"] for r in second if "global" in r] == [r["global"] for r in first if "global" in r]
+    for path in (tmp_path / "node0").iterdir():
+        path.unlink()
+    fresh_run("third")
+    rebuilt = [k for k, node in apps._nodes.items() if node is not kept[k]]
+    assert [k[1] for k in rebuilt] == [0] and Node.models_built == built + 1
+
+
+def test_tensors_travel_packed_bit_exact_in_a_few_objects():
+    """A tensor dict crosses as two arrays (bytes and index), whatever its dtypes and
+    shapes (bfloat16 too, which Flower's own arrays refuse), and comes back equal; the
+    message is a handful of Flower objects, each of which a node pulls or pushes in a
+    request of its own (an array per tensor: one or two objects per tensor). A record
+    that is not one of these is refused."""
+    tensors = {f"layer{i}.lora_A": torch.randn(4, 8) for i in range(40)}
+    tensors |= {"step": torch.tensor(3), "mask": torch.tensor([True, False]), "bf": torch.randn(3).bfloat16(),
+                "empty": torch.zeros(0, 5)}  # fmt: skip
+    record = codec.to_record(tensors)
+    back = codec.from_record(record)
+    assert list(back) == list(tensors)
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+    back["step"] += 1  # writable copies
+    objects = lambda rec: len(get_all_nested_objects(RecordDict({"uplink": rec})))  # noqa: E731
+    per_tensor = ArrayRecord.from_torch_state_dict({k: v for k, v in tensors.items() if k != "bf"})  # no bf16
+    assert objects(record) <= 6 < len(tensors) < objects(per_tensor)
+    with pytest.raises(codec.ReplyError, match="holds arrays 'packed' and 'index'"):
+        codec.from_record(per_tensor)
+    short = codec.to_record({"a": torch.ones(4)})
+    short[codec.PACKED] = codec.to_record({"a": torch.ones(2)})[codec.PACKED]  # bytes cut short
+    with pytest.raises(codec.ReplyError, match="tensor 'a'.*bytes 0..16 of 8"):
+        codec.from_record(short)
 
 
 def test_crashed_silent_and_vanished_clients_are_dropped_and_recorded(tiny_config, tmp_path):
@@ -176,8 +232,9 @@ def test_malformed_update_is_refused_whole(tiny_config, tmp_path):
     def truncating(real_train, message, context):
         reply = real_train(message, context)
         if context.node_config["partition-id"] == 0:
-            rec = reply.content["uplink"]
-            del rec[next(iter(rec))]  # a partial update
+            update = codec.from_record(reply.content["uplink"])
+            del update[next(iter(update))]  # a partial update
+            reply.content["uplink"] = codec.to_record(update)
         return reply
 
     with wrapped_handler("train", truncating):

@@ -9,6 +9,12 @@ float64 as in-process. So the metrics should agree to float rounding; the tolera
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -70,6 +76,16 @@ def test_deployment_matches_in_process(tiny_config, tmp_path, tls_federation, me
     traffic = status["network-traffic"]
     assert traffic["inbound-bytes"] >= sum(r["bytes_up"] for r in b)
     assert read_summary(flower_cfg.output_dir)["engine"] == "flower"
+    # warm nodes: each node's worker built its model once and handled every message of the
+    # run (a roll call, a training message a round, an evaluation), in the worker's one life
+    for cid in range(3):
+        worker = worker_status(tls_federation, cid)
+        assert worker["starts"] == 1 and worker["models_built"] == 1, worker
+        assert worker["messages"] >= 1 + 2 + 1 and worker["handling"] is None, worker
+
+
+def worker_status(fed, cid: int) -> dict:
+    return json.loads((fed.workdir / f"node-{cid}" / f"worker-{cid}.json").read_text())
 
 
 @pytest.mark.slow
@@ -146,3 +162,45 @@ def test_only_enrolled_nodes_join_and_a_revoked_one_is_refused(tiny_config, tmp_
         assert 2 in records[0]["clients"]
         assert all(2 not in r.get("clients_returned", r["clients"]) for r in records[1:])
         assert all(r["nodes"] == 2 for r in records[2:])
+
+
+@pytest.mark.slow
+def test_a_killed_worker_is_restarted_and_loses_no_round(tiny_config, tmp_path):
+    """Client 0's worker is killed (SIGKILL) while it trains round 2: the node's next
+    attempt starts a new worker from the state directory and sends the message again, so
+    every round has every client and the run ends as an uninterrupted one. Each worker
+    builds its model once: the model is not rebuilt per message."""
+    over = {**SMALL, "train.rounds": 3, "eval.every": 3}
+    flower_cfg = tiny_config(output_dir=str(tmp_path / "flower"), **over)
+    local_cfg = tiny_config(output_dir=str(tmp_path / "inproc"), **over)
+    killed: list[int] = []
+    with deploy.local_federation(tmp_path / "fed", 3) as fed:
+
+        def kill_in_round_2() -> None:
+            deadline = time.monotonic() + 400
+            while time.monotonic() < deadline:
+                with contextlib.suppress(FileNotFoundError, ValueError):
+                    worker = worker_status(fed, 0)
+                    if worker["messages"] >= 2 and worker["handling"] == "train":  # roll call, round 1 done
+                        os.kill(worker["pid"], signal.SIGKILL)
+                        killed.append(worker["pid"])
+                        return
+                time.sleep(0.01)
+
+        killer = threading.Thread(target=kill_in_round_2, daemon=True)
+        killer.start()
+        status = deploy.submit(flower_cfg, fed.address, workdir=tmp_path / "submit", timeout=420, echo=False)
+        killer.join(1)
+        statuses = {cid: worker_status(fed, cid) for cid in range(3)}
+    assert status["status"] == "finished:completed" and killed
+    assert statuses[0]["starts"] == 2 and statuses[0]["pid"] != killed[0]
+    assert all(statuses[c]["starts"] == 1 for c in (1, 2))
+    assert all(s["models_built"] == 1 for s in statuses.values()), statuses
+    run(local_cfg)
+    a, b = read_records(local_cfg.output_dir), read_records(flower_cfg.output_dir)
+    assert [r["clients_returned"] for r in b] == [r["clients"] for r in a]
+    assert all("dropped" not in r for r in b)
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-6)
+    assert b[-1]["global"] == pytest.approx(a[-1]["global"], rel=1e-6)
+    assert b[-1]["local"] == pytest.approx(a[-1]["local"], rel=1e-6)

@@ -16,6 +16,7 @@ from fedpeft.engines import checkpoint as C
 from fedpeft.engines.guard import DivergedError, nonfinite_tensor
 from fedpeft.engines.store import ClientStore, StoreError
 from fedpeft.experiment import build, fingerprint, run
+from fedpeft.flower import codec
 from fedpeft.report.results import read_records
 from tests.test_flower_bridge import deploy, serve, wrapped_handler
 from tests.test_resume import Killed, _scores
@@ -95,11 +96,10 @@ def test_flower_drops_diverged_clients_by_the_same_rule(tiny_config, tmp_path):
         reply = real_train(message, context)
         pid = context.node_config["partition-id"]
         if pid == NAN_CLIENT:
-            record = reply.content["uplink"]
-            name = next(iter(record))
-            record[name] = type(record[name]).from_torch_tensor(
-                torch.full(record[name].numpy().shape, float("nan"))
-            )
+            update = codec.from_record(reply.content["uplink"])
+            name = next(iter(update))
+            update[name] = torch.full_like(update[name], float("nan"))
+            reply.content["uplink"] = codec.to_record(update)
         elif pid == INF_CLIENT:
             reply.content["fit"]["loss"] = float("inf")
         return reply

@@ -535,6 +535,12 @@ class DeployConfig(BaseModel):
         description="Train through Flower's SecAgg+ protocol: the server sees only the mean update "
         "(methods whose aggregate is the example-weighted mean; needs 2+ clients per round).",
     )
+    warm_nodes: bool = Field(
+        True,
+        description="Each node keeps one long-lived worker that holds its model, data and personal "
+        "state across rounds and runs; Flower's per-message ClientApp process only relays the message "
+        "to it over a Unix socket. false: every message builds the node's model afresh.",
+    )
 
 
 class ExperimentConfig(BaseModel):

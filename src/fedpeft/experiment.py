@@ -113,8 +113,9 @@ def group_values(cfg: ExperimentConfig, corpus: Corpus) -> np.ndarray:
 
 def fingerprint(cfg: ExperimentConfig) -> str:
     """A hash of everything that determines the results (output_dir, export, checkpoint,
-    and train.device, train.cohort_size, train.client_memory_mb, train.memory_check and
-    train.on_corrupt_state, with which a run may resume differently laid out):
+    and train.device, train.cohort_size, train.client_memory_mb, train.memory_check,
+    train.on_corrupt_state and deploy.warm_nodes, with which a run may resume differently
+    laid out):
     the settings that differ
     from their defaults, and the method's name. An option that a later fedpeft adds, with
     a default, leaves it unchanged, so older runs still resume."""
@@ -123,6 +124,7 @@ def fingerprint(cfg: ExperimentConfig) -> str:
         "export": True,
         "checkpoint": True,
         "train": {"device", "cohort_size", "client_memory_mb", "memory_check", "on_corrupt_state"},
+        "deploy": {"warm_nodes"},
     }
     data = cfg.model_dump(mode="json", exclude_defaults=True, exclude=exclude)
     data["method"] = {**data.get("method", {}), "name": cfg.method.name}

@@ -104,28 +104,36 @@ def serve(grid: Grid, context: Context) -> None:
 
 
 # ---------------------------------------------------------------- client
-_nodes: dict[tuple, Node] = {}  # per (run, node identity), while this process lives
+_nodes: dict[tuple, Node] = {}  # per (experiment, node identity), while this process lives
 
 
 def node_of(context: Context, class_names: list[str] | None = None) -> Node:
-    """This node's client. Flower runs each message in a fresh process, so a node is
-    rebuilt from its state dir; within one process (simulation, tests) it is reused."""
+    """This node's client. A process that handles one message only (Flower's own
+    ClientApp process) rebuilds it from its state dir; one that lives on (a warm node's
+    worker, a simulation, the tests) keeps it across messages, rounds and runs of the same
+    experiment, and builds it afresh when the roll call (the first message of a run)
+    finds that its files changed on disk meanwhile. A node identity keeps the Node of one
+    experiment at a time."""
     nc = context.node_config
     if "partition-id" not in nc:
         raise ValueError(
             "node config: 'partition-id' is missing (flower-supernode --node-config 'partition-id=0')"
         )
-    data_file, state_dir = nc.get("data-file"), nc.get("state-dir", ".fedpeft-node")
-    key = (context.run_id, int(nc["partition-id"]), data_file, state_dir)
-    if key not in _nodes:
-        _nodes[key] = Node(
+    cid, data_file = int(nc["partition-id"]), nc.get("data-file")
+    state_dir = nc.get("state-dir", ".fedpeft-node")
+    key = (context.run_config.get("experiment"), cid, data_file, state_dir)
+    node = _nodes.get(key)
+    if node is None or (class_names is not None and node.changed_on_disk()):
+        for other in [k for k in _nodes if k[1:] == key[1:]]:  # another experiment, or a stale copy
+            del _nodes[other]
+        node = _nodes[key] = Node(
             experiment_of(context),
-            int(nc["partition-id"]),
+            cid,
             state_dir=Path(str(state_dir)),
             class_names=class_names,
             data_file=Path(str(data_file)) if data_file else None,
         )
-    return _nodes[key]
+    return node
 
 
 def _received(node: Node, msg: Message):

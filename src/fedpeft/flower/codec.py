@@ -1,18 +1,26 @@
 """fedpeft's plain data in Flower records, and the size of what Flower puts on the wire.
 
-Tensors travel as an :class:`~flwr.app.ArrayRecord` (numpy arrays, bit-exact), small
-figures as a :class:`~flwr.app.MetricRecord`. A received tensor dict is checked against
+Tensors travel as an :class:`~flwr.app.ArrayRecord` of two arrays: every tensor's bytes
+one after another (:data:`PACKED`), and an index of their names, dtypes and shapes
+(:data:`INDEX`); bit-exact. One array per tensor would make each message as many Flower
+objects, and a node pulls or pushes every object in a request of its own. Small figures
+travel as a :class:`~flwr.app.MetricRecord`. A received tensor dict is checked against
 the names, shapes and dtypes the receiver expects before anything uses it, so a
 malformed or truncated reply is refused whole and never half-aggregated.
 """
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import torch
-from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from fedpeft.methods.base import Tensors
+
+PACKED, INDEX = "packed", "index"
 
 
 class ReplyError(ValueError):
@@ -20,12 +28,41 @@ class ReplyError(ValueError):
 
 
 def to_record(tensors: Tensors) -> ArrayRecord:
-    return ArrayRecord.from_torch_state_dict(tensors)
+    """``tensors`` as two arrays: their bytes, concatenated, and the index to cut them."""
+    index, parts, offset = [], [], 0
+    for name, tensor in tensors.items():
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        index.append(
+            [name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, data.numel()]
+        )
+        parts.append(data)
+        offset += data.numel()
+    packed = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    meta = np.frombuffer(json.dumps(index).encode(), dtype=np.uint8)
+    return ArrayRecord({PACKED: Array(packed.numpy()), INDEX: Array(meta.copy())})
 
 
 def from_record(record: ArrayRecord) -> Tensors:
-    # clone: the arrays Flower decodes are read-only views of the message buffer
-    return {k: v.clone() for k, v in record.to_torch_state_dict().items()}
+    """The tensors of :func:`to_record`'s record (copies: the arrays Flower decodes are
+    read-only views of the message buffer); :class:`ReplyError` if it is not one."""
+    if set(record) != {PACKED, INDEX}:
+        raise ReplyError(f"a tensor record holds arrays {PACKED!r} and {INDEX!r}, not {sorted(record)[:4]}")
+    packed = torch.from_numpy(record[PACKED].numpy().copy())
+    try:
+        index = json.loads(record[INDEX].numpy().tobytes())
+        tensors = {}
+        for name, dtype, shape, offset, size in index:
+            if not (
+                isinstance(getattr(torch, dtype, None), torch.dtype)
+                and 0 <= offset <= offset + size <= len(packed)
+            ):
+                raise ReplyError(
+                    f"tensor {name!r}: dtype {dtype!r}, bytes {offset}..{offset + size} of {len(packed)}"
+                )
+            tensors[name] = packed[offset : offset + size].clone().view(getattr(torch, dtype)).reshape(shape)
+    except (ValueError, TypeError, RuntimeError) as err:  # JSON, unpacking, a size that is no shape
+        raise ReplyError(f"a tensor record's index does not describe its bytes: {err}") from None
+    return tensors
 
 
 def check_tensors(tensors: Tensors, like: Tensors, what: str) -> Tensors:

@@ -79,7 +79,8 @@ def flower_env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str
         "FLWR_TELEMETRY_ENABLED": "0",
         "FLWR_DISABLE_UPDATE_CHECK": "1",
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.2",
+        # how often a node's SuperExec looks for a message to run (a user's setting stands)
+        "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": os.environ.get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.2"),
         "PYTHONUNBUFFERED": "1",
         **(extra or {}),
     }
@@ -190,7 +191,9 @@ def supernode_command(
     SuperLink admits it only once its public key is enrolled)."""
     security = ["--insecure"] if tls is None else ["--root-certificates", str(tls.ca)]
     signing = [] if key is None else ["--auth-supernode-private-key", str(Path(key).expanduser().resolve())]
-    return [_script("flower-supernode"), *security, *signing, "--superlink", superlink,
+    # Flower's SuperNode, polling the SuperLink every FEDPEFT_NODE_POLL s (not 3 s)
+    supernode = [sys.executable, "-m", "fedpeft.flower.supernode"]
+    return [*supernode, *security, *signing, "--superlink", superlink,
             "--host", "127.0.0.1", "--port", str(port),
             "--node-config", node_config(partition_id, state_dir, data_file)]  # fmt: skip
 
@@ -262,6 +265,10 @@ def absolute_paths(cfg: ExperimentConfig) -> ExperimentConfig:
     return cfg.model_copy(update=update)
 
 
+#: The ClientApp of a node: a relay to its warm worker, or fedpeft's client itself.
+CLIENT_APPS = {True: "fedpeft.flower.relay:client_app", False: "fedpeft.flower.apps:client_app"}
+
+
 def write_app(app_dir: Path, cfg: ExperimentConfig, resume: bool) -> Path:
     """A Flower app directory whose components are fedpeft's and whose run config is
     the experiment. It holds no code: the components import from the installed package."""
@@ -274,7 +281,7 @@ def write_app(app_dir: Path, cfg: ExperimentConfig, resume: bool) -> Path:
                     "publisher": "fedpeft",
                     "components": {
                         "serverapp": "fedpeft.flower.apps:server_app",
-                        "clientapp": "fedpeft.flower.apps:client_app",
+                        "clientapp": CLIENT_APPS[cfg.deploy.warm_nodes],
                     },
                     "config": {"experiment": dump_config(cfg), "resume": resume},
                 }

@@ -81,8 +81,11 @@ class Node:
 
     Flower starts a fresh process for every message, so everything a node must remember
     lives in ``state_dir``: its encoded data and the federation's class list (written at
-    the roll call), the method's join message once applied, and its personal state.
+    the roll call), the method's join message once applied, and its personal state. A
+    warm node's worker (:mod:`fedpeft.flower.worker`) keeps the object itself.
     """
+
+    models_built = 0  # in this process: a warm node builds its model once
 
     def __init__(
         self,
@@ -102,6 +105,7 @@ class Node:
                 f"(partition.num_clients={cfg.partition.num_clients})"
             )
         self.state_dir = None if state_dir is None else Path(state_dir)
+        self._seen: dict[str, tuple[int, int] | None] = {}  # each file as this object last read or wrote it
         self.tag = f"{fingerprint(cfg)}:{data_file or 'partition'}:{cid}"
         data = self._load("data")
         if data is None:
@@ -141,6 +145,7 @@ class Node:
             if self._join is not None:
                 method.join(model, self._join)
             self._learner = model, method, initial
+            Node.models_built += 1
         return self._learner
 
     @property
@@ -215,7 +220,22 @@ class Node:
         assert self.state_dir is not None
         return self.state_dir / f"client-{self.cid}-{what}.pt"
 
+    def _stamp(self, what: str) -> tuple[int, int] | None:
+        """When ``what``'s file last changed, and its size (None: no such file)."""
+        try:
+            st = self._path(what).stat()
+        except FileNotFoundError:
+            return None
+        return st.st_mtime_ns, st.st_size
+
+    def changed_on_disk(self) -> bool:
+        """Whether a file of this node's changed since this object last read or wrote it
+        (e.g. its state directory was cleared between runs): a kept object is stale then."""
+        return self.state_dir is not None and any(self._stamp(w) != s for w, s in self._seen.items())
+
     def _load(self, what: str):
+        if self.state_dir is not None:
+            self._seen[what] = self._stamp(what)
         if self.state_dir is None or not self._path(what).is_file():
             return None
         saved = torch.load(self._path(what), weights_only=True, map_location="cpu")
@@ -230,6 +250,7 @@ class Node:
         tmp = path.with_suffix(".tmp")
         torch.save({"tag": self.tag, "value": value}, tmp)
         os.replace(tmp, path)
+        self._seen[what] = self._stamp(what)
 
     # ---------------------------------------------------------------- personal state
     def personal_before(self, rnd: int) -> Tensors | None:

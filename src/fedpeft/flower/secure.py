@@ -22,7 +22,7 @@ import json
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord, Context
+from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.common import Code, FitIns, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.server.compat.legacy_context import LegacyContext
 from flwr.server.strategy import Strategy
@@ -129,7 +129,7 @@ def secure_round(
     strategy = OneRound(instructions, uplink_like)
     legacy = LegacyContext(context, strategy=strategy)
     legacy.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({Key.CURRENT_ROUND: rnd})
-    legacy.state.array_records[MAIN_PARAMS_RECORD] = codec.to_record({})
+    legacy.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
     counting = CountingGrid(grid)
     workflow = SecAggPlusWorkflow(
         num_shares=1.0, reconstruction_threshold=0.5, max_weight=max_weight, timeout=timeout

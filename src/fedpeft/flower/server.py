@@ -44,7 +44,7 @@ from fedpeft.metrics.classification import mean_scores, spread
 from fedpeft.metrics.scorers import scorer_for
 
 ROLL_CALL, TRAIN, EVALUATE = "query", "train", "evaluate"
-POLL_SECONDS = 0.5  # how often the server asks the SuperLink for replies
+POLL_SECONDS = 0.1  # how often the server asks the SuperLink for replies
 OFFLINE = object()  # stands in for the reply of a node that dropped off the SuperLink
 
 
