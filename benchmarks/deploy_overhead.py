@@ -11,10 +11,13 @@ as before warm nodes). Printed side by side:
 - a round's training split: the node's fit (the slowest node's ``time_fit``: from the
   message reaching fedpeft's client to its reply), of it the local steps
   (``time_step`` x steps) and the rest, and the time the server waited beyond the
-  slowest fit (transport, polling, a message's process).
+  slowest fit (transport, polling, a message's process);
+- the bytes each client receives and sends a round: the tensors in-process, the objects
+  Flower serialises deployed (median over rounds).
 
     .venv/bin/python benchmarks/deploy_overhead.py                 # examples/my.yaml, 6 rounds
     .venv/bin/python benchmarks/deploy_overhead.py --lm            # the bundled SmolLM2, instruction tuning
+    .venv/bin/python benchmarks/deploy_overhead.py --task ner      # or qa: MiniLM, the other tasks
     .venv/bin/python benchmarks/deploy_overhead.py --cold          # also the cold deployment
 """
 
@@ -40,6 +43,14 @@ LM = {  # SmolLM2 on WordNet definitions as instructions, a few seconds a step o
     "train.local_steps": 2, "train.batch_size": 4, "train.lr": 1e-3,
     "eval.local": False, "eval.generation": {"max_new_tokens": 1, "samples": 1},
 }  # fmt: skip
+TASKS = {  # the other tasks on MiniLM, as benchmarks/ner_qa.py sets them up
+    "classification": {},
+    "causal_lm": LM,
+    "ner": {"data": {"task": "token_classification", "source": "conll2003", "max_length": 64,
+                     "max_samples": 600, "max_test_samples": 200}},
+    "qa": {"data": {"task": "extractive_qa", "source": "wordnet", "max_length": 96, "stride": 32,
+                    "max_samples": 600, "max_test_samples": 200}},
+}  # fmt: skip
 
 
 def config(args: argparse.Namespace, out: Path, mode: str):
@@ -49,7 +60,7 @@ def config(args: argparse.Namespace, out: Path, mode: str):
         "train.threads": 1,
         "eval.every": args.rounds,
         "deploy.warm_nodes": mode != "cold",
-        **(LM if args.lm else {}),
+        **TASKS[args.task],
     }
     return load_config(args.config, overrides)
 
@@ -66,9 +77,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", type=Path, default=ROOT / "examples/my.yaml")
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--lm", action="store_true", help="the bundled SmolLM2 (instruction tuning)")
+    ap.add_argument("--task", choices=list(TASKS), default="classification")
+    ap.add_argument("--lm", action="store_true", help="the bundled SmolLM2 (--task causal_lm)")
     ap.add_argument("--cold", action="store_true", help="also deploy with deploy.warm_nodes: false")
     args = ap.parse_args()
+    args.task = "causal_lm" if args.lm else args.task
     out = Path(tempfile.mkdtemp(prefix="deploy-overhead-"))
     modes = ["simulated", "warm", *(["cold"] if args.cold else [])]
     wall, records = {}, {}
@@ -120,6 +133,9 @@ def main() -> None:
     waiting = median(lambda r: r["time_train"] - r["time_fit_max"], deployed)
     row("  waiting beyond the slowest fit (s)", waiting, ratio=False)
     row("  evaluation (s)", {m: steady(records[m], lambda r: r["time_eval"]) for m in modes}, ratio=False)
+    for way in ("down", "up"):  # per client and round: tensors in-process, Flower's objects deployed
+        per_client = lambda r, way=way: r[f"bytes_{way}"] / len(r["clients"])  # noqa: E731
+        row(f"bytes {way} per client a round", median(per_client, modes), "{:,.0f}")
     final = {m: records[m][-1].get("global", {}) for m in modes}
     key = next(iter(final["simulated"]), None)
     if key is not None:
