@@ -131,24 +131,13 @@ def ensure_worker(state_dir: Path, cid: int, watch: int) -> socket.socket:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (conn := connect(files)) is not None:  # another message started it meanwhile
             return conn
-        with open(files["log"], "ab") as log:
-            proc = subprocess.Popen(  # noqa: S603 - this interpreter, fedpeft's own module
-                [
-                    sys.executable,
-                    "-m",
-                    "fedpeft.flower.worker",
-                    "--socket",
-                    str(files["socket"]),
-                    "--status",
-                    str(files["status"]),
-                    "--watch",
-                    str(watch),
-                ],  # fmt: skip
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
+        command = [sys.executable, "-m", "fedpeft.flower.worker", "--socket", str(files["socket"]),
+                   "--status", str(files["status"]), "--watch", str(watch)]  # fmt: skip
+        with open(files["log"], "ab") as log:  # this interpreter, fedpeft's own module
+            proc = subprocess.Popen(  # noqa: S603
+                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,  # outlives this message's process
-            )
+            )  # fmt: skip
         deadline = time.monotonic() + START_TIMEOUT
         while (conn := connect(files)) is None:
             if proc.poll() is not None:
