@@ -684,8 +684,10 @@ def join(
 ) -> None:
     """Join a federation as one client, until stopped (Ctrl-C). The node receives the
     experiment's config from the server with each run, trains and evaluates on its own data,
-    and keeps its personal state (never sent) in --state-dir. It rejoins a restarted
-    SuperLink, and gives up after --max-wait seconds without one, saying why."""
+    and keeps its personal state (never sent) in --state-dir, where its warm worker (the
+    model, built once, and the data, across rounds and runs) logs to worker-N.log. It
+    rejoins a restarted SuperLink, and gives up after --max-wait seconds without one,
+    saying why."""
     import contextlib
     import signal
 
