@@ -564,8 +564,8 @@ def serve(
     link = None
     try:
         if superlink is None:
-            link = deploy.start_superlink(
-                work, host, port, tls, log=work / "superlink.log", auth=authenticate
+            link = deploy.start_superlink(  # for this run only: its state in memory
+                work, host, port, tls, log=work / "superlink.log", auth=authenticate, persistent=False
             )
             superlink = local_address(host, port, tls)
             if authenticate:

@@ -113,11 +113,21 @@ def _spawn(cmd: list[str], workdir: Path, home: Path, log: Path | None) -> subpr
 
 
 def start_superlink(
-    workdir: Path, host: str, port: int, tls: Tls | None, log: Path | None = None, *, auth: bool | None = None
+    workdir: Path,
+    host: str,
+    port: int,
+    tls: Tls | None,
+    log: Path | None = None,
+    *,
+    auth: bool | None = None,
+    persistent: bool = True,
 ) -> subprocess.Popen:
     """``flower-superlink`` on ``host:port``; returns once it answers its health check.
     ``auth`` (default: with TLS): SuperNode authentication, so that only nodes whose public
-    key was registered (:func:`enrol`) can join; Flower allows it over TLS only."""
+    key was registered (:func:`enrol`) can join; Flower allows it over TLS only.
+    ``persistent``: its state (runs, enrolled nodes) in ``workdir/superlink.db``, kept
+    across its restarts; otherwise in memory, which answers the nodes' requests faster
+    (a SuperLink that lives for one run or one federation needs nothing kept)."""
     from fedpeft.flower.connect import local_address
 
     auth = tls is not None if auth is None else auth
@@ -139,9 +149,9 @@ def start_superlink(
             "--ssl-keyfile",
             str(tls.key),
         ]
-    database = str(workdir / "superlink.db")
+    database = ["--database", str(workdir / "superlink.db")] if persistent else []  # none: in memory
     cmd = [_script("flower-superlink"), *security, "--host", host, "--port", str(port),
-           "--disable-runtime-dependency-installation", "--database", database,
+           "--disable-runtime-dependency-installation", *database,
            *(["--enable-supernode-auth"] if auth else [])]  # fmt: skip
     proc = _spawn(cmd, workdir, workdir / "home-superlink", log)
     wait_healthy(proc, local_address(host, port, tls), tls, log)
@@ -466,7 +476,9 @@ def local_federation(
     port = free_port()
     auth = tls is not None if auth is None else auth
     fed = Federation(workdir, f"127.0.0.1:{port}", tls)
-    fed.superlink = start_superlink(workdir, "127.0.0.1", port, tls, log=workdir / "superlink.log", auth=auth)
+    fed.superlink = start_superlink(
+        workdir, "127.0.0.1", port, tls, log=workdir / "superlink.log", auth=auth, persistent=False
+    )
     try:
         if auth:
             fed.keys = make_node_keys(workdir / "keys", range(num_nodes))
