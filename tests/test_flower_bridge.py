@@ -5,7 +5,10 @@ refused whole, restarted nodes rejoining with their state."""
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import shutil
+import signal
 
 import pytest
 import torch
@@ -15,7 +18,7 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 from fedpeft.config import dump_config
 from fedpeft.engines.checkpoint import load_checkpoint
 from fedpeft.experiment import fingerprint, run
-from fedpeft.flower import apps, codec
+from fedpeft.flower import apps, codec, relay
 from fedpeft.flower.node import Node
 from fedpeft.flower.server import DeploymentError
 from fedpeft.report.results import read_records, read_summary
@@ -405,6 +408,32 @@ def test_secure_aggregation_gives_the_mean_without_showing_updates(tiny_config, 
     protocol = [r.content.config_records.get(RECORD_KEY_CONFIGS, {}) for r in grid.replies]
     masked = [c for c in protocol if Key.MASKED_PARAMETERS in c]
     assert len(masked) == 4 * len(records)
+
+
+@pytest.mark.slow
+def test_secure_aggregation_through_warm_workers(tiny_config, tmp_path):
+    """SecAgg+ with the warm nodes' relay as the ClientApp: every stage's message goes to
+    a real worker process per node and the protocol's state comes back in the context;
+    the server ends with the in-process global state up to the quantisation (as above)."""
+    common = {"method": {"name": "fedlr"}, "train.clients_per_round": 4, "train.rounds": 1}
+    cfg = tiny_config(output_dir=str(tmp_path / "secure"), **common, **{"deploy.secure_aggregation": True})
+    local_cfg = tiny_config(output_dir=str(tmp_path / "inproc"), **common)
+    nodes = {100 + i: {"partition-id": i, "state-dir": str(tmp_path / f"node{i}")} for i in range(4)}
+    grid = FakeGrid(relay.client_app, nodes, {"experiment": dump_config(cfg)})
+    try:
+        serve(grid)
+    finally:  # the workers watch this test process's parent: stop them now
+        for status in tmp_path.glob("node*/worker-*.json"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(json.loads(status.read_text())["pid"], signal.SIGKILL)
+    run(local_cfg)
+    secure_state = torch.load(cfg.output_dir / "checkpoint.pt", weights_only=True)["server"]["tensors"]
+    plain_state = torch.load(local_cfg.output_dir / "checkpoint.pt", weights_only=True)["server"]["tensors"]
+    for name, value in plain_state.items():  # the tolerance of the test above, and why
+        torch.testing.assert_close(secure_state[name], value, atol=1e-5, rtol=0)
+    records = read_records(cfg.output_dir)
+    assert all(r["secure_aggregation"] and r["clients_returned"] == [0, 1, 2, 3] for r in records)
+    assert len(list(tmp_path.glob("node*/worker-*.json"))) == 4
 
 
 def test_secure_aggregation_refuses_other_aggregations(tiny_config, tmp_path):
