@@ -77,11 +77,13 @@ def test_deployment_matches_in_process(tiny_config, tmp_path, tls_federation, me
     assert traffic["inbound-bytes"] >= sum(r["bytes_up"] for r in b)
     assert read_summary(flower_cfg.output_dir)["engine"] == "flower"
     # warm nodes: each node's worker built its model once and handled every message of the
-    # run (a roll call, a training message a round, an evaluation), in the worker's one life
+    # run (a roll call, a training message a round, an evaluation), in the worker's one life,
+    # each handed over by a ClientApp process forked from the SuperExec's fork server
     for cid in range(3):
         worker = worker_status(tls_federation, cid)
         assert worker["starts"] == 1 and worker["models_built"] == 1, worker
         assert worker["messages"] >= 1 + 2 + 1 and worker["handling"] is None, worker
+        assert worker["messages_forked"] == worker["messages"], worker
 
 
 def worker_status(fed, cid: int) -> dict:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import multiprocessing
 import os
 import socket
 import struct
@@ -44,6 +45,7 @@ client_app = ClientApp()
 DEFAULT_STATE_DIR = ".fedpeft-node"  # as fedpeft.flower.apps
 START_TIMEOUT = 300.0  # a worker imports torch and fedpeft before it listens
 ATTEMPTS = 3  # a message is sent this many times at most when its worker dies under it
+FORKED_CLIENTAPP = "flwr-clientapp, forked warm"  # the name fedpeft.flower.superexec gives it
 MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux, 104 on macOS
 OK, FAILED = b"ok", b"failed"
 
@@ -154,11 +156,14 @@ def relay(message: Message, context: Context) -> Message:
     """Send ``message`` (with the node's context) to the worker; its reply, and the
     context state it leaves (SecAgg+ keeps its protocol state there)."""
     state_dir, cid = node_identity(context)
-    node_process = os.getppid()  # Flower's SuperExec, which lives as long as the SuperNode
+    # Flower's SuperExec, or the fork server it started: either lives as long as the SuperNode
+    node_process = os.getppid()
+    forked = multiprocessing.current_process().name == FORKED_CLIENTAPP
     request = (
         message_to_proto(message).SerializeToString(),
         context_to_proto(context).SerializeToString(),
         str(node_process).encode(),
+        b"forked" if forked else b"started",
     )
     for attempt in range(1, ATTEMPTS + 1):
         conn = ensure_worker(state_dir, cid, watch=node_process)

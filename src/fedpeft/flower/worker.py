@@ -9,7 +9,9 @@ It handles one message at a time, in order, and stops when the node's process is
 
 Its status file (``worker-<cid>.json`` beside the node's state) says what it does and has
 done: its pid, how many workers this node has started (``starts``), the messages handled
-and the models built in this worker's life, and the message in hand (``handling``).
+(and of them, those whose ClientApp process was forked warm by
+:mod:`fedpeft.flower.superexec`) and the models built in this worker's life, and the
+message in hand (``handling``).
 
     python -m fedpeft.flower.worker --socket PATH --status PATH --watch PID
 """
@@ -45,6 +47,7 @@ class Worker:
             "starts": int(previous.get("starts", 0)) + 1,
             "started": time.time(),
             "messages": 0,
+            "messages_forked": 0,  # of them, handed over by a ClientApp forked warm
             "models_built": 0,
             "handling": None,  # the type of the message in hand
         }
@@ -57,7 +60,8 @@ class Worker:
 
     def handle(self, frames: list[bytes]) -> list[bytes]:
         """One message through fedpeft's ClientApp (its frames: the message, the node's
-        context, the node's process id): the reply's frames, or the error's."""
+        context, the node's process id, how its ClientApp process started): the reply's
+        frames, or the error's."""
         proto_msg, proto_ctx = ProtoMessage(), ProtoContext()
         proto_msg.ParseFromString(frames[0])
         proto_ctx.ParseFromString(frames[1])
@@ -75,6 +79,7 @@ class Worker:
             traceback.print_exc()
             answer = [FAILED, f"{type(err).__name__}: {err}".encode()]
         self.status["messages"] += 1
+        self.status["messages_forked"] += frames[3:4] == [b"forked"]
         self.status["models_built"] += Node.models_built - built
         self.status["handling"] = None
         self.write_status()
