@@ -300,6 +300,7 @@ def make_engine(
         server=cfg.server,
         faults=cfg.faults,
         faulty=faulty,
+        comm=cfg.comm,
     )
 
 

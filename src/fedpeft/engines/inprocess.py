@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedpeft.config import FaultsConfig, ServerConfig
+from fedpeft.config import CommConfig, FaultsConfig, ServerConfig
 from fedpeft.data.task import Encoded, make_batch
-from fedpeft.engines import guard, scaffold
+from fedpeft.engines import compress, guard, scaffold
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
 from fedpeft.engines.faults import corrupt
 from fedpeft.engines.memory import check_memory, measure_peak_cuda, probe_copy
@@ -130,6 +130,7 @@ class InProcessEngine:
         server: ServerConfig | None = None,
         faults: FaultsConfig | None = None,
         faulty: Sequence[int] = (),
+        comm: CommConfig | None = None,
     ):
         self.model, self.method, self.clients = model, method, clients
         self.eval_clients = eval_clients if eval_clients is not None else clients
@@ -143,6 +144,7 @@ class InProcessEngine:
         self.server_cfg = server or ServerConfig()  # the server's step after the method aggregates
         # simulated faulty clients (faults.*): whose uplinks a model attack corrupts
         self.faults, self.faulty = faults or FaultsConfig(), set(faulty)
+        self.comm = comm or CommConfig()  # the codecs of the uplink and the downlink (comm.*)
         self.on_round = on_round or (lambda record: None)
         self.on_start = on_start or (lambda records: None)
         # name -> f(previous global tensors, new global tensors), recorded every round
@@ -174,15 +176,20 @@ class InProcessEngine:
         """Client ``client``'s personal state: what it kept from its last round or, if it
         has not trained yet, the method's initial personal state (not stored: a client
         that never trains never holds state)."""
+        return self.stored(client)[0]
+
+    def stored(self, client: ClientData) -> tuple[Tensors, Tensors]:
+        """What client ``client`` keeps: its personal state (:meth:`personal_of`) and the
+        residual of its compressed uplink (error feedback; empty without it)."""
         if client.cid in self.personal:
             try:
-                return self.personal[client.cid]
+                return compress.residual_of(self.personal[client.cid])
             except StoreError as err:
                 if self.on_corrupt_state != "reset":
                     raise
                 del self.personal[client.cid]
                 self.resets[client.cid] = str(err)
-        return restrict_heads(self.method.init_client(self.model, self.initial, client), client.classes)
+        return restrict_heads(self.method.init_client(self.model, self.initial, client), client.classes), {}
 
     def load(self, tensors: Tensors) -> None:
         """Load tensors into the model unless exactly these are loaded already."""
@@ -198,31 +205,44 @@ class InProcessEngine:
             self._loaded = tuple(tensors.values())
 
     # ------------------------------------------------------------ one round
-    def job(self, server: ServerState, rnd: int, cid: int) -> tuple[Job, int]:
-        """Client ``cid``'s local round to run, and the bytes it receives for it."""
-        received = self.method.downlink(server, cid)
-        down = tensor_bytes(received)
+    def job(self, server: ServerState, rnd: int, cid: int) -> tuple[Job, Tensors, int]:
+        """Client ``cid``'s local round to run, the residual its uplink carries (error
+        feedback) and the bytes it receives for it: the downlink as encoded
+        (``comm.downlink``) and decoded on the client; the join message and SCAFFOLD's
+        control as they are."""
+        message = compress.encode(self.method.downlink(server, cid), self.comm.downlink)
+        received = compress.decode(message, self.comm.downlink)
+        down = tensor_bytes(message)
         if cid not in self.joined:  # first contact: the method's one-time join message too
             down += tensor_bytes(self.method.join_message(server))
             self.joined.add(cid)
         client = self.clients[cid]
         control = scaffold.server_control(server, self.method) if scaffold.enabled(self.method) else {}
         seed = derive_seed(self.schedule.seed, rnd, cid)
-        return Job(received, self.personal_of(client), client, seed, rnd, control), down + tensor_bytes(
-            control
-        )
+        personal, residual = self.stored(client)
+        return Job(received, personal, client, seed, rnd, control), residual, down + tensor_bytes(control)
+
+    def compressed(self, job: Job, result: FitResult, residual: Tensors) -> int:
+        """Client ``result.cid``'s uplink through ``comm.uplink``: encoded on the client
+        (the update from what it received, plus its residual), decoded on the server into
+        ``result.uplink``; its new residual stored with its personal state. The bytes sent."""
+        cfg, seed = self.comm.uplink, compress.message_seed(job.seed)
+        sent = compress.send_update(result.uplink, job.received, residual, cfg, seed)
+        result.uplink = compress.receive_update(sent.message, job.received, cfg, seed)
+        self.personal[result.cid] = compress.with_residual(result.personal, sent.residual)
+        return tensor_bytes(sent.message) + tensor_bytes(result.control)
 
     def fit_round(self, server: ServerState, rnd: int) -> tuple[list[FitResult], dict]:
         """The sampled clients' local rounds, in cohorts of up to ``cohort_size`` clients
         trained at once; a client's round does not depend on its cohort."""
         s = self.schedule
         sampled = sample_clients(s.seed, rnd, len(self.clients), s.clients_per_round)
-        jobs, down = [], 0
+        jobs, residuals, down = [], {}, 0
         for cid in sampled:
-            job, received_bytes = self.job(server, rnd, cid)
+            job, residuals[cid], received_bytes = self.job(server, rnd, cid)
             jobs.append(job)
             down += received_bytes
-        results, fit_times, readouts, dropped = [], [], {}, {}
+        results, fit_times, readouts, dropped, up = [], [], {}, {}, 0
         self._loaded = ()  # a fit may load its own tensors
         for start in range(0, len(jobs), self.cohort_size):
             cohort = jobs[start : start + self.cohort_size]
@@ -232,17 +252,16 @@ class InProcessEngine:
                 result.cid = job.client.cid
             fitted = [self.attacked(job, result, rnd) for job, result in zip(cohort, fitted, strict=True)]
             kept, cut = guard.screen(fitted)  # a diverged client keeps its last finite state
-            for result in kept:  # stored at once, as each cohort ends
-                self.personal[result.cid] = result.personal
+            by_client = {job.client.cid: job for job in cohort}
+            for result in kept:  # sent and stored at once, as each cohort ends
+                if readout := self.method.readout(result):  # on the client, of what it trained
+                    readouts[str(result.cid)] = readout
+                up += self.compressed(by_client[result.cid], result, residuals[result.cid])
             results += kept
             dropped.update(cut)
             fit_times.append(time.perf_counter() - t0)
         if not results:
             raise guard.all_dropped(rnd, dropped, self.lr, server)
-        for result in results:
-            if readout := self.method.readout(result):
-                readouts[str(result.cid)] = readout
-        up = sum(tensor_bytes(r.uplink) + tensor_bytes(r.control) for r in results)
         if not self.method.communicates:  # pooled training: nothing crossed a network
             down = up = 0
         weights = [r.num_examples for r in results]

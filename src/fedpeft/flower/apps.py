@@ -25,6 +25,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.serverapp import Grid, ServerApp
 
 from fedpeft.config import ExperimentConfig, parse_config
+from fedpeft.engines import compress
 from fedpeft.engines.guard import DivergedError
 from fedpeft.experiment import (
     build,
@@ -164,7 +165,7 @@ def _secure_train(msg: Message, context: Context) -> Message:
     if join is not None and not node.joined:
         node.join(join)
     t0 = time.perf_counter()
-    result = node.fit(received, rnd)
+    result, _ = node.fit(received, rnd)  # SecAgg+ takes no compressed uplink (the config refuses it)
     metrics = {**result.metrics, "time_fit": time.perf_counter() - t0}
     metrics |= {f"readout.{k}": v for k, v in node.method.readout(result).items()}
     fitres = secure.fit_reply(result, metrics)
@@ -181,12 +182,12 @@ def secure_or_plain(msg: Message, context: Context, call_next) -> Message:
 @client_app.train(mods=[secure_or_plain])
 def train(msg: Message, context: Context) -> Message:
     node = node_of(context)
-    received = _received(node, msg)
+    received = compress.decode(_received(node, msg), node.cfg.comm.downlink)  # comm.downlink
     t0 = time.perf_counter()
     control = codec.from_record(msg.content["control"]) if "control" in msg.content else None
-    result = node.fit(received, int(msg.content["config"]["round"]), control)
+    result, sent = node.fit(received, int(msg.content["config"]["round"]), control)
     fit = {**result.metrics, "num_examples": result.num_examples, "time_fit": time.perf_counter() - t0}
-    records = {"uplink": codec.to_record(result.uplink), "fit": codec.to_metrics(fit)}
+    records = {"uplink": codec.to_record(sent), "fit": codec.to_metrics(fit)}
     if result.control:  # SCAFFOLD: the update of this client's control
         records["control"] = codec.to_record(result.control)
     if readout := node.method.readout(result):  # computed here: it may need the personal state

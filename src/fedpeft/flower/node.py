@@ -28,7 +28,7 @@ from fedpeft.config import ExperimentConfig
 from fedpeft.data import partition as P
 from fedpeft.data.sources import load_client_file, load_corpus
 from fedpeft.data.task import Encoded, encode, encode_corpus
-from fedpeft.engines import guard
+from fedpeft.engines import compress, guard
 from fedpeft.engines.inprocess import derive_seed
 from fedpeft.experiment import attach_method, fingerprint, make_split, place
 from fedpeft.methods.base import ClientData, FitResult, Job, Method, Tensors, load_tensors
@@ -255,8 +255,15 @@ class Node:
     # ---------------------------------------------------------------- personal state
     def personal_before(self, rnd: int) -> Tensors | None:
         """The personal state as it was after the newest local round before ``rnd``."""
+        return self.kept_before(rnd)[0]
+
+    def kept_before(self, rnd: int) -> tuple[Tensors | None, Tensors]:
+        """What the client kept after its newest local round before ``rnd``: its personal
+        state (None before its first round) and its compressed uplink's residual."""
         done = [r for r in self.snapshots if r < rnd]
-        return self.snapshots[max(done)] if done else None
+        if not done:
+            return None, {}
+        return compress.residual_of(self.snapshots[max(done)])
 
     @property
     def last_round(self) -> int:
@@ -268,24 +275,29 @@ class Node:
         self._join = message
         self._save("join", message)
 
-    def fit(self, received: Tensors, rnd: int, control: Tensors | None = None) -> FitResult:
+    def fit(self, received: Tensors, rnd: int, control: Tensors | None = None) -> tuple[FitResult, Tensors]:
         """Local round ``rnd``, seeded exactly as the in-process engine seeds it (``control``:
         SCAFFOLD's server control, when the run corrects drift; the client's own control is
-        part of its personal state)."""
+        part of its personal state). Returns the result and its uplink as it is sent:
+        encoded by ``comm.uplink`` (the update from ``received``, plus the residual this
+        client kept; the result's own uplink stays the trained tensors)."""
         seed = derive_seed(self.cfg.seed, rnd, self.cid)
         torch.manual_seed(seed)
-        personal = self.personal_before(rnd)
+        personal, residual = self.kept_before(rnd)
         if personal is None:
             personal = self.method.init_client(self.model, self.initial, self.client)
         result = self.method.fit(self.model, Job(received, personal, self.client, seed, rnd, control or {}))
         result.cid = self.cid
         if guard.nonfinite_reason(result) is not None:  # the server drops it; keep the last finite state
-            return result
+            return result, result.uplink
+        sent = compress.send_update(
+            result.uplink, received, residual, self.cfg.comm.uplink, compress.message_seed(seed)
+        )
         self.snapshots = {r: t for r, t in self.snapshots.items() if r < rnd}
-        self.snapshots[rnd] = result.personal
+        self.snapshots[rnd] = compress.with_residual(result.personal, sent.residual)
         self.snapshots = dict(sorted(self.snapshots.items())[-KEEP_SNAPSHOTS:])
         self._save("personal", self.snapshots)
-        return result
+        return result, sent.message
 
     def evaluate(self, received: Tensors, rnd: int, on_global_test: bool) -> Evaluation:
         """Scores of this client's model (after round ``rnd``) on its local test split and,

@@ -33,13 +33,14 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedpeft.config import DeployConfig
-from fedpeft.engines import guard, scaffold
+from fedpeft.engines import compress, guard, scaffold
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
 from fedpeft.engines.inprocess import close_record, sample_clients
 from fedpeft.engines.server_opt import as_weighted, server_step
 from fedpeft.experiment import Setup
 from fedpeft.flower import codec, secure
 from fedpeft.methods.base import FitResult, ServerState, Tensors, load_tensors, tensor_bytes
+from fedpeft.methods.cohort import derive_seed
 from fedpeft.metrics.classification import mean_scores, spread
 from fedpeft.metrics.scorers import scorer_for
 
@@ -201,15 +202,33 @@ class FlowerServer:
                 )
             time.sleep(0.5)
 
-    def downlink_records(self, server: ServerState, cid: int, peer: Peer) -> tuple[dict, int]:
-        """The records a client receives (plus the join message if its node needs it) and
-        their tensor payload in bytes."""
-        received = self.method.downlink(server, cid)
-        records, payload = {"downlink": codec.to_record(received)}, tensor_bytes(received)
+    def downlink_records(
+        self, server: ServerState, cid: int, peer: Peer, *, train: bool = False
+    ) -> tuple[dict, int, Tensors]:
+        """The records a client receives (plus the join message if its node needs it),
+        their tensor payload in bytes, and what the client will hold once it decodes them:
+        a training message's downlink goes through ``comm.downlink`` (an evaluation's
+        carries the model as it is, as in-process)."""
+        sent = self.method.downlink(server, cid)
+        if train:
+            sent = compress.encode(sent, self.cfg.comm.downlink)
+        records, payload = {"downlink": codec.to_record(sent)}, tensor_bytes(sent)
         if not peer.joined and (join := self.method.join_message(server)):
             records["join"] = codec.to_record(join)
             payload += tensor_bytes(join)
-        return records, payload
+        return records, payload, compress.decode(sent, self.cfg.comm.downlink) if train else sent
+
+    def uplink_of(self, reply: Message, cid: int, rnd: int, held: Tensors) -> tuple[Tensors, int]:
+        """Client ``cid``'s update decoded (``comm.uplink``) onto ``held``, what it was
+        sent; and the update's bytes as encoded."""
+        message = codec.from_record(reply.content["uplink"])
+        seed = compress.message_seed(derive_seed(self.cfg.seed, rnd, cid))
+        try:
+            return compress.receive_update(message, held, self.cfg.comm.uplink, seed), tensor_bytes(message)
+        except (KeyError, IndexError, RuntimeError, ValueError) as err:
+            raise codec.ReplyError(
+                f"its {self.cfg.comm.uplink.codec} update does not decode: {err}"
+            ) from None
 
     # ------------------------------------------------------------ one round
     def fit_round(
@@ -218,10 +237,10 @@ class FlowerServer:
         sampled = sample_clients(self.cfg.seed, rnd, list(peers), self.cfg.train.clients_per_round)
         if self.deploy.secure_aggregation:
             return self.fit_round_secure(server, rnd, peers, sampled)
-        messages, payload_down = [], 0
+        messages, payload_down, held = [], 0, {}
         control = scaffold.server_control(server, self.method) if scaffold.enabled(self.method) else {}
         for cid in sampled:
-            records, payload = self.downlink_records(server, cid, peers[cid])
+            records, payload, held[cid] = self.downlink_records(server, cid, peers[cid], train=True)
             records["config"] = ConfigRecord({"round": rnd})
             if control:  # SCAFFOLD: the server's control, with every training message
                 records["control"] = codec.to_record(control)
@@ -233,12 +252,12 @@ class FlowerServer:
         cid_of = {peers[c].node_id: c for c in sampled}
         dropped = {cid_of[n]: why for n, why in failed.items()}
         diverged: dict[int, str] = {}  # the clients whose loss or update is not finite
-        results, readouts, fit_times, up = [], {}, [], 0
+        results, readouts, fit_times, up, payload_up = [], {}, [], 0, 0
         for node, reply in sorted(good.items(), key=lambda kv: cid_of[kv[0]]):
             cid = cid_of[node]
             up += codec.wire_bytes(reply)
             try:
-                uplink = codec.from_record(reply.content["uplink"])
+                uplink, sent_bytes = self.uplink_of(reply, cid, rnd, held[cid])
                 fit = dict(reply.content["fit"])
                 result = FitResult(uplink, {}, int(fit.pop("num_examples")), fit, cid)
                 if control:  # SCAFFOLD: the update of the client's control
@@ -256,6 +275,7 @@ class FlowerServer:
             fit_times.append(fit.pop("time_fit"))
             peers[cid].joined = True
             results.append(result)
+            payload_up += sent_bytes + tensor_bytes(result.control)
             if "readout" in reply.content:
                 readouts[str(cid)] = dict(reply.content["readout"])
         for cid, why in sorted(dropped.items()):
@@ -276,7 +296,7 @@ class FlowerServer:
             "bytes_down": down,
             "bytes_up": up,
             "payload_bytes_down": payload_down,
-            "payload_bytes_up": sum(tensor_bytes(r.uplink) + tensor_bytes(r.control) for r in results),
+            "payload_bytes_up": payload_up,
             "time_fit_max": max(fit_times, default=float("nan")),
             **({"client_readout": readouts} if readouts else {}),
         }
@@ -349,7 +369,7 @@ class FlowerServer:
             return out
         messages, join_bytes, join_payload = [], 0, 0
         for cid, peer in sorted(peers.items()):
-            records, payload = self.downlink_records(server, cid, peer)
+            records, payload, _ = self.downlink_records(server, cid, peer)
             if "join" in records:  # one-time setup traffic: counted, unlike evaluation traffic
                 join_bytes += codec.wire_bytes(records["join"])
                 join_payload += payload - tensor_bytes(self.method.downlink(server, cid))
