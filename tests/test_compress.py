@@ -177,6 +177,22 @@ def test_a_run_records_the_encoded_bytes_and_the_server_gets_the_decoded_update(
         assert rb["loss"] == pytest.approx(ra["loss"], rel=0.05)
 
 
+@pytest.mark.parametrize("codec", ["topk", "randk"])
+def test_a_sparsifier_keeping_every_value_is_the_uncompressed_run(tiny_config, tmp_path, codec):
+    """At fraction 1 nothing is left out: the server rebuilds each update to float
+    rounding (what was received + (trained - received)), and the run follows the plain one."""
+    plain = tiny_config(output_dir=str(tmp_path / "plain"), **{"train.rounds": 3})
+    whole = tiny_config(
+        output_dir=str(tmp_path / "whole"),
+        **{"train.rounds": 3, "comm.uplink": {"codec": codec, "fraction": 1.0}},
+    )
+    run(plain), run(whole)
+    a, b = read_records(plain.output_dir), read_records(whole.output_dir)
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4)
+        assert rb["global"]["accuracy"] == pytest.approx(ra["global"]["accuracy"], abs=1e-9)
+
+
 def test_topk_keeps_its_residual_on_the_client_and_resumes_it(tiny_config, tmp_path):
     """Error feedback's residual is the client's: stored beside its personal state, never
     shown to the method or exported; a run killed mid-round resumes to the same end."""
