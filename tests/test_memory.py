@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 from transformers import BertModel
 
 from fedpeft.config import parse_config
@@ -76,6 +77,7 @@ def _measure(backbone: str, out: str) -> dict:
     }
 
 
+@pytest.mark.slow  # about 70 s of a 2-core machine: a scale test, run by .ci/run
 def test_200_clients_share_one_backbone(tiny_backbone, tmp_path):
     proc = subprocess.run(
         [sys.executable, __file__, str(tiny_backbone), str(tmp_path)],
