@@ -126,6 +126,19 @@ def test_error_feedback_sends_and_keeps_exactly_the_update_plus_the_old_residual
     assert torch.allclose(got, received["w"] + update, atol=1e-6)
 
 
+def test_a_residual_of_another_shape_is_dropped_and_empty_or_scalar_tensors_travel():
+    """A tensor whose shape changed since the last round (HETLoRA cuts ranks) starts a
+    fresh residual; an empty tensor crosses as it is, a scalar like any other."""
+    cfg = CodecConfig(codec="topk", fraction=0.5)
+    sent = K.send_update({"w": torch.tensor([4.0, 3, 2, 1])}, {}, {"w": torch.ones(3)}, cfg, 0)
+    assert torch.equal(sent.residual["w"], torch.tensor([0.0, 0, 2, 1]))
+    tensors = {"empty": torch.zeros(0, 3), "scalar": torch.tensor(0.5)}
+    for codec in ("fp16", "int8", "nf4", "topk", "randk"):
+        got = K.decode(K.encode(tensors, CodecConfig(codec=codec), 1), CodecConfig(codec=codec), 1)
+        assert got["empty"].shape == (0, 3) and got["scalar"].shape == ()
+        assert float(got["scalar"]) == pytest.approx(0.5, rel=0.01)
+
+
 def test_without_error_feedback_nothing_is_kept_and_sparsifiers_default_to_it():
     assert K.error_feedback(CodecConfig(codec="topk")) and K.error_feedback(CodecConfig(codec="randk"))
     assert not K.error_feedback(CodecConfig(codec="int8"))

@@ -108,7 +108,7 @@ def encode_tensor(
 ) -> Tensors:
     """Tensor ``x`` (called ``name``) as the parts ``cfg``'s codec sends; the receiver
     decodes it into ``dtype`` (default ``x``'s)."""
-    if lossless(cfg) or not x.is_floating_point():
+    if lossless(cfg) or not x.is_floating_point() or x.numel() == 0:
         return {name: x}
     dtype = dtype or x.dtype
     if dtype not in DTYPES or x.dtype not in DTYPES:
@@ -213,7 +213,10 @@ def send_update(uplink: Tensors, reference: Tensors, residual: Tensors, cfg: Cod
     for name, x in uplink.items():
         if x.is_floating_point():
             value = x.float() - reference[name].float() if _has_reference(name, x, reference) else x.float()
-            quantity[name] = value + residual[name].float() if name in residual else value
+            carried = residual.get(name)  # none, or one of another shape (a rank cut): start afresh
+            quantity[name] = (
+                value + carried.float() if carried is not None and carried.shape == value.shape else value
+            )
         message.update(encode_tensor(name, quantity.get(name, x), cfg, seed, dtype=x.dtype))
     if not error_feedback(cfg):
         return Sent(message, {})
