@@ -16,7 +16,7 @@ from fedpeft.flower import apps, codec
 from fedpeft.methods.base import tensor_bytes
 from fedpeft.report.results import read_records
 from tests.test_flower_bridge import deploy, forget_nodes, serve  # noqa: F401 (forget_nodes: autouse)
-from tests.test_resume import Killed
+from tests.test_reliability import kill_in_round
 
 N = 1000  # values in the tensor under test: not a multiple of the blocks, nor even
 
@@ -133,8 +133,9 @@ def test_a_residual_of_another_shape_is_dropped_and_empty_or_scalar_tensors_trav
     sent = K.send_update({"w": torch.tensor([4.0, 3, 2, 1])}, {}, {"w": torch.ones(3)}, cfg, 0)
     assert torch.equal(sent.residual["w"], torch.tensor([0.0, 0, 2, 1]))
     tensors = {"empty": torch.zeros(0, 3), "scalar": torch.tensor(0.5)}
-    for codec in ("fp16", "int8", "nf4", "topk", "randk"):
-        got = K.decode(K.encode(tensors, CodecConfig(codec=codec), 1), CodecConfig(codec=codec), 1)
+    for name in ("fp16", "int8", "nf4", "topk", "randk"):
+        cfg = CodecConfig(codec=name)
+        got = K.decode(K.encode(tensors, cfg, 1), cfg, 1)
         assert got["empty"].shape == (0, 3) and got["scalar"].shape == ()
         assert float(got["scalar"]) == pytest.approx(0.5, rel=0.01)
 
@@ -213,18 +214,7 @@ def test_topk_keeps_its_residual_on_the_client_and_resumes_it(tiny_config, tmp_p
     whole = tiny_config(output_dir=str(tmp_path / "whole"), **extra)
     cut = tiny_config(output_dir=str(tmp_path / "cut"), **extra)
     run(whole)
-    setup, calls = build(cut), []
-    real = setup.method.fit_cohort
-
-    def dying(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2 * 2 + 2:  # the second client of round 3
-            raise Killed
-        return real(*args, **kwargs)
-
-    setup.method.fit_cohort = dying
-    with pytest.raises(Killed):
-        run(cut, setup=setup)
+    kill_in_round(cut, 3)  # on its second client
     run(cut, resume=True)
     a, b = read_records(whole.output_dir), read_records(cut.output_dir)
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
