@@ -36,6 +36,8 @@ live in ``--tuned-file`` (``benchmarks/tuned/c2a.json``). Set ``OMP_NUM_THREADS`
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
@@ -157,6 +159,9 @@ def main() -> None:
         "--extend", type=int, default=3, help="--tune: grid extensions past a best rate at an end"
     )
     ap.add_argument("--tuned-file", type=Path, default=TUNED_FILE)
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="runs at once, each in its own process (on a GPU they share the device); "
+                    "--tune: methods at once")  # fmt: skip
     args = ap.parse_args()
     names = args.methods.split(",")
     if unknown := [n for n in names if n not in METHODS]:
@@ -168,29 +173,44 @@ def main() -> None:
     betas = [float(b) for b in args.betas.split(",")]
     settings = read_tuned(args.tuned_file, names)
     runs: dict[str, dict[float, list[Path]]] = {}
+    configs = []
     for name in names:
         for beta in betas:
             for seed in seeds:
                 out = args.out / f"{name}-beta{beta:g}-seed{seed}"
-                run_or_reuse(config(name, beta, seed, out, args, settings[name]))
+                configs.append(config(name, beta, seed, out, args, settings[name]))
                 runs.setdefault(name, {}).setdefault(beta, []).append(out)
+    hardest = min(betas)
+    ablation: dict[str, list[Path]] = {}
+    if not args.no_ablation and "c2a" in names:
+        for name in ABLATIONS:
+            for seed in seeds:
+                out = args.out / f"{name}-beta{hardest:g}-seed{seed}"
+                configs.append(config(name, hardest, seed, out, args, settings["c2a"]))
+                ablation.setdefault(name, []).append(out)
+    run_all(configs, args.jobs)
     print(f"\nMiniLM, WordNet topics ({args.examples} training glosses), {args.clients} clients, "
           "25 % a round, "
           f"{args.rounds} rounds x 1 epoch x batch 16; Dirichlet (FedNLP capped); seeds {seeds}; global test "
           "accuracy (%) after the last round, mean ± sample std over seeds\n")  # fmt: skip
     print_table(runs, settings, betas)
-    hardest = min(betas)
-    if not args.no_ablation and "c2a" in names:
-        ablation = {}
-        for name in ABLATIONS:
-            for seed in seeds:
-                out = args.out / f"{name}-beta{hardest:g}-seed{seed}"
-                run_or_reuse(config(name, hardest, seed, out, args, settings["c2a"]))
-                ablation.setdefault(name, []).append(out)
+    if ablation:
         print_ablation(ablation, hardest)
     print_rounds_to_target(runs, hardest, args.target)
     plot_drift(runs, hardest, args.out / "drift.png")
     print_claim(runs, betas)
+
+
+def run_all(configs: list[ExperimentConfig], jobs: int) -> None:
+    """Every run of ``configs`` finished (or reused), ``jobs`` at a time in worker processes
+    (spawned: each holds its own model; a run directory is only ever written by one)."""
+    if jobs <= 1:
+        for cfg in configs:
+            run_or_reuse(cfg)
+        return
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for done in as_completed([pool.submit(run_or_reuse, cfg) for cfg in configs]):
+            done.result()  # a failed run stops the table, naming its error
 
 
 def tune(names: list[str], args: argparse.Namespace) -> None:
@@ -198,19 +218,34 @@ def tune(names: list[str], args: argparse.Namespace) -> None:
         f"tuning on seed {TUNING_SEED}, beta {TUNING_BETA:g}: the clients' mean validation accuracy "
         f"({100 * VAL_FRACTION:g} % of each client's data held out) after round {args.rounds}"
     )
-    for name in names:
+    if args.jobs <= 1:
+        for name in names:
+            record_tuned(args.tuned_file, *tune_one(name, args))
+        return
+    # one method per worker (a method's grid is walked in order); only this process writes
+    # the tuned file
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for done in as_completed([pool.submit(tune_one, name, args) for name in names]):
+            record_tuned(args.tuned_file, *done.result())
 
-        def score(train: dict, name: str = name) -> float:
-            out = args.out / "tune-val" / f"{name}-{train['lr']:g}-{train['optimizer_state']}"
-            run_or_reuse(config(name, TUNING_BETA, TUNING_SEED, out, args, train, tuning=True))
-            return read_records(out)[-1]["val"]["accuracy_mean"]
 
-        # three extensions: in 20 short rounds the best rates sit high, past two
-        best, report = tune_method(
-            score, GRIDS.get(name, LR_GRID), extend=args.extend, keep=name not in RESET_ONLY
-        )
-        print(f"  {name}: {report}", flush=True)
-        write_tuned(args.tuned_file, {name: best})
+def tune_one(name: str, args: argparse.Namespace) -> tuple[str, dict, str]:
+    """``name``'s tuned setting and the grid's report."""
+
+    def score(train: dict) -> float:
+        out = args.out / "tune-val" / f"{name}-{train['lr']:g}-{train['optimizer_state']}"
+        run_or_reuse(config(name, TUNING_BETA, TUNING_SEED, out, args, train, tuning=True))
+        return read_records(out)[-1]["val"]["accuracy_mean"]
+
+    # three extensions: in 20 short rounds the best rates sit high, past two
+    grid = GRIDS.get(name, LR_GRID)
+    best, report = tune_method(score, grid, extend=args.extend, keep=name not in RESET_ONLY)
+    return name, best, report
+
+
+def record_tuned(path: Path, name: str, best: dict, report: str) -> None:
+    print(f"  {name}: {report}", flush=True)
+    write_tuned(path, {name: best})
 
 
 def final_accuracy(outs: list[Path]) -> np.ndarray:
