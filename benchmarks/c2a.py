@@ -204,6 +204,7 @@ def main() -> None:
 def run_all(configs: list[ExperimentConfig], jobs: int) -> None:
     """Every run of ``configs`` finished (or reused), ``jobs`` at a time in worker processes
     (spawned: each holds its own model; a run directory is only ever written by one)."""
+    configs = list({cfg.output_dir: cfg for cfg in configs}.values())  # the ablation's C2A is the table's
     if jobs <= 1:
         for cfg in configs:
             run_or_reuse(cfg)

@@ -7,6 +7,7 @@ module that compares deployments with in-process runs.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -32,22 +33,32 @@ def test_node_killed_mid_round(tiny_config, tmp_path):
         **{**SMALL, "train.rounds": 3, "eval.every": 3, "deploy.round_timeout": 300},
     )
     with deploy.local_federation(tmp_path / "fed", 3) as fed:
+        caught = threading.Event()
 
         def saboteur():
+            """Kill node 2 while its worker holds round 2's training message (it has pulled
+            it: a node started in its place cannot answer it), and start a new one at once."""
             metrics = cfg.output_dir / "metrics.jsonl"
+            status = tmp_path / "fed" / "node-2" / "worker-2.json"
             deadline = time.monotonic() + 600
-            while time.monotonic() < deadline:  # round 1 recorded: round 2's messages are out
-                if metrics.is_file() and metrics.read_text().count("\n") >= 1:
-                    time.sleep(1)
-                    fed.kill_node(2)
-                    fed.start_node(2, state_dir=tmp_path / "fed" / "node-2")  # same disk
-                    return
-                time.sleep(0.2)
+            while time.monotonic() < deadline:
+                if metrics.is_file() and metrics.read_text().count("\n") >= 1:  # round 1 recorded
+                    try:
+                        worker = json.loads(status.read_text())
+                    except (OSError, json.JSONDecodeError):  # mid-replace
+                        worker = {}
+                    if worker.get("handling") == "train":
+                        fed.kill_node(2)
+                        fed.start_node(2, state_dir=tmp_path / "fed" / "node-2")  # same disk
+                        caught.set()
+                        return
+                time.sleep(0.005)
 
         thread = threading.Thread(target=saboteur, daemon=True)
         thread.start()
         status = deploy.submit(cfg, fed.address, workdir=tmp_path / "submit", timeout=900, echo=False)
         thread.join()
+    assert caught.is_set(), "node 2 was never seen holding round 2's training message"
     assert status["status"] == "finished:completed"
     records = read_records(cfg.output_dir)
     assert len(records) == 3
