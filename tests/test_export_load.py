@@ -52,6 +52,7 @@ def trained_logits(model, tensors, data) -> torch.Tensor:
     return engine_logits(model, data)
 
 
+@pytest.mark.slow  # about a minute: every classifying method trains and exports
 def test_load_export_reproduces_every_method(tiny_config, tmp_path):
     """Global and client exports of every classifying method, loaded with
     ``fedpeft.load_export`` from a moved run directory in one fresh interpreter, give the

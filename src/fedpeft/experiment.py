@@ -23,7 +23,7 @@ from fedpeft.data import partition as P
 from fedpeft.data.silos import load_silos
 from fedpeft.data.sources import Corpus, load_corpus
 from fedpeft.data.task import Encoded, encode_corpus
-from fedpeft.engines import scaffold
+from fedpeft.engines import privacy, scaffold
 from fedpeft.engines.checkpoint import STORE_DIR, Checkpoints, ResumeError
 from fedpeft.engines.faults import faulty_clients, flip_labels
 from fedpeft.engines.guard import DivergedError, nonfinite_tensor
@@ -170,6 +170,7 @@ def build(cfg: ExperimentConfig, model: TaskModel | None = None, tokenizer=None)
     method, initial = attach_method(cfg, model)
     check_composes(cfg, method)
     scaffold.check_composes(cfg, method)
+    privacy.check_composes(cfg, method)
     method.mean = combiner(cfg.server)
     device = place(model, cfg.train)
     pool, global_test = pool.to(device), global_test.to(device)
@@ -301,6 +302,7 @@ def make_engine(
         faults=cfg.faults,
         faulty=faulty,
         comm=cfg.comm,
+        privacy_cfg=cfg.privacy,
     )
 
 
@@ -460,6 +462,7 @@ def finish(
                 t.numel() for t in setup.method.downlink(server, 0).values()
             ),
             **extra,
+            **({"privacy": privacy.summary(cfg.privacy, records)} if cfg.privacy.mode != "none" else {}),
             "exported": export(setup, server.tensors, out, client_models),
         },
     )

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedpeft.config import CommConfig, FaultsConfig, ServerConfig
+from fedpeft.config import CommConfig, FaultsConfig, PrivacyConfig, ServerConfig
 from fedpeft.data.task import Encoded, make_batch
-from fedpeft.engines import compress, guard, scaffold
+from fedpeft.engines import compress, guard, privacy, scaffold
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
 from fedpeft.engines.faults import corrupt
 from fedpeft.engines.memory import check_memory, measure_peak_cuda, probe_copy
@@ -131,6 +131,7 @@ class InProcessEngine:
         faults: FaultsConfig | None = None,
         faulty: Sequence[int] = (),
         comm: CommConfig | None = None,
+        privacy_cfg: PrivacyConfig | None = None,
     ):
         self.model, self.method, self.clients = model, method, clients
         self.eval_clients = eval_clients if eval_clients is not None else clients
@@ -145,6 +146,15 @@ class InProcessEngine:
         # simulated faulty clients (faults.*): whose uplinks a model attack corrupts
         self.faults, self.faulty = faults or FaultsConfig(), set(faulty)
         self.comm = comm or CommConfig()  # the codecs of the uplink and the downlink (comm.*)
+        # differential privacy (privacy.*): the clip on the clients, the noise, the accountant
+        self.privacy = privacy_cfg or PrivacyConfig()
+        self.dp: privacy.Accountant | None = None
+        if self.privacy.mode != "none":
+            n, s = len(clients), min(schedule.clients_per_round, len(clients))
+            sigma = privacy.noise_multiplier(self.privacy, n, s, schedule.rounds)
+            self.dp = privacy.Accountant(self.privacy.mode, n, s, sigma)
+            privacy.check_plan(self.privacy, self.dp, schedule.rounds)
+        self._clip, self._sent = float("inf"), {}  # the round's clip bound; per client: received, fitted
         self.on_round = on_round or (lambda record: None)
         self.on_start = on_start or (lambda records: None)
         # name -> f(previous global tensors, new global tensors), recorded every round
@@ -226,6 +236,17 @@ class InProcessEngine:
         """Client ``result.cid``'s uplink through ``comm.uplink``: encoded on the client
         (the update from what it received, plus its residual), decoded on the server into
         ``result.uplink``; its new residual stored with its personal state. The bytes sent."""
+        if self.dp is not None:  # clipped (and, local mode, noised) before it is encoded
+            out = privacy.privatise(
+                self.privacy,
+                result.uplink,
+                job.received,
+                self._clip,
+                self.dp.sigma,
+                job.seed,
+                self.method.name,
+            )
+            result.uplink, self._sent[result.cid] = out.uplink, (job.received, out.fitted)
         cfg, seed = self.comm.uplink, compress.message_seed(job.seed)
         sent = compress.send_update(result.uplink, job.received, residual, cfg, seed)
         result.uplink = compress.receive_update(sent.message, job.received, cfg, seed)
@@ -238,6 +259,7 @@ class InProcessEngine:
         s = self.schedule
         sampled = sample_clients(s.seed, rnd, len(self.clients), s.clients_per_round)
         jobs, residuals, down = [], {}, 0
+        self._clip, self._sent = privacy.current_clip(self.privacy, server), {}
         for cid in sampled:
             job, residuals[cid], received_bytes = self.job(server, rnd, cid)
             jobs.append(job)
@@ -279,6 +301,18 @@ class InProcessEngine:
             "time_fit_max": max(fit_times),
             **({"client_readout": readouts} if readouts else {}),
         }
+
+    def noised(self, results: list[FitResult], rnd: int) -> tuple[list[FitResult], dict, float | None]:
+        """The round's results after the server's side of ``privacy.mode``, its record, and
+        the next clip bound (adaptive clipping)."""
+        assert self.dp is not None
+        references = [self._sent[r.cid][0] for r in results]
+        fitted = [self._sent[r.cid][1] for r in results]
+        seed = derive_seed(self.schedule.seed, rnd, privacy.SERVER_STREAM)
+        results, noted, next_clip = privacy.server_side(
+            self.privacy, results, references, fitted, self._clip, self.dp.per_round, self.dp.sigma, seed
+        )
+        return results, {"noise_multiplier": self.dp.sigma, **noted}, next_clip
 
     def attacked(self, job: Job, result: FitResult, rnd: int) -> FitResult:
         """``result`` as a faulty client sends it (``faults.attack``, a model attack), else as it is."""
@@ -450,12 +484,18 @@ class InProcessEngine:
         self.server = server
         self.on_start(records)
         for rnd in range(len(records) + 1, s.rounds + 1):
+            spent = privacy.check_budget(self.privacy, self.dp, rnd) if self.dp is not None else None
             t0 = time.perf_counter()
             results, record = self.fit_round(server, rnd)
             t1 = time.perf_counter()
-            previous = server
+            previous, next_clip = server, None
+            if self.dp is not None:  # the server's noise, before the method aggregates
+                results, noted, next_clip = self.noised(results, rnd)
+                record["privacy"] = {"epsilon": spent, "delta": self.privacy.delta, **noted}
             aggregated = self.method.aggregate(server, as_weighted(self.server_cfg, results), rnd)
             server = server_step(self.server_cfg, previous, aggregated)
+            if next_clip is not None:  # adaptive clipping's bound: server state, never sent
+                server = privacy.with_clip(server, next_clip)
             if scaffold.enabled(self.method):
                 updates = [r.control for r in results]
                 server = scaffold.update_control(self.method, previous, server, updates, len(self.clients))

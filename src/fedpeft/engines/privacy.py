@@ -1,0 +1,305 @@
+"""Differential privacy of what leaves a client (issue 34): user-level DP-FedAvg and local DP.
+
+The uplink's order (docs/DESIGN, "Layers that compose with every method"): the client
+clips its update, adds its own noise (``local``), then compresses; the server decodes,
+adds its noise (``user``), then the method aggregates and the server optimiser steps.
+
+- ``user`` (McMahan et al. 2018, "Learning Differentially Private Recurrent Language
+  Models"): each client clips its update ``u - x`` (all of its uplink's tensors as one
+  vector) to L2 norm ``C``; the server estimates the mean update with a fixed
+  denominator, ``(sum of clipped updates + N(0, sigma^2 C^2)) / S``, where ``S`` is the
+  clients asked per round (public, the same every round, whoever drops out). Uniform
+  weights: a weight by examples would let one client's size move the sum.
+  With adaptive clipping (Andrew et al. 2021, "Differentially Private Learning with
+  Adaptive Clipping") each client also reports whether its update fitted within ``C``;
+  the server counts them with noise ``N(0, sigma_b^2)`` and moves ``C`` geometrically
+  towards the ``target_quantile``; the two noises together cost as one Gaussian of
+  multiplier ``sigma = (sigma_u^-2 + (2 sigma_b)^-2)^-1/2`` (the paper's Theorem 1), so
+  the update's own multiplier is ``sigma_u = (sigma^-2 - (2 sigma_b)^-2)^-1/2``.
+- ``local``: each client clips as above and adds ``N(0, sigma^2 C^2)`` to its own update
+  before it leaves; the server aggregates as usual (weights as ``server.weighting`` says).
+
+Accounting (:class:`Accountant`) is Google's ``dp-accounting`` (RDP), not hand-written.
+Clients are drawn without replacement, ``S`` of ``N`` each round, so the neighbouring
+relation is replace-one (one client's data replaced), under which a clipped sum moves by
+up to ``2C``: the accountant's Gaussian multiplier is ``sigma / 2``. ``user``: each round
+is a ``SampledWithoutReplacementDpEvent(N, S, Gaussian(sigma / 2))``; ``local``: a plain
+``Gaussian(sigma / 2)`` per round, every round (a client's messages are seen as its own,
+so no amplification by sampling is claimed; a client that sits a round out spends less).
+
+Noise is drawn from generators seeded by ``(seed, round)`` (the server's) or the client's
+job seed, so a resumed run draws the same noise. With ``sigma = 0`` and a clip no update
+reaches, every function here returns its input itself: the run is the non-private one
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fedpeft.config import ConfigError, ExperimentConfig, PrivacyConfig
+from fedpeft.methods.base import FitResult, Method, ServerState, Tensors
+
+CLIP = "privacy.clip"  # the server's extras: the adaptive clipping bound of the next round
+SERVER_STREAM, CLIENT_STREAM = 0x44505356, 0x44504C43  # "DPSV", "DPLC"
+
+
+class PrivacyBudgetExceeded(RuntimeError):
+    """A round would spend more than ``privacy.target_epsilon``."""
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def check_composes(cfg: ExperimentConfig, method: Method) -> None:
+    """A :class:`ConfigError` naming what cannot go with ``privacy.mode``."""
+    p = cfg.privacy
+    if p.mode == "none":
+        return
+    if why := method.robust_refusal():  # its server does not take the mean of the uplinks
+        raise ConfigError(f"privacy.mode {p.mode}: method {method.name}: {why}")
+    if p.mode == "user" and cfg.server.aggregation != "mean":
+        raise ConfigError(
+            f"privacy.mode user: server.aggregation {cfg.server.aggregation} reads the individual "
+            "updates, and user-level DP adds its noise to their sum only; use aggregation mean (or "
+            "privacy.mode local, whose updates leave the clients noised)"
+        )
+    if cfg.train.correction == "scaffold":
+        raise ConfigError(
+            "privacy.mode: train.correction scaffold sends each client's control update beside its "
+            "model update, and only the model update is clipped and noised; use one or the other"
+        )
+    if cfg.deploy.secure_aggregation:
+        raise ConfigError("privacy.mode: not yet with deploy.secure_aggregation (the in-process engine only)")
+
+
+def noise_multiplier(p: PrivacyConfig, population: int, per_round: int, rounds: int) -> float:
+    """``privacy.noise_multiplier``, or the least one that spends ``target_epsilon`` in
+    ``rounds`` rounds (at ``delta``), calibrated by ``dp-accounting``."""
+    if p.noise_multiplier is not None:
+        return p.noise_multiplier
+    import dp_accounting
+
+    def accountant(sigma: float) -> Accountant:
+        return Accountant(p.mode, population, per_round, sigma)
+
+    return dp_accounting.calibrate_dp_mechanism(
+        lambda: dp_accounting.rdp.RdpAccountant(neighboring_relation=_REPLACE_ONE()),
+        lambda sigma: accountant(sigma).event(rounds),
+        p.target_epsilon,
+        p.delta,
+        bracket_interval=dp_accounting.LowerEndpointAndGuess(1e-3, 1.0),
+        tol=1e-4,
+    )
+
+
+def _REPLACE_ONE():  # noqa: N802 - dp_accounting's enum member, imported when used
+    import dp_accounting
+
+    return dp_accounting.NeighboringRelation.REPLACE_ONE
+
+
+@dataclass(frozen=True)
+class Accountant:
+    """The (epsilon, delta) spent after a number of rounds (``dp-accounting``'s RDP)."""
+
+    mode: str
+    population: int  # N: the clients drawn from
+    per_round: int  # S: drawn each round, without replacement
+    sigma: float  # the mechanism's noise multiplier (std / C)
+
+    def event(self, rounds: int):
+        import dp_accounting
+
+        gaussian = dp_accounting.GaussianDpEvent(self.sigma / 2)  # replace-one: a sum moves by 2C
+        if self.mode == "user" and self.per_round < self.population:
+            gaussian = dp_accounting.SampledWithoutReplacementDpEvent(
+                self.population, self.per_round, gaussian
+            )
+        return dp_accounting.SelfComposedDpEvent(gaussian, rounds)
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - a few hundred rounds of one frozen accountant
+    def epsilon(self, rounds: int, delta: float) -> float:
+        if rounds == 0:
+            return 0.0
+        if self.sigma == 0:
+            return math.inf
+        import dp_accounting
+
+        accountant = dp_accounting.rdp.RdpAccountant(neighboring_relation=_REPLACE_ONE())
+        return float(accountant.compose(self.event(rounds)).get_epsilon(delta))
+
+
+def check_plan(p: PrivacyConfig, accountant: Accountant, rounds: int) -> None:
+    """A :class:`ConfigError` before training when the run's ``rounds`` would spend more
+    than ``privacy.target_epsilon``, naming the first round over it."""
+    if p.target_epsilon is None:
+        return
+    over = [r for r in range(1, rounds + 1) if accountant.epsilon(r, p.delta) > p.target_epsilon * (1 + 1e-6)]
+    if over:
+        raise ConfigError(
+            f"privacy.target_epsilon {p.target_epsilon:g}: with privacy.noise_multiplier "
+            f"{accountant.sigma:g}, round {over[0]} of train.rounds {rounds} would spend epsilon "
+            f"{accountant.epsilon(over[0], p.delta):.3f} (delta {p.delta:g}); lower train.rounds, raise "
+            "the noise multiplier, or leave it unset to calibrate it"
+        )
+
+
+def check_budget(p: PrivacyConfig, accountant: Accountant, rnd: int) -> float:
+    """The epsilon spent once round ``rnd`` is done; :class:`PrivacyBudgetExceeded` when it
+    would exceed ``privacy.target_epsilon`` (checked before the round runs)."""
+    spent = accountant.epsilon(rnd, p.delta)
+    if p.target_epsilon is not None and spent > p.target_epsilon * (1 + 1e-6):
+        before = accountant.epsilon(rnd - 1, p.delta)
+        raise PrivacyBudgetExceeded(
+            f"privacy: round {rnd} would spend epsilon {spent:.3f} (delta {p.delta:g}), over "
+            f"privacy.target_epsilon {p.target_epsilon:g} (after round {rnd - 1}: {before:.3f}); the run "
+            "stops here. Lower train.rounds, raise privacy.noise_multiplier, or leave it unset to have it "
+            "calibrated to the budget"
+        )
+    return spent
+
+
+# ---------------------------------------------------------------- the client's side
+
+
+def update_of(uplink: Tensors, received: Tensors, method: str) -> Tensors:
+    """The client's update, ``uplink - received``, tensor by tensor (float32)."""
+    out = {}
+    for name, x in uplink.items():
+        ref = received.get(name)
+        if not x.is_floating_point() or ref is None or ref.shape != x.shape:
+            raise ConfigError(
+                f"privacy.mode: method {method} sends {name!r}, which is not an update of a tensor it "
+                "received (another shape, or none); differential privacy clips updates only"
+            )
+        out[name] = x.float() - ref.float()
+    return out
+
+
+def norm(tensors: Tensors) -> float:
+    """The L2 norm of all of ``tensors`` as one vector, in float64."""
+    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors.values()))
+
+
+def gaussian(like: Tensors, std: float, seed: int, stream: int) -> Tensors:
+    """``N(0, std^2)`` noise shaped as ``like``, drawn on the CPU from ``(seed, stream)``."""
+    generator = torch.Generator().manual_seed((seed * 0x9E3779B1 + stream) % 2**63)
+    return {
+        n: (torch.randn(t.shape, generator=generator, dtype=torch.float64) * std).float()
+        for n, t in sorted(like.items())
+    }
+
+
+@dataclass
+class Privatised:
+    uplink: Tensors  # what leaves the client (before compression)
+    fitted: bool  # its update was within the clip bound (adaptive clipping's report)
+    norm: float  # its update's norm, before clipping (stays on the client: recorded in simulation only)
+
+
+def privatise(
+    p: PrivacyConfig, uplink: Tensors, received: Tensors, clip: float, sigma: float, seed: int, method: str
+) -> Privatised:
+    """The client's side: its update clipped to ``clip`` and, in ``local`` mode, noised
+    with ``N(0, (sigma clip)^2)``; returned as the tensors it sends (``received`` + update)."""
+    update = update_of(uplink, received, method)
+    size = norm(update)
+    factor = min(1.0, clip / size) if size > 0 else 1.0
+    local = p.mode == "local" and sigma > 0
+    if factor == 1.0 and not local:  # nothing to change: the uplink itself
+        return Privatised(uplink, True, size)
+    if factor < 1.0:
+        update = {n: u * factor for n, u in update.items()}
+    if local:
+        noise = gaussian(update, sigma * clip, seed, CLIENT_STREAM)
+        update = {n: u + noise[n] for n, u in update.items()}
+    sent = {n: (received[n].float() + u).to(uplink[n].dtype) for n, u in update.items()}
+    return Privatised(sent, factor == 1.0, size)
+
+
+# ---------------------------------------------------------------- the server's side
+
+
+def update_noise_multiplier(p: PrivacyConfig, sigma: float, per_round: int) -> float:
+    """The multiplier of the update's own noise: ``sigma`` itself, or with adaptive clipping
+    what is left of it once the count's noise is paid for."""
+    if not p.adaptive_clip or sigma == 0:
+        return sigma
+    sigma_b = count_noise(p, per_round)
+    if 2 * sigma_b <= sigma:
+        raise ConfigError(
+            f"privacy.adaptive_clip: the count's noise (privacy.count_noise {sigma_b:g}) must exceed "
+            f"half the noise multiplier {sigma:g} (Andrew et al. 2021, Theorem 1); raise it"
+        )
+    return (sigma**-2 - (2 * sigma_b) ** -2) ** -0.5
+
+
+def count_noise(p: PrivacyConfig, per_round: int) -> float:
+    """``sigma_b``: the std of the noise on the count within the bound (default ``S / 20``, the paper's)."""
+    return p.count_noise if p.count_noise is not None else per_round / 20
+
+
+def current_clip(p: PrivacyConfig, server: ServerState) -> float:
+    """The clip bound of the round ``server`` starts: adaptive clipping's last, or ``privacy.clip``."""
+    clip = server.extras.get(CLIP)
+    return float(clip) if clip is not None else p.clip
+
+
+def server_side(
+    p: PrivacyConfig,
+    results: list[FitResult],
+    references: list[Tensors],
+    fitted: list[bool],
+    clip: float,
+    per_round: int,
+    sigma: float,
+    seed: int,
+) -> tuple[list[FitResult], dict, float | None]:
+    """``user`` mode's server: the results restated so that the method's plain mean of them
+    (weights 1) is ``x + (sum of updates + N(0, (sigma_u C)^2)) / S``, each update taken
+    from ``references`` (what each client received: ``x``); the round's record; and the
+    next round's clip bound under adaptive clipping (else None). ``seed``: the round's."""
+    record = {"clip": clip, "clipped": sum(not f for f in fitted)}
+    if p.mode != "user":
+        return results, record, None
+    sigma_u = update_noise_multiplier(p, sigma, per_round)
+    noise = gaussian(results[0].uplink, sigma_u * clip, seed, SERVER_STREAM) if sigma_u > 0 else None
+    scale = len(results) / per_round  # 1 unless clients dropped out: the denominator stays S
+    restated = []
+    for r, x in zip(results, references, strict=True):
+        uplink = r.uplink
+        if scale != 1 or noise is not None:
+            uplink = {}
+            for name, u in r.uplink.items():
+                value = x[name].float() + scale * (u.float() - x[name].float())
+                uplink[name] = (value + noise[name] / per_round if noise is not None else value).to(u.dtype)
+        restated.append(FitResult(uplink, r.personal, 1, r.metrics, r.cid, r.control))
+    if not p.adaptive_clip:
+        return restated, record, None
+    generator = torch.Generator().manual_seed((seed * 0x9E3779B1 + SERVER_STREAM + 1) % 2**63)
+    sigma_b = count_noise(p, per_round) if sigma > 0 else 0.0
+    noisy = sum(fitted) + sigma_b * float(torch.randn((), generator=generator, dtype=torch.float64))
+    record["fitted_share"] = noisy / per_round
+    return restated, record, clip * math.exp(-p.clip_lr * (noisy / per_round - p.target_quantile))
+
+
+def with_clip(server: ServerState, clip: float) -> ServerState:
+    """``server`` holding the next round's clip bound in its extras (checkpointed, never sent)."""
+    return ServerState(server.tensors, {**server.extras, CLIP: torch.tensor(clip, dtype=torch.float64)})
+
+
+def summary(p: PrivacyConfig, records: list[dict]) -> dict:
+    """What ``summary.json`` says of a run's privacy: its mode and the (epsilon, delta) spent."""
+    last = records[-1]["privacy"] if records else {}
+    return {
+        "mode": p.mode,
+        "epsilon": last.get("epsilon", 0.0),
+        "delta": p.delta,
+        "noise_multiplier": last.get("noise_multiplier", p.noise_multiplier),
+        "clip": last.get("clip", p.clip),
+    }

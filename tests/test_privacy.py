@@ -1,0 +1,209 @@
+"""Differential privacy of what leaves a client (issue 34, items 2-4): clipping, the
+noise's scale, the accountant against the library's own composition, the budget, the
+refusals, bit-for-bit equality without noise, and a resumed run's epsilon and clip."""
+
+from __future__ import annotations
+
+import math
+
+import dp_accounting
+import pytest
+import torch
+
+from fedpeft.config import ConfigError, PrivacyConfig
+from fedpeft.engines import privacy as DP
+from fedpeft.experiment import build, make_engine, run
+from fedpeft.flower.deploy import check_deployable
+from fedpeft.methods.base import FitResult
+from fedpeft.report.results import read_records, read_summary
+from tests.test_reliability import kill_in_round
+
+
+def state(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(30, 4, generator=g) * scale, "b": torch.randn(7, generator=g) * scale}
+
+
+def test_an_update_is_clipped_to_the_bound_jointly_and_left_alone_within_it():
+    p = PrivacyConfig(mode="user", noise_multiplier=1.0, clip=0.5)
+    received = state(0)
+    big = {n: x + 3 * d for (n, x), d in zip(received.items(), state(1).values(), strict=True)}
+    out = DP.privatise(p, big, received, 0.5, 1.0, seed=0, method="m")
+    assert not out.fitted and out.norm > 0.5
+    sent = DP.update_of(out.uplink, received, "m")
+    assert DP.norm(sent) == pytest.approx(0.5, rel=1e-5)
+    # the direction kept: every tensor scaled by the same factor
+    raw = DP.update_of(big, received, "m")
+    factor = 0.5 / DP.norm(raw)
+    for name in raw:
+        torch.testing.assert_close(sent[name], raw[name] * factor, rtol=1e-5, atol=1e-6)
+    small = {n: x + 1e-3 * d for (n, x), d in zip(received.items(), state(1).values(), strict=True)}
+    within = DP.privatise(p, small, received, 0.5, 1.0, seed=0, method="m")
+    assert within.fitted and within.uplink is small  # user mode: nothing added on the client
+
+
+def test_the_noise_has_std_sigma_c_on_the_sum_and_sigma_c_locally():
+    sigma, clip, per_round = 1.5, 0.25, 4
+    p = PrivacyConfig(mode="user", noise_multiplier=sigma, clip=clip)
+    x = {"w": torch.zeros(200_000)}
+    # four clients whose updates are all zero: the method's mean of the restated uplinks is
+    # x + N(0, (sigma C)^2) / S
+    results = [FitResult({"w": torch.zeros(200_000)}, {}, 10, cid=c) for c in range(per_round)]
+    restated, record, _ = DP.server_side(
+        p, results, [x] * per_round, [True] * 4, clip, per_round, sigma, seed=3
+    )
+    assert all(r.num_examples == 1 for r in restated)  # uniform weights
+    mean = torch.stack([r.uplink["w"] for r in restated]).mean(0)
+    assert float(mean.std()) * per_round == pytest.approx(sigma * clip, rel=0.01)
+    assert abs(float(mean.mean())) < 5 * sigma * clip / per_round / math.sqrt(200_000)
+    assert record == {"clip": clip, "clipped": 0}
+    # local mode: each client adds N(0, (sigma C)^2) to its own (clipped) update
+    local = PrivacyConfig(mode="local", noise_multiplier=sigma, clip=clip)
+    out = DP.privatise(local, x, {"w": torch.zeros(200_000)}, clip, sigma, seed=5, method="m")
+    assert float(out.uplink["w"].std()) == pytest.approx(sigma * clip, rel=0.01)
+    # seeded: the same seed draws the same noise (a resumed round), another seed other noise
+    again = DP.privatise(local, x, {"w": torch.zeros(200_000)}, clip, sigma, seed=5, method="m")
+    other = DP.privatise(local, x, {"w": torch.zeros(200_000)}, clip, sigma, seed=6, method="m")
+    assert torch.equal(out.uplink["w"], again.uplink["w"]) and not torch.equal(
+        out.uplink["w"], other.uplink["w"]
+    )
+
+
+def test_a_dropped_client_keeps_the_denominator_at_s():
+    """Two of three asked clients return: the mean update is their sum over 3, not 2."""
+    p = PrivacyConfig(mode="user", noise_multiplier=0.0, clip=100.0)
+    x = {"w": torch.zeros(3)}
+    results = [FitResult({"w": torch.full((3,), v)}, {}, 1, cid=i) for i, v in enumerate((1.0, 2.0))]
+    restated, _, _ = DP.server_side(p, results, [x, x], [True, True], 100.0, 3, 0.0, seed=0)
+    mean = torch.stack([r.uplink["w"] for r in restated]).mean(0)
+    torch.testing.assert_close(mean, torch.full((3,), 1.0))  # (1 + 2) / 3
+
+
+def test_the_accountant_is_the_librarys_rdp_with_replace_one_sampling():
+    """Epsilon after T rounds equals dp-accounting's RDP accountant composing the round's
+    event T times by hand; local mode has no sampling; sigma 0 spends everything."""
+    n, s, sigma, rounds, delta = 20, 5, 1.1, 12, 1e-5
+    ours = DP.Accountant("user", n, s, sigma).epsilon(rounds, delta)
+    by_hand = dp_accounting.rdp.RdpAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE
+    )
+    event = dp_accounting.SampledWithoutReplacementDpEvent(n, s, dp_accounting.GaussianDpEvent(sigma / 2))
+    for _ in range(rounds):
+        by_hand.compose(event)
+    assert ours == pytest.approx(by_hand.get_epsilon(delta), rel=1e-9)
+    local = DP.Accountant("local", n, s, sigma).epsilon(rounds, delta)
+    plain = dp_accounting.rdp.RdpAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE
+    )
+    plain.compose(dp_accounting.GaussianDpEvent(sigma / 2), rounds)
+    assert local == pytest.approx(plain.get_epsilon(delta), rel=1e-9)
+    assert local > ours  # no amplification by sampling is claimed locally
+    assert DP.Accountant("user", n, s, 0.0).epsilon(1, delta) == math.inf
+    # more rounds spend more; a target calibrates sigma to spend it (within the tolerance)
+    acc = DP.Accountant("user", n, s, sigma)
+    assert acc.epsilon(4, delta) < acc.epsilon(8, delta) < acc.epsilon(12, delta)
+    p = PrivacyConfig(mode="user", target_epsilon=8.0, delta=delta)
+    calibrated = DP.noise_multiplier(p, n, s, rounds)
+    assert DP.Accountant("user", n, s, calibrated).epsilon(rounds, delta) <= 8.0
+    assert DP.Accountant("user", n, s, calibrated * 0.98).epsilon(rounds, delta) > 8.0
+
+
+@pytest.mark.parametrize(
+    "mode, weighting", [("user", "uniform"), ("local", "examples")], ids=["user", "local"]
+)
+def test_without_noise_and_with_a_clip_no_update_reaches_each_mode_is_the_plain_run(
+    tiny_config, tmp_path, mode, weighting
+):
+    """sigma 0 and a clip of 1e9: the records and the final model are the non-private
+    run's bit for bit (user mode weighs clients uniformly, as the plain run is told to)."""
+    extra = {"server.weighting": weighting, "train.rounds": 3}
+    plain = tiny_config(output_dir=str(tmp_path / "plain"), **extra)
+    private = tiny_config(
+        output_dir=str(tmp_path / "dp"),
+        **extra,
+        privacy={"mode": mode, "noise_multiplier": 0.0, "clip": 1e9},
+    )
+    run(plain), run(private)
+    a, b = read_records(plain.output_dir), read_records(private.output_dir)
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["loss"] == ra["loss"] and rb["global"] == ra["global"] and rb["local"] == ra["local"]
+        assert rb["privacy"]["clipped"] == 0 and rb["privacy"]["epsilon"] is None  # inf: no bound
+    summary = read_summary(private.output_dir)["privacy"]
+    assert summary["mode"] == mode and summary["epsilon"] is None
+
+
+def test_a_private_run_records_epsilon_each_round_and_stays_within_its_budget(tiny_config, tmp_path):
+    cfg = tiny_config(
+        **{"train.rounds": 4, "privacy": {"mode": "user", "target_epsilon": 8.0, "delta": 1e-4, "clip": 0.05}}
+    )
+    run(cfg)
+    records = read_records(cfg.output_dir)
+    spent = [r["privacy"]["epsilon"] for r in records]
+    assert spent == sorted(spent) and spent[0] > 0
+    assert spent[-1] <= 8.0 and spent[-1] > 7.0  # calibrated to spend the budget, not far under it
+    assert all(r["privacy"]["clipped"] >= 1 for r in records)  # a small clip bites
+    summary = read_summary(cfg.output_dir)["privacy"]
+    assert summary["epsilon"] == spent[-1] and summary["delta"] == 1e-4
+    sigma = summary["noise_multiplier"]
+    assert DP.Accountant("user", 4, 2, sigma).epsilon(4, 1e-4) == pytest.approx(spent[-1])
+
+
+def test_a_run_that_would_exceed_its_budget_is_refused_before_it_trains(tiny_config):
+    cfg = tiny_config(
+        **{"train.rounds": 6, "privacy": {"mode": "user", "noise_multiplier": 0.8, "target_epsilon": 5.0}}
+    )
+    setup = build(cfg)
+    with pytest.raises(
+        ConfigError, match=r"privacy.target_epsilon 5: .* round \d of train.rounds 6 would spend"
+    ):
+        make_engine(setup, None)
+    # a resumed run asked for more rounds than its budget covers stops before the round over it
+    acc = DP.Accountant("user", 4, 2, 0.8)
+    first_over = next(r for r in range(1, 7) if acc.epsilon(r, 1e-5) > 5.0)
+    with pytest.raises(DP.PrivacyBudgetExceeded, match=rf"round {first_over} would spend"):
+        DP.check_budget(cfg.privacy, acc, first_over)
+    assert DP.check_budget(cfg.privacy, acc, first_over - 1) <= 5.0
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"server.aggregation": "median"}, "server.aggregation median reads the individual updates"),
+        ({"method": {"name": "fedamp"}}, "method fedamp"),
+        ({"train.correction": "scaffold", "train.optimizer": "sgd"}, "train.correction scaffold"),
+        ({"privacy.adaptive_clip": True, "privacy.mode": "local"}, "user mode only"),
+    ],
+    ids=["robust", "fedamp", "scaffold", "adaptive-local"],
+)
+def test_what_cannot_go_with_a_privacy_mode_is_refused_naming_it(tiny_config, overrides, match):
+    def private(**more):
+        return tiny_config(**{"privacy": {"mode": "user", "noise_multiplier": 1.0}}, **more)
+
+    with pytest.raises((ConfigError, ValueError), match=match):
+        build(private(**overrides))  # the method checks run where the method is built
+    with pytest.raises(ConfigError, match="privacy.mode user: differential privacy runs in the in-process"):
+        check_deployable(private())
+
+
+def test_adaptive_clipping_moves_the_bound_and_a_resumed_run_spends_and_clips_the_same(tiny_config, tmp_path):
+    extra = {
+        "train.rounds": 4,
+        "privacy": {
+            "mode": "user",
+            "noise_multiplier": 0.5,
+            "clip": 1e-3,
+            "adaptive_clip": True,
+            "count_noise": 1.0,
+        },
+    }
+    whole = tiny_config(output_dir=str(tmp_path / "whole"), **extra)
+    cut = tiny_config(output_dir=str(tmp_path / "cut"), **extra)
+    run(whole)
+    kill_in_round(cut, 3)
+    run(cut, resume=True)
+    a, b = read_records(whole.output_dir), read_records(cut.output_dir)
+    assert [r["privacy"] for r in a] == [r["privacy"] for r in b]
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    clips = [r["privacy"]["clip"] for r in a]
+    assert clips[0] == 1e-3 and clips[-1] > clips[0]  # every update exceeds 1e-3: the bound grows
+    assert DP.update_noise_multiplier(whole.privacy, 0.5, 2) > 0.5  # the count's noise is paid for
