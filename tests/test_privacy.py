@@ -13,9 +13,9 @@ import torch
 from fedpeft.config import ConfigError, PrivacyConfig
 from fedpeft.engines import privacy as DP
 from fedpeft.experiment import build, make_engine, run
-from fedpeft.flower.deploy import check_deployable
 from fedpeft.methods.base import FitResult
 from fedpeft.report.results import read_records, read_summary
+from tests.test_flower_bridge import deploy, forget_nodes, serve  # noqa: F401 (forget_nodes: autouse)
 from tests.test_reliability import kill_in_round
 
 
@@ -181,8 +181,8 @@ def test_what_cannot_go_with_a_privacy_mode_is_refused_naming_it(tiny_config, ov
 
     with pytest.raises((ConfigError, ValueError), match=match):
         build(private(**overrides))  # the method checks run where the method is built
-    with pytest.raises(ConfigError, match="privacy.mode user: differential privacy runs in the in-process"):
-        check_deployable(private())
+    with pytest.raises(ConfigError, match="privacy.mode user: not yet with deploy.secure_aggregation"):
+        build(private(**{"deploy.secure_aggregation": True}))
 
 
 def test_adaptive_clipping_moves_the_bound_and_a_resumed_run_spends_and_clips_the_same(tiny_config, tmp_path):
@@ -207,3 +207,35 @@ def test_adaptive_clipping_moves_the_bound_and_a_resumed_run_spends_and_clips_th
     clips = [r["privacy"]["clip"] for r in a]
     assert clips[0] == 1e-3 and clips[-1] > clips[0]  # every update exceeds 1e-3: the bound grows
     assert DP.update_noise_multiplier(whole.privacy, 0.5, 2) > 0.5  # the count's noise is paid for
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"mode": "user", "noise_multiplier": 0.7, "clip": 0.05, "adaptive_clip": True, "count_noise": 1.0},
+        {"mode": "local", "noise_multiplier": 0.3, "clip": 0.05},
+    ],
+    ids=["user-adaptive", "local"],
+)
+def test_the_flower_path_clips_on_the_nodes_and_noises_as_in_process(tiny_config, tmp_path, settings):
+    """The same private runs through Flower's ClientApp and ServerApp: the nodes clip (and,
+    locally, noise) what they send, the server noises the sum, with the same seeds, so the
+    same records; the round's clip bound travels in the training message."""
+    over = {"privacy": settings, "train.rounds": 3}
+    local = tiny_config(output_dir=str(tmp_path / "inproc"), **over)
+    flower = tiny_config(output_dir=str(tmp_path / "flower"), **over)
+    run(local)
+    grid = deploy(flower, tmp_path)
+    serve(grid)
+    a, b = read_records(local.output_dir), read_records(flower.output_dir)
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["clients"] == ra["clients"] and "dropped" not in rb
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-6)
+        assert rb["global"] == pytest.approx(ra["global"], rel=1e-6)
+        expected = {k: v for k, v in ra["privacy"].items() if settings["mode"] == "user" or k != "clipped"}
+        assert rb["privacy"] == pytest.approx(expected, rel=1e-9)
+    trains = [m for m in grid.sent if m.metadata.message_type == "train"]
+    clips = [float(m.content["config"]["clip"]) for m in trains]
+    assert clips[0] == 0.05 and len(clips) == 2 * 3  # two clients a round, three rounds
+    assert (len(set(clips)) > 1) == settings.get("adaptive_clip", False)  # the bound moves only if adaptive
+    assert read_summary(flower.output_dir)["privacy"]["epsilon"] == pytest.approx(a[-1]["privacy"]["epsilon"])

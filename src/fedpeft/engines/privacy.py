@@ -74,7 +74,10 @@ def check_composes(cfg: ExperimentConfig, method: Method) -> None:
             "model update, and only the model update is clipped and noised; use one or the other"
         )
     if cfg.deploy.secure_aggregation:
-        raise ConfigError("privacy.mode: not yet with deploy.secure_aggregation (the in-process engine only)")
+        raise ConfigError(
+            f"privacy.mode {p.mode}: not yet with deploy.secure_aggregation (the server's noise would go on "
+            "SecAgg+'s sum, which is not built)"
+        )
 
 
 def noise_multiplier(p: PrivacyConfig, population: int, per_round: int, rounds: int) -> float:
@@ -95,6 +98,20 @@ def noise_multiplier(p: PrivacyConfig, population: int, per_round: int, rounds: 
         bracket_interval=dp_accounting.LowerEndpointAndGuess(1e-3, 1.0),
         tol=1e-4,
     )
+
+
+def accountant_for(cfg: ExperimentConfig) -> Accountant | None:
+    """The run's accountant (its noise multiplier calibrated if asked), None without privacy;
+    a :class:`ConfigError` when the planned rounds would exceed the budget. Both engines and
+    every deployed node compute it alike from the config."""
+    p = cfg.privacy
+    if p.mode == "none":
+        return None
+    n = cfg.partition.num_clients
+    s = min(cfg.train.clients_per_round, n)
+    accountant = Accountant(p.mode, n, s, noise_multiplier(p, n, s, cfg.train.rounds))
+    check_plan(p, accountant, cfg.train.rounds)
+    return accountant
 
 
 def _REPLACE_ONE():  # noqa: N802 - dp_accounting's enum member, imported when used

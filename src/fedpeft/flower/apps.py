@@ -185,7 +185,9 @@ def train(msg: Message, context: Context) -> Message:
     received = compress.decode(_received(node, msg), node.cfg.comm.downlink)  # comm.downlink
     t0 = time.perf_counter()
     control = codec.from_record(msg.content["control"]) if "control" in msg.content else None
-    result, sent = node.fit(received, int(msg.content["config"]["round"]), control)
+    config = msg.content["config"]
+    clip = float(config["clip"]) if "clip" in config else None  # privacy.mode: the round's bound
+    result, sent = node.fit(received, int(config["round"]), control, clip)
     fit = {**result.metrics, "num_examples": result.num_examples, "time_fit": time.perf_counter() - t0}
     records = {"uplink": codec.to_record(sent), "fit": codec.to_metrics(fit)}
     if result.control:  # SCAFFOLD: the update of this client's control

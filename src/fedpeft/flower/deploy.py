@@ -400,7 +400,7 @@ def run_status(home: Path, run_id: int) -> dict:
 
 def check_deployable(cfg: ExperimentConfig) -> None:
     """A :class:`ConfigError` naming the key when ``cfg`` asks for what a deployed run
-    cannot do (simulated faults; client drift; differential privacy, not yet)."""
+    cannot do (simulated faults; client drift)."""
     if cfg.faults.byzantine_clients:
         raise ConfigError(
             "faults.byzantine_clients: faulty clients are simulated by the in-process engine "
@@ -410,11 +410,6 @@ def check_deployable(cfg: ExperimentConfig) -> None:
         raise ConfigError(
             "eval.drift: client drift is measured by the in-process engine (`fedpeft run`); a deployed "
             "server never holds a client's model after its round. Set eval.drift: false to deploy"
-        )
-    if cfg.privacy.mode != "none":
-        raise ConfigError(
-            f"privacy.mode {cfg.privacy.mode}: differential privacy runs in the in-process engine "
-            "(`fedpeft run`) only, so far; a deployed run would send unclipped updates"
         )
 
 

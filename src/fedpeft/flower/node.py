@@ -28,7 +28,7 @@ from fedpeft.config import ExperimentConfig
 from fedpeft.data import partition as P
 from fedpeft.data.sources import load_client_file, load_corpus
 from fedpeft.data.task import Encoded, encode, encode_corpus
-from fedpeft.engines import compress, guard
+from fedpeft.engines import compress, guard, privacy
 from fedpeft.engines.inprocess import derive_seed
 from fedpeft.experiment import attach_method, fingerprint, make_split, place
 from fedpeft.methods.base import ClientData, FitResult, Job, Method, Tensors, load_tensors
@@ -123,6 +123,12 @@ class Node:
         self._join = self._load("join")  # the method's join message, once received
         self._learner: tuple[TaskModel, Method, Tensors] | None = None  # built on first use
         self.snapshots: dict[int, Tensors] = self._load("personal") or {}
+
+    def accountant(self) -> privacy.Accountant | None:
+        """The run's privacy accountant, as the server computes it (None without privacy)."""
+        if not hasattr(self, "_accountant"):
+            self._accountant = privacy.accountant_for(self.cfg)
+        return self._accountant
 
     @property
     def joined(self) -> bool:
@@ -275,12 +281,17 @@ class Node:
         self._join = message
         self._save("join", message)
 
-    def fit(self, received: Tensors, rnd: int, control: Tensors | None = None) -> tuple[FitResult, Tensors]:
+    def fit(
+        self, received: Tensors, rnd: int, control: Tensors | None = None, clip: float | None = None
+    ) -> tuple[FitResult, Tensors]:
         """Local round ``rnd``, seeded exactly as the in-process engine seeds it (``control``:
         SCAFFOLD's server control, when the run corrects drift; the client's own control is
         part of its personal state). Returns the result and its uplink as it is sent:
-        encoded by ``comm.uplink`` (the update from ``received``, plus the residual this
-        client kept; the result's own uplink stays the trained tensors)."""
+        clipped to ``clip`` and, in local mode, noised (``privacy.mode``), then encoded by
+        ``comm.uplink`` (the update from ``received``, plus the residual this client kept;
+        the result's own uplink stays the trained tensors). In user mode the result's
+        metrics say whether the update fitted within the bound (``fitted``: adaptive
+        clipping's report, to a server that user-level DP trusts)."""
         seed = derive_seed(self.cfg.seed, rnd, self.cid)
         torch.manual_seed(seed)
         personal, residual = self.kept_before(rnd)
@@ -290,8 +301,20 @@ class Node:
         result.cid = self.cid
         if guard.nonfinite_reason(result) is not None:  # the server drops it; keep the last finite state
             return result, result.uplink
+        uplink = result.uplink
+        if (dp := self.accountant()) is not None:
+            if clip is None:
+                raise ValueError(
+                    f"privacy.mode {dp.mode}: round {rnd}'s training message carries no clip bound"
+                )
+            out = privacy.privatise(
+                self.cfg.privacy, uplink, received, clip, dp.sigma, seed, self.method.name
+            )
+            uplink = out.uplink
+            if dp.mode == "user":
+                result.metrics["fitted"] = float(out.fitted)
         sent = compress.send_update(
-            result.uplink, received, residual, self.cfg.comm.uplink, compress.message_seed(seed)
+            uplink, received, residual, self.cfg.comm.uplink, compress.message_seed(seed)
         )
         self.snapshots = {r: t for r, t in self.snapshots.items() if r < rnd}
         self.snapshots[rnd] = compress.with_residual(result.personal, sent.residual)

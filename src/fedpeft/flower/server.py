@@ -33,7 +33,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedpeft.config import DeployConfig
-from fedpeft.engines import compress, guard, scaffold
+from fedpeft.engines import compress, guard, privacy, scaffold
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
 from fedpeft.engines.inprocess import close_record, sample_clients
 from fedpeft.engines.server_opt import as_weighted, server_step
@@ -94,6 +94,10 @@ class FlowerServer:
         if setup.cfg.deploy.secure_aggregation and setup.cfg.train.clients_per_round < 2:
             raise DeploymentError("deploy.secure_aggregation needs train.clients_per_round >= 2")
         self.setup, self.grid, self.method, self.context = setup, grid, setup.method, context
+        # differential privacy (privacy.*): the nodes clip (and, local mode, noise); the server
+        # adds its noise to the sum (user mode) and keeps the accountant
+        self.dp = privacy.accountant_for(setup.cfg)
+        self._clip, self._sent = float("inf"), {}
         self.cfg = setup.cfg
         self.deploy: DeployConfig = setup.cfg.deploy
         self.checkpoints, self.fingerprint = checkpoints, fingerprint
@@ -239,9 +243,11 @@ class FlowerServer:
             return self.fit_round_secure(server, rnd, peers, sampled)
         messages, payload_down, held = [], 0, {}
         control = scaffold.server_control(server, self.method) if scaffold.enabled(self.method) else {}
+        self._clip, self._sent = privacy.current_clip(self.cfg.privacy, server), {}
+        config = {"round": rnd, **({"clip": self._clip} if self.dp is not None else {})}
         for cid in sampled:
             records, payload, held[cid] = self.downlink_records(server, cid, peers[cid], train=True)
-            records["config"] = ConfigRecord({"round": rnd})
+            records["config"] = ConfigRecord(config)
             if control:  # SCAFFOLD: the server's control, with every training message
                 records["control"] = codec.to_record(control)
                 payload += tensor_bytes(control)
@@ -259,6 +265,7 @@ class FlowerServer:
             try:
                 uplink, sent_bytes = self.uplink_of(reply, cid, rnd, held[cid])
                 fit = dict(reply.content["fit"])
+                fitted = bool(fit.pop("fitted", True))  # privacy user mode: within the clip bound
                 result = FitResult(uplink, {}, int(fit.pop("num_examples")), fit, cid)
                 if control:  # SCAFFOLD: the update of the client's control
                     result.control = codec.from_record(reply.content["control"])
@@ -275,6 +282,7 @@ class FlowerServer:
             fit_times.append(fit.pop("time_fit"))
             peers[cid].joined = True
             results.append(result)
+            self._sent[cid] = (held[cid], fitted)
             payload_up += sent_bytes + tensor_bytes(result.control)
             if "readout" in reply.content:
                 readouts[str(cid)] = dict(reply.content["readout"])
@@ -399,6 +407,20 @@ class FlowerServer:
             out.update({key: spread(values) for key, values in extra_local.items()})
         return out
 
+    def noised(self, results: list[FitResult], rnd: int) -> tuple[list[FitResult], dict, float | None]:
+        """The round's results after the server's side of ``privacy.mode`` (the in-process
+        engine's function, seeded alike), its record and the next clip bound."""
+        assert self.dp is not None
+        references = [self._sent[r.cid][0] for r in results]
+        fitted = [self._sent[r.cid][1] for r in results]
+        seed = derive_seed(self.cfg.seed, rnd, privacy.SERVER_STREAM)
+        results, noted, next_clip = privacy.server_side(
+            self.cfg.privacy, results, references, fitted, self._clip, self.dp.per_round, self.dp.sigma, seed
+        )
+        if self.dp.mode == "local":  # the nodes say nothing of their bound: no count to record
+            noted.pop("clipped")
+        return results, {"noise_multiplier": self.dp.sigma, **noted}, next_clip
+
     # ------------------------------------------------------------ the run
     def start(self, resume: bool) -> tuple[ServerState, list[dict]]:
         if resume:
@@ -424,14 +446,21 @@ class FlowerServer:
         self.wait_for_nodes()
         skipped = 0
         for rnd in range(len(records) + 1, cfg.train.rounds + 1):
+            spent = privacy.check_budget(cfg.privacy, self.dp, rnd) if self.dp is not None else None
             t0 = time.perf_counter()
             peers = self.roll_call(rnd)
             results, record = self.fit_round(server, rnd, peers)
             t1 = time.perf_counter()
             previous = server
             if len(results) >= deploy.min_results:
+                next_clip = None
+                if self.dp is not None:  # the server's noise, before the method aggregates
+                    results, noted, next_clip = self.noised(results, rnd)
+                    record["privacy"] = {"epsilon": spent, "delta": cfg.privacy.delta, **noted}
                 aggregated = self.method.aggregate(server, as_weighted(cfg.server, results), rnd)
                 server = server_step(cfg.server, previous, aggregated)
+                if next_clip is not None:  # adaptive clipping's bound: server state
+                    server = privacy.with_clip(server, next_clip)
                 if scaffold.enabled(self.method):
                     updates = [r.control for r in results]
                     clients = cfg.partition.num_clients
