@@ -597,13 +597,16 @@ class PrivacyConfig(BaseModel):
 
     model_config = Strict
 
-    mode: Literal["none", "user", "local"] = Field(
+    mode: Literal["none", "user", "local", "sample"] = Field(
         "none",
         description="user: each client clips its update, the server adds Gaussian noise to their sum "
         "(DP-FedAvg, McMahan et al. 2018); local: each client noises its own clipped update before it "
-        "leaves; none: no clipping, no noise.",
+        "leaves; sample: DP-SGD in every local step (each example's gradient clipped, noise on their "
+        "sum; Abadi et al. 2016); none: no clipping, no noise.",
     )
-    clip: float = Field(1.0, gt=0, description="C: the L2 bound of a client's update (adaptive: its start).")
+    clip: float = Field(
+        1.0, gt=0, description="C: the L2 bound of a client's update (sample: of one example's gradient)."
+    )
     noise_multiplier: float | None = Field(
         None, ge=0, description="sigma: the noise's std over C; unset: calibrated to target_epsilon."
     )
@@ -704,6 +707,11 @@ class ExperimentConfig(BaseModel):
                 f"comm.uplink {self.comm.uplink.codec}: deploy.secure_aggregation quantises and masks "
                 "the update itself (SecAgg+ sums integers); a compressed update's codes cannot be summed. "
                 "Use one or the other"
+            )
+        if self.privacy.mode == "sample" and self.data.task == "causal_lm":
+            raise ValueError(
+                "privacy.mode sample: not for data.task causal_lm yet (a batch's scored positions are "
+                "counted over the batch, not per example); use privacy.mode user or local"
             )
         if self.deploy.secure_aggregation and self.server.aggregation != "mean":
             raise ValueError(

@@ -190,6 +190,18 @@ class Draw:
         return Draw(self.data, self.rows[:half], self.extras), Draw(self.data, self.rows[half:], self.extras)
 
 
+def sample_draws(data: Encoded, batch_size: int, steps: int, generator: torch.Generator) -> Iterator[Draw]:
+    """``steps`` batches, each ``batch_size`` rows (all of them, with fewer) drawn uniformly
+    without replacement, independently of the other steps: the sampling that DP-SGD's
+    accountant (sampling without replacement) assumes, where :func:`take_draws` deals
+    out passes over the data."""
+    n = len(data)
+    if n == 0 and steps > 0:
+        raise ValueError("no rows to draw batches from")
+    for _ in range(steps):
+        yield Draw(data, torch.randperm(n, generator=generator)[:batch_size])
+
+
 def take_draws(data: Encoded, batch_size: int, steps: int, generator: torch.Generator) -> Iterator[Draw]:
     """:func:`take_steps`'s batches, as draws."""
     return (Draw(data, rows) for rows in take_rows(len(data), batch_size, steps, generator))

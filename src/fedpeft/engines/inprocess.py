@@ -40,11 +40,12 @@ from fedpeft.methods.base import (
     ServerState,
     Tensors,
     load_tensors,
+    local_steps,
     read_tensors,
     restrict_heads,
     tensor_bytes,
 )
-from fedpeft.methods.cohort import derive_seed, predict_cohort
+from fedpeft.methods.cohort import SampleDP, derive_seed, predict_cohort
 from fedpeft.metrics.cka import linear_cka
 from fedpeft.metrics.classification import mean_scores, spread
 from fedpeft.metrics.scorers import ClassificationScorer, Scorer
@@ -148,8 +149,14 @@ class InProcessEngine:
         self.comm = comm or CommConfig()  # the codecs of the uplink and the downlink (comm.*)
         # differential privacy (privacy.*): the clip on the clients, the noise, the accountant
         self.privacy = privacy_cfg or PrivacyConfig()
-        self.dp: privacy.Accountant | None = None
-        if self.privacy.mode != "none":
+        self.dp: privacy.Accountant | privacy.SampleAccountant | None = None
+        if self.privacy.mode == "sample":  # DP-SGD inside every client's steps
+            sizes = {c.cid: len(c.train) for c in clients}
+            steps = {cid: local_steps(n, method.train) for cid, n in sizes.items()}
+            batch = method.train.batch_size
+            self.dp = privacy.sample_accountant(self.privacy, sizes, steps, batch, schedule.rounds)
+            method.sample_dp = SampleDP(self.privacy.clip, self.dp.sigma, batch)
+        elif self.privacy.mode != "none":
             n, s = len(clients), min(schedule.clients_per_round, len(clients))
             sigma = privacy.noise_multiplier(self.privacy, n, s, schedule.rounds)
             self.dp = privacy.Accountant(self.privacy.mode, n, s, sigma)
@@ -236,7 +243,7 @@ class InProcessEngine:
         """Client ``result.cid``'s uplink through ``comm.uplink``: encoded on the client
         (the update from what it received, plus its residual), decoded on the server into
         ``result.uplink``; its new residual stored with its personal state. The bytes sent."""
-        if self.dp is not None:  # clipped (and, local mode, noised) before it is encoded
+        if self.privacy.mode in ("user", "local"):  # clipped (local: and noised) before it is encoded
             out = privacy.privatise(
                 self.privacy,
                 result.uplink,
@@ -484,14 +491,17 @@ class InProcessEngine:
         self.server = server
         self.on_start(records)
         for rnd in range(len(records) + 1, s.rounds + 1):
-            spent = privacy.check_budget(self.privacy, self.dp, rnd) if self.dp is not None else None
+            user_or_local = self.privacy.mode in ("user", "local")
+            spent = privacy.check_budget(self.privacy, self.dp, rnd) if user_or_local else None
             t0 = time.perf_counter()
             results, record = self.fit_round(server, rnd)
             t1 = time.perf_counter()
             previous, next_clip = server, None
-            if self.dp is not None:  # the server's noise, before the method aggregates
+            if user_or_local:  # the server's noise, before the method aggregates
                 results, noted, next_clip = self.noised(results, rnd)
                 record["privacy"] = {"epsilon": spent, "delta": self.privacy.delta, **noted}
+            elif self.privacy.mode == "sample":  # what the clients' own steps spent
+                record["privacy"] = privacy.sample_record(self.privacy, self.dp, records, record)
             aggregated = self.method.aggregate(server, as_weighted(self.server_cfg, results), rnd)
             server = server_step(self.server_cfg, previous, aggregated)
             if next_clip is not None:  # adaptive clipping's bound: server state, never sent

@@ -60,6 +60,15 @@ def check_composes(cfg: ExperimentConfig, method: Method) -> None:
     p = cfg.privacy
     if p.mode == "none":
         return
+    if p.mode == "sample":  # the records are protected inside training: the server may do anything
+        from fedpeft.methods.base import Method as Base
+
+        if type(method).step_draws is not Base.step_draws:
+            raise ConfigError(
+                f"privacy.mode sample: method {method.name} draws its own batches (several a step, or "
+                "phases), and DP-SGD's accountant needs one batch a step drawn without replacement"
+            )
+        return
     if why := method.robust_refusal():  # its server does not take the mean of the uplinks
         raise ConfigError(f"privacy.mode {p.mode}: method {method.name}: {why}")
     if p.mode == "user" and cfg.server.aggregation != "mean":
@@ -101,11 +110,11 @@ def noise_multiplier(p: PrivacyConfig, population: int, per_round: int, rounds: 
 
 
 def accountant_for(cfg: ExperimentConfig) -> Accountant | None:
-    """The run's accountant (its noise multiplier calibrated if asked), None without privacy;
+    """User or local mode's accountant (its noise multiplier calibrated if asked), else None;
     a :class:`ConfigError` when the planned rounds would exceed the budget. Both engines and
     every deployed node compute it alike from the config."""
     p = cfg.privacy
-    if p.mode == "none":
+    if p.mode in ("none", "sample"):  # sample: built from the clients (sample_accountant)
         return None
     n = cfg.partition.num_clients
     s = min(cfg.train.clients_per_round, n)
@@ -320,3 +329,106 @@ def summary(p: PrivacyConfig, records: list[dict]) -> dict:
         "noise_multiplier": last.get("noise_multiplier", p.noise_multiplier),
         "clip": last.get("clip", p.clip),
     }
+
+
+# ---------------------------------------------------------------- sample-level DP-SGD
+
+#: the Renyi orders the sample-level accountant evaluates (TensorFlow Privacy's usual list)
+ORDERS = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)) + [128, 256, 512])
+
+
+@functools.lru_cache(maxsize=4096)
+def _step_rdp(population: int, batch: int, sigma: float) -> tuple[float, ...]:
+    """The RDP, at :data:`ORDERS`, of one DP-SGD step: ``batch`` of ``population`` rows
+    drawn without replacement, a Gaussian of multiplier ``sigma / 2`` (replace-one), from
+    ``dp-accounting``'s RDP accountant (one composition, read back)."""
+    import dp_accounting
+
+    gaussian = dp_accounting.GaussianDpEvent(sigma / 2)
+    event = (
+        dp_accounting.SampledWithoutReplacementDpEvent(population, batch, gaussian)
+        if batch < population
+        else gaussian
+    )
+    accountant = dp_accounting.rdp.RdpAccountant(list(ORDERS), _REPLACE_ONE())
+    accountant.compose(event)
+    return tuple(float(x) for x in accountant._rdp)  # noqa: SLF001 - linear in the steps: scaled below
+
+
+def dp_sgd_epsilon(population: int, batch: int, sigma: float, steps: int, delta: float) -> float:
+    """Epsilon after ``steps`` DP-SGD steps of one client (``population`` rows, batches of
+    ``batch``): the steps' RDP is ``steps`` times one step's."""
+    if steps == 0:
+        return 0.0
+    if sigma == 0:
+        return math.inf
+    from dp_accounting.rdp import compute_epsilon
+
+    rdp = [steps * x for x in _step_rdp(population, min(batch, population), sigma)]
+    return float(compute_epsilon(list(ORDERS), rdp, delta)[0])
+
+
+@dataclass(frozen=True)
+class SampleAccountant:
+    """Sample-level DP-SGD's accountant: each client's records are protected by what its
+    own steps spent (its rows, its batches, its steps a round, the rounds it trained in);
+    a run reports the most any client spent, and plans for the worst case (a client of
+    the fewest rows and the most steps, in every round)."""
+
+    sizes: dict[int, int]  # client -> its training rows
+    steps: dict[int, int]  # client -> its local steps a round
+    batch: int
+    sigma: float
+    mode: str = "sample"
+
+    def spent(self, rounds_in: dict[int, int], delta: float) -> float:
+        """The most epsilon any client has spent, ``rounds_in[c]`` rounds trained by client ``c``."""
+        return max(
+            (
+                dp_sgd_epsilon(self.sizes[c], self.batch, self.sigma, k * self.steps[c], delta)
+                for c, k in rounds_in.items()
+            ),
+            default=0.0,
+        )
+
+    def epsilon(self, rounds: int, delta: float) -> float:
+        """The worst case after ``rounds`` rounds: the fewest rows, the most steps, every round."""
+        worst = min(self.sizes.values())
+        return dp_sgd_epsilon(worst, self.batch, self.sigma, rounds * max(self.steps.values()), delta)
+
+
+def sample_accountant(
+    p: PrivacyConfig, sizes: dict[int, int], steps: dict[int, int], batch: int, rounds: int
+):
+    """DP-SGD's accountant, its noise multiplier given or calibrated (bisection on the
+    worst case) so that no client can spend more than ``target_epsilon`` in ``rounds``."""
+    sigma = p.noise_multiplier
+    if sigma is None:
+        worst = lambda s: SampleAccountant(sizes, steps, batch, s).epsilon(rounds, p.delta)  # noqa: E731
+        low, high = 1e-2, 1.0
+        while worst(high) > p.target_epsilon:
+            low, high = high, high * 2
+            if high > 1e4:
+                raise ConfigError(
+                    f"privacy.target_epsilon {p.target_epsilon:g}: no noise multiplier reaches it"
+                )
+        while high - low > 1e-3 * high:
+            mid = (low + high) / 2
+            low, high = (mid, high) if worst(mid) > p.target_epsilon else (low, mid)
+        sigma = high
+    accountant = SampleAccountant(sizes, steps, batch, sigma)
+    check_plan(p, accountant, rounds)
+    return accountant
+
+
+def sample_record(p: PrivacyConfig, accountant: SampleAccountant, done: list[dict], record: dict) -> dict:
+    """A DP-SGD round's ``privacy`` record: the most epsilon any client has spent once the
+    round's clients (``record["clients"]``, as asked, whether or not they returned) have
+    trained, counting their rounds in ``done`` (the records before it: a resumed run
+    counts alike)."""
+    rounds_in: dict[int, int] = {}
+    for r in [*done, record]:
+        for c in r["clients"]:
+            rounds_in[int(c)] = rounds_in.get(int(c), 0) + 1
+    spent = accountant.spent(rounds_in, p.delta)
+    return {"epsilon": spent, "delta": p.delta, "noise_multiplier": accountant.sigma, "clip": p.clip}

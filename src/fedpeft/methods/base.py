@@ -39,11 +39,12 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from fedpeft.data.task import Draw, Encoded, take_draws
+from fedpeft.data.task import Draw, Encoded, sample_draws, take_draws
 from fedpeft.methods.cohort import (
     OPT,
     GradientFn,
     Job,
+    SampleDP,
     Start,
     StepInput,
     backprop,
@@ -224,6 +225,8 @@ class Method:
         #: uplinks where it takes their mean; the engine sets it to ``server.aggregation``'s
         #: rule (``fedpeft.engines.robust``)
         self.mean: Callable[[list[Tensors], list[float]], Tensors] = weighted_mean
+        # privacy.mode sample: DP-SGD in every local step (set by the engine; None: plain steps)
+        self.sample_dp: SampleDP | None = None
 
     # ----- structure
     def prepare(self, model: TaskModel) -> None:
@@ -346,7 +349,9 @@ class Method:
     ) -> Iterator[tuple[Draw, ...]]:
         """Each step's batches, as drawn (:class:`~fedpeft.data.task.Draw`: rows of the
         client's data, cut by the engine for a whole cohort at once): one shuffled batch
-        of ``train.batch_size`` per step."""
+        of ``train.batch_size`` per step (DP-SGD: a batch drawn anew at every step)."""
+        if self.sample_dp is not None:  # DP-SGD: each batch drawn anew, as its accountant assumes
+            return ((draw,) for draw in sample_draws(client.train, self.sample_dp.batch, steps, generator))
         return ((draw,) for draw in take_draws(client.train, self.train.batch_size, steps, generator))
 
     def step_inputs(self, client: ClientData, steps: int, generator: torch.Generator) -> Iterator[StepInput]:

@@ -235,6 +235,49 @@ def first_order_grad(
     return grads, aux
 
 
+@dataclass(frozen=True)
+class SampleDP:
+    """Sample-level DP-SGD (``privacy.mode: sample``; Abadi et al. 2016): every step's
+    batch is ``batch`` rows drawn without replacement, each row's gradient is clipped to
+    ``clip`` (all of a client's trained tensors as one vector), and ``N(0, (sigma clip)^2)``
+    is added to their sum, which is divided by ``batch``."""
+
+    clip: float
+    sigma: float
+    batch: int
+
+
+#: the random stream of a client's DP-SGD noise, beside its round's seed
+NOISE_STREAM = 0x44505347
+
+
+def private_gradients(
+    gradients: GradientFn, dp: SampleDP, params: Tensors, consts: Tensors, batches: StepInput, noise: Tensors
+) -> tuple[torch.Tensor, Tensors]:
+    """The loss and DP-SGD's gradient of one client's step: ``gradients`` taken of each
+    row of the step's one batch on its own (a ``vmap`` over the rows, inside the cohort's
+    over the clients), each clipped to ``dp.clip``, summed, plus ``dp.sigma * dp.clip``
+    times ``noise`` (standard normal, drawn outside), over ``dp.batch`` rows. A padded row
+    (weight 0) has a zero gradient and adds nothing."""
+    (batch,) = batches
+
+    def one(row: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Tensors]:
+        loss, grads, replaced = gradients(params, consts, ({k: v.unsqueeze(0) for k, v in row.items()},))
+        if replaced:
+            raise ValueError("privacy.mode sample: this method's step replaces tensors besides its gradients")
+        return loss, grads
+
+    losses, per_row = vmap(one)(batch)
+    norms = torch.stack([g.flatten(1).square().sum(1) for g in per_row.values()]).sum(0).sqrt()
+    factor = (dp.clip / norms.clamp_min(1e-12)).clamp(max=1.0)
+    summed = {n: torch.einsum("b,b...->...", factor, g) for n, g in per_row.items()}
+    if noise:
+        summed = {n: g + dp.sigma * dp.clip * noise[n] for n, g in summed.items()}
+    weight = batch.get("weight", torch.ones_like(losses))
+    loss = (losses * weight).sum() / weight.sum().clamp_min(1.0)
+    return loss, {n: g / dp.batch for n, g in summed.items()}
+
+
 def backprop(loss: Callable[[Tensors, Tensors, StepInput], torch.Tensor], scale: float = 1.0) -> GradientFn:
     """The gradient of ``loss(params, consts, batches)`` with respect to every tensor of
     ``params`` (none replaced otherwise); taken of ``scale * loss`` and divided back, so
@@ -419,8 +462,10 @@ def training_attention(model: torch.nn.Module, method: Method, clients: int):
     batches, except for a cohort of one (not vmapped: :func:`run_cohort`), which keeps the
     model's own kernel (SDPA: faster, and without the ``(heads, L, L)`` weights eager
     attention holds per layer for the backward pass) when the method takes no gradient of
-    a gradient (fused kernels have no second derivative)."""
-    return nullcontext() if clients == 1 and not method.higher_order else eager_attention(model)
+    a gradient (fused kernels have no second derivative) and no gradient per example
+    (DP-SGD vmaps over the rows)."""
+    alone = clients == 1 and not method.higher_order and method.sample_dp is None
+    return nullcontext() if alone else eager_attention(model)
 
 
 def unvmapped(step: Callable) -> Callable:
@@ -442,6 +487,7 @@ def unvmapped(step: Callable) -> Callable:
         batches: StepInput,
         anchor: Tensors,
         correction: Tensors,
+        noise: Tensors,
     ):
         new_params, new_opt, loss = step(
             first(params),
@@ -450,6 +496,7 @@ def unvmapped(step: Callable) -> Callable:
             tuple(map(first, batches)),
             first(anchor),
             first(correction),
+            first(noise),
         )
         return again(new_params), again(new_opt), loss.unsqueeze(0)
 
@@ -487,6 +534,7 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
         if len(jobs) == 1
         else vmap(one_step, randomness="different" if dropout else "error")
     )
+    noises = dp_noise(method, jobs, params, device)
     model.train(dropout)  # eval mode when no dropout is active: the same function, no RNG calls
     steps = torch.tensor([s.steps for s in starts], device=device)
     losses = torch.zeros(len(jobs), device=device)
@@ -495,7 +543,8 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
     with training_attention(model, method, len(jobs)):
         for k in range(len(batches)):
             stacked = prepare_step(model, batches.step(k), batches.scored[k] or None)
-            new_params, new_opt, loss = step(params, opt, consts, stacked, anchor, correction)
+            noise = next(noises)
+            new_params, new_opt, loss = step(params, opt, consts, stacked, anchor, correction, noise)
             tokens += sum(b["attention_mask"].flatten(1).sum(1) for b in stacked)
             active = k < steps  # (C,): a finished client's tensors do not move
             params = {n: _where(active, new_params[n], t) for n, t in params.items()}
@@ -518,6 +567,20 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
             settle_control(result, job, own_i, p, s.steps, method.train.lr)
         results.append(result)
     return results
+
+
+def dp_noise(method: Method, jobs: list[Job], params: Tensors, device: torch.device) -> Iterator[Tensors]:
+    """Each step's DP-SGD noise for the cohort, stacked: standard normal, one draw per
+    trained tensor of each client, from the client's own stream (its round's seed), so a
+    client draws the same noise in any cohort; nothing without ``privacy.mode: sample``."""
+    if method.sample_dp is None:
+        while True:
+            yield {}
+    generators = [torch.Generator().manual_seed(derive_seed(job.seed, NOISE_STREAM)) for job in jobs]
+    shapes = {n: t.shape[1:] for n, t in sorted(params.items())}
+    while True:
+        draws = [{n: torch.randn(shape, generator=g) for n, shape in shapes.items()} for g in generators]
+        yield stack(draws, device)
 
 
 def proximal_anchor(method: Method, params: Tensors) -> Tensors:
@@ -558,7 +621,7 @@ def local_step(method: Method, model: torch.nn.Module):
     reported stays the method's. With SCAFFOLD (``train.correction``), ``correction``
     (``c - c_i`` per shared tensor) is added to the clipped gradient, so the step follows
     ``g - c_i + c`` (clipping bounds the stochastic gradient, not the drift estimate)."""
-    gradients, cfg = method.step_gradients(model), method.train
+    gradients, cfg, dp = method.step_gradients(model), method.train, method.sample_dp
     skip_overflow = model_scale(model) != 1.0
     mu = cfg.prox_mu
 
@@ -569,8 +632,13 @@ def local_step(method: Method, model: torch.nn.Module):
         batches: StepInput,
         anchor: Tensors,
         correction: Tensors,
+        noise: Tensors,
     ):
-        loss, grads, replaced = gradients(params, consts, batches)
+        if dp is not None:
+            loss, grads = private_gradients(gradients, dp, params, consts, batches, noise)
+            replaced = {}
+        else:
+            loss, grads, replaced = gradients(params, consts, batches)
         if anchor:
             grads = {n: g + mu * (params[n] - anchor[n]) if n in anchor else g for n, g in grads.items()}
         clipped = {}

@@ -1,0 +1,155 @@
+"""Sample-level DP-SGD (issue 34, item 1): per-example gradients inside the cohort's step,
+each clipped, Gaussian noise on their sum, batches drawn without replacement, and each
+client's epsilon from the library's accountant."""
+
+from __future__ import annotations
+
+import dp_accounting
+import pytest
+import torch
+
+from fedpeft.config import ConfigError
+from fedpeft.data.task import Draw
+from fedpeft.engines import privacy as DP
+from fedpeft.experiment import build, run
+from fedpeft.flower.deploy import check_deployable
+from fedpeft.methods.base import read_tensors
+from fedpeft.methods.cohort import Job, SampleDP, dp_noise, eager_attention, private_gradients
+from fedpeft.report.results import read_records, read_summary
+
+ROWS = 6
+
+
+@pytest.fixture
+def step(tiny_config):
+    """The tiny model's FedLR gradient function, its trainable tensors and a batch of ROWS rows."""
+    setup = build(tiny_config())
+    model = setup.model.eval()
+    params = read_tensors(model, [n for n, p in model.named_parameters() if p.requires_grad])
+    batch = Draw(setup.clients[0].train, torch.arange(ROWS)).batch()
+    with eager_attention(model):
+        yield setup.method.step_gradients(model), params, batch
+
+
+def flat_norm(tensors) -> float:
+    return float(torch.cat([t.flatten() for t in tensors.values()]).norm())
+
+
+def test_per_example_gradients_are_a_loop_of_single_example_gradients(step):
+    gradients, params, batch = step
+    dp = SampleDP(clip=1e9, sigma=0.0, batch=ROWS)  # no clip reached, no noise: the plain mean
+    loss, grads = private_gradients(gradients, dp, params, {}, (batch,), {})
+    loop = {n: torch.zeros_like(p) for n, p in params.items()}
+    losses = []
+    for i in range(ROWS):
+        value, g, _ = gradients(params, {}, ({k: v[i : i + 1] for k, v in batch.items()},))
+        losses.append(float(value))
+        loop = {n: loop[n] + g[n] / ROWS for n in loop}
+    for name in params:
+        torch.testing.assert_close(grads[name], loop[name], rtol=1e-4, atol=1e-7)
+    assert float(loss) == pytest.approx(sum(losses) / ROWS, rel=1e-5)
+    # and the batch's own gradient (a mean over its rows) is their mean
+    _, whole, _ = gradients(params, {}, (batch,))
+    for name in params:
+        torch.testing.assert_close(grads[name], whole[name], rtol=1e-3, atol=1e-6)
+
+
+def test_each_examples_gradient_is_clipped_to_c_and_the_noise_is_sigma_c(step):
+    gradients, params, batch = step
+    one = {k: v[:1] for k, v in batch.items()}
+    raw = gradients(params, {}, (one,))[1]
+    clip = flat_norm(raw) / 10
+    _, clipped = private_gradients(gradients, SampleDP(clip, 0.0, 1), params, {}, (one,), {})
+    assert flat_norm(clipped) == pytest.approx(clip, rel=1e-5)  # cut to C, direction kept
+    for name in raw:
+        torch.testing.assert_close(clipped[name], raw[name] * (clip / flat_norm(raw)), rtol=1e-4, atol=1e-9)
+    # every row clipped: the mean of ROWS gradients of norm C is at most C
+    _, mean = private_gradients(gradients, SampleDP(clip, 0.0, ROWS), params, {}, (batch,), {})
+    assert flat_norm(mean) <= clip * (1 + 1e-5)
+    # the noise: sigma C times a standard normal, on the sum (so sigma C / B on the mean)
+    noise = {n: torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) for n, p in params.items()}
+    _, noisy = private_gradients(gradients, SampleDP(clip, 2.0, ROWS), params, {}, (batch,), noise)
+    added = torch.cat([(noisy[n] - mean[n]).flatten() for n in params])
+    assert float(added.std()) == pytest.approx(
+        2.0 * clip / ROWS * float(torch.cat([x.flatten() for x in noise.values()]).std()), rel=1e-3
+    )
+
+
+def test_a_clients_noise_is_its_own_whatever_its_cohort(tiny_config):
+    setup = build(tiny_config())
+    method = setup.method
+    method.sample_dp = SampleDP(1.0, 1.0, 8)
+    params = {"w": torch.zeros(2, 50_000)}  # stacked: two clients' tensors
+    a = Job({}, {}, setup.clients[0], seed=11)
+    b = Job({}, {}, setup.clients[1], seed=12)
+    alone = next(dp_noise(method, [a], {"w": torch.zeros(1, 50_000)}, torch.device("cpu")))
+    together = next(dp_noise(method, [b, a], params, torch.device("cpu")))
+    assert torch.equal(together["w"][1], alone["w"][0])
+    assert float(alone["w"].std()) == pytest.approx(1.0, rel=0.02)
+
+
+def test_dp_sgd_epsilon_is_the_librarys_composition_of_its_steps():
+    """The accountant scales one step's RDP by the steps; the library composing the steps
+    itself gives the same epsilon; a client of fewer rows (a larger sampled share) spends more."""
+    n, b, sigma, steps, delta = 60, 8, 1.3, 40, 1e-5
+    library = dp_accounting.rdp.RdpAccountant(list(DP.ORDERS), dp_accounting.NeighboringRelation.REPLACE_ONE)
+    event = dp_accounting.SampledWithoutReplacementDpEvent(n, b, dp_accounting.GaussianDpEvent(sigma / 2))
+    library.compose(event, steps)
+    assert DP.dp_sgd_epsilon(n, b, sigma, steps, delta) == pytest.approx(library.get_epsilon(delta), rel=1e-9)
+    assert DP.dp_sgd_epsilon(30, b, sigma, steps, delta) > DP.dp_sgd_epsilon(n, b, sigma, steps, delta)
+    plain = dp_accounting.rdp.RdpAccountant(list(DP.ORDERS), dp_accounting.NeighboringRelation.REPLACE_ONE)
+    plain.compose(dp_accounting.GaussianDpEvent(sigma / 2), steps)
+    assert DP.dp_sgd_epsilon(5, b, sigma, steps, delta) == pytest.approx(plain.get_epsilon(delta), rel=1e-9)
+
+
+def test_a_dp_sgd_run_records_the_most_any_client_spent(tiny_config):
+    cfg = tiny_config(
+        **{"train.rounds": 3, "privacy": {"mode": "sample", "target_epsilon": 20.0, "clip": 0.5}}
+    )
+    run(cfg)
+    records = read_records(cfg.output_dir)
+    setup = build(cfg)
+    sizes = {c.cid: len(c.train) for c in setup.clients}
+    sigma, rounds_in = records[0]["privacy"]["noise_multiplier"], {}
+    for r in records:  # recomputed: two local steps a round, batches of 8
+        for c in r["clients"]:
+            rounds_in[c] = rounds_in.get(c, 0) + 1
+        most = max(DP.dp_sgd_epsilon(sizes[c], 8, sigma, 2 * k, 1e-5) for c, k in rounds_in.items())
+        assert r["privacy"]["epsilon"] == pytest.approx(most, rel=1e-9)
+    assert 0 < records[0]["privacy"]["epsilon"] < records[-1]["privacy"]["epsilon"] <= 20.0
+    # calibrated on the worst case (the fewest rows, every round): it spends the budget
+    worst = DP.dp_sgd_epsilon(min(sizes.values()), 8, sigma, 3 * 2, 1e-5)
+    assert 19.0 < worst <= 20.0
+    assert read_summary(cfg.output_dir)["privacy"]["mode"] == "sample"
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"method": {"name": "adamix"}}, "method adamix draws its own batches"),
+        ({"data.task": "causal_lm"}, "not for data.task causal_lm"),
+    ],
+    ids=["adamix", "causal-lm"],
+)
+def test_what_dp_sgd_cannot_take_is_refused_naming_it(tiny_config, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        build(tiny_config(**{"privacy": {"mode": "sample", "noise_multiplier": 1.0}}, **overrides))
+
+
+def test_dp_sgd_is_not_deployed_yet(tiny_config):
+    with pytest.raises(ConfigError, match="privacy.mode sample: in-process runs only"):
+        check_deployable(tiny_config(**{"privacy": {"mode": "sample", "noise_multiplier": 1.0}}))
+
+
+def test_a_clients_dp_sgd_round_does_not_depend_on_its_cohort(tiny_config, tmp_path):
+    """Two clients vmapped together (rows vmapped inside) train as each alone does: the
+    same batches, noise and clipping, to float rounding."""
+    private = {"train.rounds": 2, "privacy": {"mode": "sample", "noise_multiplier": 1.0, "clip": 0.5}}
+    alone = tiny_config(output_dir=str(tmp_path / "alone"), **private, **{"train.cohort_size": 1})
+    together = tiny_config(output_dir=str(tmp_path / "together"), **private, **{"train.cohort_size": 2})
+    run(alone), run(together)
+    a, b = read_records(alone.output_dir), read_records(together.output_dir)
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4)
+        assert rb["global"]["accuracy"] == pytest.approx(ra["global"]["accuracy"], abs=1e-9)
+        assert rb["privacy"] == ra["privacy"]
