@@ -1,4 +1,5 @@
-"""Differential privacy of what leaves a client (issue 34): user-level DP-FedAvg and local DP.
+"""Differential privacy of what leaves a client (issue 34): user-level DP-FedAvg, local DP
+and the accounting of sample-level DP-SGD (whose steps are :mod:`fedpeft.methods.cohort`'s).
 
 The uplink's order (docs/DESIGN, "Layers that compose with every method"): the client
 clips its update, adds its own noise (``local``), then compresses; the server decodes,
@@ -26,6 +27,10 @@ up to ``2C``: the accountant's Gaussian multiplier is ``sigma / 2``. ``user``: e
 is a ``SampledWithoutReplacementDpEvent(N, S, Gaussian(sigma / 2))``; ``local``: a plain
 ``Gaussian(sigma / 2)`` per round, every round (a client's messages are seen as its own,
 so no amplification by sampling is claimed; a client that sits a round out spends less).
+
+- ``sample`` (Abadi et al. 2016): DP-SGD in every local step (``cohort.private_gradients``);
+  each client's records are accounted on their own (:class:`SampleAccountant`): a step of
+  a client of ``n`` rows is a ``SampledWithoutReplacementDpEvent(n, B, Gaussian(sigma / 2))``.
 
 Noise is drawn from generators seeded by ``(seed, round)`` (the server's) or the client's
 job seed, so a resumed run draws the same noise. With ``sigma = 0`` and a clip no update
