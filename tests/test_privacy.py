@@ -12,6 +12,7 @@ import torch
 
 from fedpeft.config import ConfigError, PrivacyConfig
 from fedpeft.engines import privacy as DP
+from fedpeft.engines.inprocess import sample_clients
 from fedpeft.experiment import build, make_engine, run
 from fedpeft.methods.base import FitResult
 from fedpeft.report.results import read_records, read_summary
@@ -239,3 +240,41 @@ def test_the_flower_path_clips_on_the_nodes_and_noises_as_in_process(tiny_config
     assert clips[0] == 0.05 and len(clips) == 2 * 3  # two clients a round, three rounds
     assert (len(set(clips)) > 1) == settings.get("adaptive_clip", False)  # the bound moves only if adaptive
     assert read_summary(flower.output_dir)["privacy"]["epsilon"] == pytest.approx(a[-1]["privacy"]["epsilon"])
+
+
+def test_poisson_sampling_draws_each_client_with_probability_q():
+    draws = [sample_clients(0, r, 50, 10, 0.2) for r in range(1, 401)]
+    sizes = [len(d) for d in draws]
+    assert sum(sizes) / len(sizes) == pytest.approx(10, rel=0.05)  # S on average
+    assert len(set(sizes)) > 3  # not a fixed count
+    assert draws == [sample_clients(0, r, 50, 10, 0.2) for r in range(1, 401)]  # seeded
+    assert sample_clients(0, 1, list(range(50)), 10, 0.2) == draws[0]  # ids or a count alike
+
+
+def test_user_level_dp_under_poisson_sampling_is_accounted_add_or_remove(tiny_config):
+    """q = S / N, the Gaussian of multiplier sigma on a sum that one client moves by C:
+    dp-accounting's own Poisson event; a round that draws no client changes nothing."""
+    n, s, sigma, rounds, delta = 40, 10, 1.0, 25, 1e-5
+    ours = DP.Accountant("user", n, s, sigma, poisson=True).epsilon(rounds, delta)
+    library = dp_accounting.rdp.RdpAccountant()  # add/remove-one by default
+    library.compose(dp_accounting.PoissonSampledDpEvent(s / n, dp_accounting.GaussianDpEvent(sigma)), rounds)
+    assert ours == pytest.approx(library.get_epsilon(delta), rel=1e-9)
+    assert ours < DP.Accountant("user", n, s, sigma).epsilon(rounds, delta)  # replace-one: 2C, no Poisson
+    # a run: one client a round on average of four; rounds 3 and 4 draw none (seed 3)
+    cfg = tiny_config(
+        **{
+            "train.rounds": 4,
+            "train.clients_per_round": 1,
+            "train.client_sampling": "poisson",
+            "privacy": {"mode": "user", "noise_multiplier": 1.0, "clip": 0.1},
+        }
+    )
+    assert [sample_clients(3, r, 4, 1, 0.25) for r in range(1, 5)] == [[1], [3], [], []]
+    run(cfg)
+    records = read_records(cfg.output_dir)
+    assert [r["clients"] for r in records] == [[1], [3], [], []]
+    assert [r.get("skipped") is not None for r in records] == [False, False, True, True]
+    assert records[3]["global"] == records[2]["global"] == records[1]["global"]  # nothing moved
+    spent = [r["privacy"]["epsilon"] for r in records]
+    acc = DP.Accountant("user", 4, 1, 1.0, poisson=True)
+    assert spent == pytest.approx([acc.epsilon(r, 1e-5) for r in range(1, 5)], rel=1e-9)

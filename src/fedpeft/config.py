@@ -286,6 +286,11 @@ class TrainConfig(BaseModel):
 
     rounds: int = Field(20, ge=1, description="T, communication rounds.")
     clients_per_round: int = Field(10, ge=1, description="S, clients sampled each round.")
+    client_sampling: Literal["fixed", "poisson"] = Field(
+        "fixed",
+        description="fixed: S clients drawn without replacement each round; poisson: each client takes "
+        "part with probability S / num_clients, independently (S on average; DP's add/remove accounting).",
+    )
     local_epochs: int = Field(1, ge=1, description="E, epochs over local data per round.")
     local_steps: int | None = Field(
         None, ge=1, description="K, local optimizer steps per round (overrides local_epochs)."

@@ -272,6 +272,7 @@ def make_engine(
         cohort_size=None if cfg.train.cohort_size == "auto" else cfg.train.cohort_size,
         per_client_scores=cfg.data.silos is not None,
         drift_probe=cfg.eval.drift_probe if cfg.eval.drift else 0,
+        poisson=cfg.train.client_sampling == "poisson",
     )
     metrics_path = out / "metrics.jsonl"
 

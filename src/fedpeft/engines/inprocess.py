@@ -64,6 +64,7 @@ class Schedule:
     cohort_size: int | None = 1  # clients trained at once (None: probe the device's memory)
     per_client_scores: bool = False  # record each client's local-test scores (the cross-silo table)
     drift_probe: int = 0  # eval.drift: examples in the client-drift probe batch (0: no drift)
+    poisson: bool = False  # train.client_sampling: poisson (each client with probability S / M)
 
 
 #: The random stream of the drift probe batch (beside ``[seed, rnd]``, the clients sampled in round rnd).
@@ -77,11 +78,21 @@ def drift_probe_rows(seed: int, available: int, size: int) -> np.ndarray:
     return np.sort(rng.choice(available, size=min(size, available), replace=False))
 
 
-def sample_clients(seed: int, rnd: int, population: int | Sequence[int], per_round: int) -> list[int]:
+#: The random stream of Poisson client sampling (beside ``[seed, rnd]``).
+POISSON_STREAM = 0x504F4953
+
+
+def sample_clients(
+    seed: int, rnd: int, population: int | Sequence[int], per_round: int, poisson_rate: float | None = None
+) -> list[int]:
     """S client ids without replacement from ``population`` (M, meaning ids ``0..M-1``, or
     the ids available), reproducible from ``(seed, rnd)``. With all M ids available both
-    forms draw the same clients."""
+    forms draw the same clients. ``poisson_rate`` q: instead, each id independently with
+    probability q (``train.client_sampling: poisson``; a round may draw none)."""
     ids = np.arange(population) if isinstance(population, int) else np.asarray(sorted(population))
+    if poisson_rate is not None:
+        rng = np.random.default_rng([seed, rnd, POISSON_STREAM])
+        return sorted(int(c) for c, u in zip(ids, rng.random(len(ids)), strict=True) if u < poisson_rate)
     rng = np.random.default_rng([seed, rnd])
     return sorted(int(c) for c in rng.choice(ids, size=min(per_round, len(ids)), replace=False))
 
@@ -158,8 +169,8 @@ class InProcessEngine:
             method.sample_dp = SampleDP(self.privacy.clip, self.dp.sigma, batch)
         elif self.privacy.mode != "none":
             n, s = len(clients), min(schedule.clients_per_round, len(clients))
-            sigma = privacy.noise_multiplier(self.privacy, n, s, schedule.rounds)
-            self.dp = privacy.Accountant(self.privacy.mode, n, s, sigma)
+            sigma = privacy.noise_multiplier(self.privacy, n, s, schedule.rounds, schedule.poisson)
+            self.dp = privacy.Accountant(self.privacy.mode, n, s, sigma, schedule.poisson)
             privacy.check_plan(self.privacy, self.dp, schedule.rounds)
         self._clip, self._sent = float("inf"), {}  # the round's clip bound; per client: received, fitted
         self.on_round = on_round or (lambda record: None)
@@ -264,9 +275,13 @@ class InProcessEngine:
         """The sampled clients' local rounds, in cohorts of up to ``cohort_size`` clients
         trained at once; a client's round does not depend on its cohort."""
         s = self.schedule
-        sampled = sample_clients(s.seed, rnd, len(self.clients), s.clients_per_round)
+        rate = s.clients_per_round / len(self.clients) if s.poisson else None
+        sampled = sample_clients(s.seed, rnd, len(self.clients), s.clients_per_round, rate)
         jobs, residuals, down = [], {}, 0
         self._clip, self._sent = privacy.current_clip(self.privacy, server), {}
+        if not sampled:  # Poisson sampling may draw no client
+            nothing = {"loss": float("nan"), "fit": {}, "bytes_down": 0, "bytes_up": 0, "time_fit_max": 0.0}
+            return [], {"clients": [], **nothing}
         for cid in sampled:
             job, residuals[cid], received_bytes = self.job(server, rnd, cid)
             jobs.append(job)
@@ -497,16 +512,21 @@ class InProcessEngine:
             results, record = self.fit_round(server, rnd)
             t1 = time.perf_counter()
             previous, next_clip = server, None
-            if user_or_local:  # the server's noise, before the method aggregates
+            if user_or_local and results:  # the server's noise, before the method aggregates
                 results, noted, next_clip = self.noised(results, rnd)
                 record["privacy"] = {"epsilon": spent, "delta": self.privacy.delta, **noted}
+            elif user_or_local:  # no client drawn: nothing released but the unchanged model
+                record["privacy"] = {"epsilon": spent, "delta": self.privacy.delta, "clip": self._clip}
             elif self.privacy.mode == "sample":  # what the clients' own steps spent
                 record["privacy"] = privacy.sample_record(self.privacy, self.dp, records, record)
-            aggregated = self.method.aggregate(server, as_weighted(self.server_cfg, results), rnd)
-            server = server_step(self.server_cfg, previous, aggregated)
+            if results:
+                aggregated = self.method.aggregate(server, as_weighted(self.server_cfg, results), rnd)
+                server = server_step(self.server_cfg, previous, aggregated)
+            else:  # Poisson sampling drew no client: the global state stays as it is
+                record["skipped"] = "no client drawn (train.client_sampling: poisson)"
             if next_clip is not None:  # adaptive clipping's bound: server state, never sent
                 server = privacy.with_clip(server, next_clip)
-            if scaffold.enabled(self.method):
+            if scaffold.enabled(self.method) and results:
                 updates = [r.control for r in results]
                 server = scaffold.update_control(self.method, previous, server, updates, len(self.clients))
             guard.check_aggregate(rnd, server, self.lr, previous)
@@ -514,7 +534,7 @@ class InProcessEngine:
             t2 = time.perf_counter()
             for name, analyze in self.analyzers.items():
                 record[name] = analyze(previous.tensors, server.tensors)
-            if self.probe is not None:  # timed with the evaluation
+            if self.probe is not None and results:  # timed with the evaluation
                 record["drift"] = self.drift(previous, results)
             if rnd % s.eval_every == 0 or rnd == s.rounds:
                 record.update(self.evaluate(server))

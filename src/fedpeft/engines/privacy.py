@@ -94,7 +94,9 @@ def check_composes(cfg: ExperimentConfig, method: Method) -> None:
         )
 
 
-def noise_multiplier(p: PrivacyConfig, population: int, per_round: int, rounds: int) -> float:
+def noise_multiplier(
+    p: PrivacyConfig, population: int, per_round: int, rounds: int, poisson: bool = False
+) -> float:
     """``privacy.noise_multiplier``, or the least one that spends ``target_epsilon`` in
     ``rounds`` rounds (at ``delta``), calibrated by ``dp-accounting``."""
     if p.noise_multiplier is not None:
@@ -102,10 +104,10 @@ def noise_multiplier(p: PrivacyConfig, population: int, per_round: int, rounds: 
     import dp_accounting
 
     def accountant(sigma: float) -> Accountant:
-        return Accountant(p.mode, population, per_round, sigma)
+        return Accountant(p.mode, population, per_round, sigma, poisson)
 
     return dp_accounting.calibrate_dp_mechanism(
-        lambda: dp_accounting.rdp.RdpAccountant(neighboring_relation=_REPLACE_ONE()),
+        lambda: accountant(1.0).fresh(),
         lambda sigma: accountant(sigma).event(rounds),
         p.target_epsilon,
         p.delta,
@@ -123,7 +125,8 @@ def accountant_for(cfg: ExperimentConfig) -> Accountant | None:
         return None
     n = cfg.partition.num_clients
     s = min(cfg.train.clients_per_round, n)
-    accountant = Accountant(p.mode, n, s, noise_multiplier(p, n, s, cfg.train.rounds))
+    poisson = cfg.train.client_sampling == "poisson"
+    accountant = Accountant(p.mode, n, s, noise_multiplier(p, n, s, cfg.train.rounds, poisson), poisson)
     check_plan(p, accountant, cfg.train.rounds)
     return accountant
 
@@ -140,12 +143,32 @@ class Accountant:
 
     mode: str
     population: int  # N: the clients drawn from
-    per_round: int  # S: drawn each round, without replacement
+    per_round: int  # S: drawn each round without replacement (Poisson: on average)
     sigma: float  # the mechanism's noise multiplier (std / C)
+    poisson: bool = False  # train.client_sampling: poisson (user mode: add/remove accounting)
+
+    @property
+    def add_or_remove(self) -> bool:
+        """User mode under Poisson sampling is accounted add/remove-one (a sum moves by C);
+        otherwise replace-one (by 2C)."""
+        return self.mode == "user" and self.poisson
+
+    def fresh(self):
+        """An empty RDP accountant of this mechanism's neighbouring relation."""
+        import dp_accounting
+
+        relation = dp_accounting.NeighboringRelation
+        return dp_accounting.rdp.RdpAccountant(
+            neighboring_relation=relation.ADD_OR_REMOVE_ONE if self.add_or_remove else relation.REPLACE_ONE
+        )
 
     def event(self, rounds: int):
         import dp_accounting
 
+        if self.add_or_remove:  # each client drawn with probability q = S / N
+            q = self.per_round / self.population
+            poisson = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(self.sigma))
+            return dp_accounting.SelfComposedDpEvent(poisson, rounds)
         gaussian = dp_accounting.GaussianDpEvent(self.sigma / 2)  # replace-one: a sum moves by 2C
         if self.mode == "user" and self.per_round < self.population:
             gaussian = dp_accounting.SampledWithoutReplacementDpEvent(
@@ -159,10 +182,7 @@ class Accountant:
             return 0.0
         if self.sigma == 0:
             return math.inf
-        import dp_accounting
-
-        accountant = dp_accounting.rdp.RdpAccountant(neighboring_relation=_REPLACE_ONE())
-        return float(accountant.compose(self.event(rounds)).get_epsilon(delta))
+        return float(self.fresh().compose(self.event(rounds)).get_epsilon(delta))
 
 
 def check_plan(p: PrivacyConfig, accountant: Accountant, rounds: int) -> None:

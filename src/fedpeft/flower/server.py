@@ -238,7 +238,13 @@ class FlowerServer:
     def fit_round(
         self, server: ServerState, rnd: int, peers: dict[int, Peer]
     ) -> tuple[list[FitResult], dict]:
-        sampled = sample_clients(self.cfg.seed, rnd, list(peers), self.cfg.train.clients_per_round)
+        train = self.cfg.train
+        rate = (
+            train.clients_per_round / self.cfg.partition.num_clients
+            if train.client_sampling == "poisson"
+            else None
+        )
+        sampled = sample_clients(self.cfg.seed, rnd, list(peers), train.clients_per_round, rate)
         if self.deploy.secure_aggregation:
             return self.fit_round_secure(server, rnd, peers, sampled)
         messages, payload_down, held = [], 0, {}
@@ -472,6 +478,8 @@ class FlowerServer:
             else:
                 skipped += 1
                 record["skipped"] = f"{len(results)} of deploy.min_results={deploy.min_results} updates"
+                if self.dp is not None:  # the round counts, though only the unchanged model is out
+                    record["privacy"] = {"epsilon": spent, "delta": cfg.privacy.delta, "clip": self._clip}
                 self.log(f"round {rnd}: skipped, {record['skipped']}; the global state is unchanged")
             t2 = time.perf_counter()
             if rnd % cfg.eval.every == 0 or rnd == cfg.train.rounds:
