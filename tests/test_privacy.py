@@ -182,8 +182,6 @@ def test_what_cannot_go_with_a_privacy_mode_is_refused_naming_it(tiny_config, ov
 
     with pytest.raises((ConfigError, ValueError), match=match):
         build(private(**overrides))  # the method checks run where the method is built
-    with pytest.raises(ConfigError, match="privacy.mode user: not yet with deploy.secure_aggregation"):
-        build(private(**{"deploy.secure_aggregation": True}))
 
 
 def test_adaptive_clipping_moves_the_bound_and_a_resumed_run_spends_and_clips_the_same(tiny_config, tmp_path):
@@ -278,3 +276,45 @@ def test_user_level_dp_under_poisson_sampling_is_accounted_add_or_remove(tiny_co
     spent = [r["privacy"]["epsilon"] for r in records]
     acc = DP.Accountant("user", 4, 1, 1.0, poisson=True)
     assert spent == pytest.approx([acc.epsilon(r, 1e-5) for r in range(1, 5)], rel=1e-9)
+
+
+@pytest.mark.slow  # SecAgg+'s protocol, twice: about 30 s
+@pytest.mark.parametrize("mode", ["user", "local"])
+def test_dp_through_secure_aggregation_is_the_in_process_run_up_to_its_quantisation(
+    tiny_config, tmp_path, mode
+):
+    """SecAgg+ (Flower's protocol, over the in-memory grid) with user-level DP: the nodes
+    clip, SecAgg+ sums them at weight 1 each, the server noises the mean it unmasks; local
+    DP: the nodes noise too. The global state is the in-process one up to SecAgg+'s
+    quantisation; no reply says whether a client's update fitted within the bound."""
+    settings = {"mode": mode, "noise_multiplier": 0.8, "clip": 0.05}
+    common = {"train.clients_per_round": 4, "train.rounds": 1, "privacy": settings}
+    if mode == "local":
+        common["server.weighting"] = "examples"
+    cfg = tiny_config(output_dir=str(tmp_path / "secure"), **common, **{"deploy.secure_aggregation": True})
+    local_cfg = tiny_config(output_dir=str(tmp_path / "inproc"), **common)
+    grid = deploy(cfg, tmp_path)
+    serve(grid)
+    run(local_cfg)
+    secure = torch.load(cfg.output_dir / "checkpoint.pt", weights_only=True)["server"]["tensors"]
+    plain = torch.load(local_cfg.output_dir / "checkpoint.pt", weights_only=True)["server"]["tensors"]
+    for name, value in plain.items():
+        torch.testing.assert_close(secure[name], value, atol=1e-5, rtol=0)
+    a, b = read_records(local_cfg.output_dir), read_records(cfg.output_dir)
+    assert b[0]["secure_aggregation"] and b[0]["clients_returned"] == [0, 1, 2, 3]
+    assert b[0]["privacy"]["epsilon"] == pytest.approx(a[0]["privacy"]["epsilon"])
+    assert "clipped" not in b[0]["privacy"]
+    assert b[0]["loss"] == pytest.approx(a[0]["loss"], rel=1e-6)  # weighed by examples, as in-process
+    assert not any("fitted" in dict(m.content.get("fit", {})) for m in grid.replies)
+
+
+def test_adaptive_clipping_is_refused_with_secure_aggregation(tiny_config):
+    with pytest.raises(ConfigError, match="privacy.adaptive_clip: each client's report"):
+        build(
+            tiny_config(
+                **{
+                    "deploy.secure_aggregation": True,
+                    "privacy": {"mode": "user", "noise_multiplier": 1.0, "adaptive_clip": True},
+                }
+            )
+        )

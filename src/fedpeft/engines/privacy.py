@@ -87,10 +87,10 @@ def check_composes(cfg: ExperimentConfig, method: Method) -> None:
             "privacy.mode: train.correction scaffold sends each client's control update beside its "
             "model update, and only the model update is clipped and noised; use one or the other"
         )
-    if cfg.deploy.secure_aggregation:
+    if cfg.deploy.secure_aggregation and p.adaptive_clip:
         raise ConfigError(
-            f"privacy.mode {p.mode}: not yet with deploy.secure_aggregation (the server's noise would go on "
-            "SecAgg+'s sum, which is not built)"
+            "privacy.adaptive_clip: each client's report (within the bound or not) would reach the server in "
+            "the clear beside SecAgg+'s masked sum; use a fixed privacy.clip with deploy.secure_aggregation"
         )
 
 
@@ -310,17 +310,19 @@ def server_side(
     per_round: int,
     sigma: float,
     seed: int,
+    count: int | None = None,
 ) -> tuple[list[FitResult], dict, float | None]:
     """``user`` mode's server: the results restated so that the method's plain mean of them
     (weights 1) is ``x + (sum of updates + N(0, (sigma_u C)^2)) / S``, each update taken
     from ``references`` (what each client received: ``x``); the round's record; and the
-    next round's clip bound under adaptive clipping (else None). ``seed``: the round's."""
+    next round's clip bound under adaptive clipping (else None). ``seed``: the round's;
+    ``count``: the clients behind the results (SecAgg+ returns one result, their mean)."""
     record = {"clip": clip, "clipped": sum(not f for f in fitted)}
     if p.mode != "user":
         return results, record, None
     sigma_u = update_noise_multiplier(p, sigma, per_round)
     noise = gaussian(results[0].uplink, sigma_u * clip, seed, SERVER_STREAM) if sigma_u > 0 else None
-    scale = len(results) / per_round  # 1 unless clients dropped out: the denominator stays S
+    scale = (count or len(results)) / per_round  # 1 unless clients dropped out: the denominator stays S
     restated = []
     for r, x in zip(results, references, strict=True):
         uplink = r.uplink

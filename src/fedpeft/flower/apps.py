@@ -160,15 +160,22 @@ def roll_call(msg: Message, context: Context) -> Message:
 def _secure_train(msg: Message, context: Context) -> Message:
     """The training stage of SecAgg+: legacy fit instructions in, a legacy fit result out
     (which ``secaggplus_mod`` then quantises, masks and sends)."""
-    received, join, rnd = secure.read_instructions(compat.recorddict_to_fitins(msg.content, keep_input=True))
+    ins = compat.recorddict_to_fitins(msg.content, keep_input=True)
+    received, join, rnd, clip = secure.read_instructions(ins)
     node = node_of(context)
     if join is not None and not node.joined:
         node.join(join)
     t0 = time.perf_counter()
-    result, _ = node.fit(received, rnd)  # SecAgg+ takes no compressed uplink (the config refuses it)
+    # SecAgg+ takes no compressed uplink (the config refuses it): ``sent`` is the update's
+    # values, clipped (and, local mode, noised) under privacy.mode
+    result, sent = node.fit(received, rnd, None, clip)
     metrics = {**result.metrics, "time_fit": time.perf_counter() - t0}
+    metrics.pop("fitted", None)  # metrics travel in the clear: nothing of the update's norm
     metrics |= {f"readout.{k}": v for k, v in node.method.readout(result).items()}
-    fitres = secure.fit_reply(result, metrics)
+    user_dp = node.cfg.privacy.mode == "user"  # uniform weights: one client moves the sum by C at most
+    if user_dp:  # its size in the clear, as SecAgg+ sends a weight: the round's loss is weighed by it
+        metrics["num_examples"] = result.num_examples
+    fitres = secure.fit_reply(sent, 1 if user_dp else result.num_examples, metrics)
     return Message(compat.fitres_to_recorddict(fitres, keep_input=True), reply_to=msg)
 
 

@@ -139,23 +139,28 @@ def secure_round(
 
 
 # ---------------------------------------------------------------- node side
-def fit_instructions(received: Tensors, join: Tensors | None, rnd: int) -> FitIns:
+def fit_instructions(received: Tensors, join: Tensors | None, rnd: int, clip: float | None = None) -> FitIns:
     arrays, names = pack(received)
-    config = {"round": rnd, "names": names, "join": ""}
+    config = {"round": rnd, "names": names, "join": "", **({"clip": clip} if clip is not None else {})}
     if join:
         join_arrays, config["join"] = pack(join)
         arrays += join_arrays
     return FitIns(ndarrays_to_parameters(arrays), config)
 
 
-def read_instructions(ins: FitIns) -> tuple[Tensors, Tensors | None, int]:
+def read_instructions(ins: FitIns) -> tuple[Tensors, Tensors | None, int, float | None]:
+    """What :func:`fit_instructions` packed: the downlink, the join message, the round and
+    the round's clip bound (``privacy.mode``; None without)."""
     arrays = parameters_to_ndarrays(ins.parameters)
     n = len(json.loads(ins.config["names"]))
     received = unpack(arrays[:n], str(ins.config["names"]))
     join = unpack(arrays[n:], str(ins.config["join"])) if ins.config["join"] else None
-    return received, join, int(ins.config["round"])
+    clip = float(ins.config["clip"]) if "clip" in ins.config else None
+    return received, join, int(ins.config["round"]), clip
 
 
-def fit_reply(result: FitResult, metrics: dict[str, float]) -> FitRes:
-    arrays, _ = pack(result.uplink)
-    return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), result.num_examples, metrics)
+def fit_reply(uplink: Tensors, weight: int, metrics: dict[str, float]) -> FitRes:
+    """The legacy fit result SecAgg+ masks: ``uplink`` (what the client sends), its weight
+    in the mean (its examples; 1 each under user-level DP) and its metrics (in the clear)."""
+    arrays, _ = pack(uplink)
+    return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), weight, metrics)

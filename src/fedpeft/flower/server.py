@@ -97,7 +97,7 @@ class FlowerServer:
         # differential privacy (privacy.*): the nodes clip (and, local mode, noise); the server
         # adds its noise to the sum (user mode) and keeps the accountant
         self.dp = privacy.accountant_for(setup.cfg)
-        self._clip, self._sent = float("inf"), {}
+        self._clip, self._sent, self._secure_count = float("inf"), {}, 0
         self.cfg = setup.cfg
         self.deploy: DeployConfig = setup.cfg.deploy
         self.checkpoints, self.fingerprint = checkpoints, fingerprint
@@ -245,11 +245,11 @@ class FlowerServer:
             else None
         )
         sampled = sample_clients(self.cfg.seed, rnd, list(peers), train.clients_per_round, rate)
+        self._clip, self._sent = privacy.current_clip(self.cfg.privacy, server), {}
         if self.deploy.secure_aggregation:
             return self.fit_round_secure(server, rnd, peers, sampled)
         messages, payload_down, held = [], 0, {}
         control = scaffold.server_control(server, self.method) if scaffold.enabled(self.method) else {}
-        self._clip, self._sent = privacy.current_clip(self.cfg.privacy, server), {}
         config = {"round": rnd, **({"clip": self._clip} if self.dp is not None else {})}
         for cid in sampled:
             records, payload, held[cid] = self.downlink_records(server, cid, peers[cid], train=True)
@@ -320,12 +320,15 @@ class FlowerServer:
     ) -> tuple[list[FitResult], dict]:
         """The round's training through SecAgg+: one result, the unmasked mean update."""
         instructions, payload_down = {}, 0
+        clip = self._clip if self.dp is not None else None
         for cid in sampled:
             received = self.method.downlink(server, cid)
             join = None if peers[cid].joined else (self.method.join_message(server) or None)
-            instructions[peers[cid].node_id] = (cid, secure.fit_instructions(received, join, rnd))
+            instructions[peers[cid].node_id] = (cid, secure.fit_instructions(received, join, rnd, clip))
             payload_down += tensor_bytes(received) + (tensor_bytes(join) if join else 0)
-        max_weight = max(max(peers[c].num_examples for c in sampled), 1)
+            self._sent[cid] = (received, True)  # what the mean is an update of
+        uniform = self.dp is not None and self.dp.mode == "user"  # user-level DP: weights 1
+        max_weight = 1 if uniform else max(max(peers[c].num_examples for c in sampled), 1)
         outcome, counted = secure.secure_round(
             self.grid,
             self.context,
@@ -342,12 +345,15 @@ class FlowerServer:
         for cid, why in dropped.items():
             self.log(f"round {rnd}: client {cid} dropped ({why})")
         results = [outcome.result] if outcome.result is not None else []
+        self._secure_count = len(returned)
+        for result in results:  # the mean stands for its clients: its update is of what they received
+            result.cid = returned[0]
         per_client = outcome.metrics
         readouts = {
             str(cid): {k.removeprefix("readout."): v for k, v in m.items() if k.startswith("readout.")}
             for cid, m in zip(returned, per_client, strict=True)
         }
-        names = sorted({k for m in per_client for k in m} - {"loss", "time_fit"})
+        names = sorted({k for m in per_client for k in m} - {"loss", "time_fit", "num_examples"})
         names = [n for n in names if not n.startswith("readout.")]
         return results, {
             "clients": sampled,
@@ -357,7 +363,13 @@ class FlowerServer:
             "secure_aggregation": True,
             # weighted by examples, as a plain round and the in-process engine weigh it
             "loss": float(
-                np.average([m.get("loss", np.nan) for m in per_client], weights=outcome.num_examples)
+                np.average(
+                    [m.get("loss", np.nan) for m in per_client],
+                    weights=[
+                        m.get("num_examples", w)
+                        for m, w in zip(per_client, outcome.num_examples, strict=True)
+                    ],
+                )
             )
             if per_client
             else float("nan"),
@@ -420,10 +432,20 @@ class FlowerServer:
         references = [self._sent[r.cid][0] for r in results]
         fitted = [self._sent[r.cid][1] for r in results]
         seed = derive_seed(self.cfg.seed, rnd, privacy.SERVER_STREAM)
+        secure = self.deploy.secure_aggregation  # one result: the mean of self._secure_count clients
+        count = self._secure_count if secure else None
         results, noted, next_clip = privacy.server_side(
-            self.cfg.privacy, results, references, fitted, self._clip, self.dp.per_round, self.dp.sigma, seed
+            self.cfg.privacy,
+            results,
+            references,
+            fitted,
+            self._clip,
+            self.dp.per_round,
+            self.dp.sigma,
+            seed,
+            count,
         )
-        if self.dp.mode == "local":  # the nodes say nothing of their bound: no count to record
+        if self.dp.mode == "local" or secure:  # the nodes say nothing of their bound: no count
             noted.pop("clipped")
         return results, {"noise_multiplier": self.dp.sigma, **noted}, next_clip
 
