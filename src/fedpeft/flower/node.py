@@ -289,9 +289,9 @@ class Node:
         part of its personal state). Returns the result and its uplink as it is sent:
         clipped to ``clip`` and, in local mode, noised (``privacy.mode``), then encoded by
         ``comm.uplink`` (the update from ``received``, plus the residual this client kept;
-        the result's own uplink stays the trained tensors). In user mode the result's
-        metrics say whether the update fitted within the bound (``fitted``: adaptive
-        clipping's report, to a server that user-level DP trusts)."""
+        the result's own uplink stays the trained tensors). Under adaptive clipping the
+        result's metrics say whether the update fitted within the bound (``fitted``: the
+        report the server counts with noise; user-level DP trusts the server)."""
         seed = derive_seed(self.cfg.seed, rnd, self.cid)
         torch.manual_seed(seed)
         personal, residual = self.kept_before(rnd)
@@ -311,7 +311,7 @@ class Node:
                 self.cfg.privacy, uplink, received, clip, dp.sigma, seed, self.method.name
             )
             uplink = out.uplink
-            if dp.mode == "user":
+            if self.cfg.privacy.adaptive_clip:  # the report adaptive clipping counts (user mode)
                 result.metrics["fitted"] = float(out.fitted)
         sent = compress.send_update(
             uplink, received, residual, self.cfg.comm.uplink, compress.message_seed(seed)

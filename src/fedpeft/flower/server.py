@@ -445,7 +445,7 @@ class FlowerServer:
             seed,
             count,
         )
-        if self.dp.mode == "local" or secure:  # the nodes say nothing of their bound: no count
+        if not self.cfg.privacy.adaptive_clip or secure:  # the nodes say nothing of their bound
             noted.pop("clipped")
         return results, {"noise_multiplier": self.dp.sigma, **noted}, next_clip
 
