@@ -297,6 +297,16 @@ class TrainConfig(BaseModel):
     )
     batch_size: int = Field(32, ge=1)
     lr: float = Field(5e-4, gt=0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = Field(
+        "constant",
+        description="The clients' rate across rounds: constant (train.lr every round); cosine or linear: "
+        "after train.warmup_rounds rising to train.lr, from train.lr in the first round after them down "
+        "to train.lr_min in the last (the round's rate goes with its training message).",
+    )
+    warmup_rounds: int = Field(
+        0, ge=0, description="Rounds whose rate rises linearly to train.lr (round k: lr k/W)."
+    )
+    lr_min: float = Field(0.0, ge=0, description="cosine, linear: the rate of the last round.")
     weight_decay: float = Field(0.0, ge=0)
     optimizer: Literal["adamw", "sgd"] = "adamw"
     optimizer_state: Literal["reset", "keep"] = Field(

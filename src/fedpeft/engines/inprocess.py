@@ -26,7 +26,7 @@ import torch
 
 from fedpeft.config import CommConfig, FaultsConfig, PrivacyConfig, ServerConfig
 from fedpeft.data.task import Encoded, make_batch
-from fedpeft.engines import compress, guard, privacy, scaffold
+from fedpeft.engines import compress, guard, privacy, scaffold, schedule
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
 from fedpeft.engines.faults import corrupt
 from fedpeft.engines.memory import check_memory, measure_peak_cuda, probe_copy
@@ -152,7 +152,8 @@ class InProcessEngine:
         # train.on_corrupt_state: a stored personal state that cannot be read stops the run
         # (StoreError) or is reset to the method's initial one ("reset"), recorded per round
         self.on_corrupt_state, self.resets = on_corrupt_state, {}
-        self.lr = lr  # named when a round diverges
+        self.lr = lr  # named when a round diverges (the round's, under train.lr_schedule)
+        self.base_train = method.train  # train.lr_schedule: each round's rate is set from it
         self.memory_check = memory_check  # train.memory_check: probe the peak before training
         self.server_cfg = server or ServerConfig()  # the server's step after the method aggregates
         # simulated faulty clients (faults.*): whose uplinks a model attack corrupts
@@ -509,7 +510,11 @@ class InProcessEngine:
             user_or_local = self.privacy.mode in ("user", "local")
             spent = privacy.check_budget(self.privacy, self.dp, rnd) if user_or_local else None
             t0 = time.perf_counter()
+            self.method.train = schedule.for_round(self.base_train, rnd)  # the round's rate
+            self.lr = self.method.train.lr
             results, record = self.fit_round(server, rnd)
+            if schedule.scheduled(self.base_train):
+                record["lr"] = self.lr
             t1 = time.perf_counter()
             previous, next_clip = server, None
             if user_or_local and results:  # the server's noise, before the method aggregates

@@ -282,7 +282,12 @@ class Node:
         self._save("join", message)
 
     def fit(
-        self, received: Tensors, rnd: int, control: Tensors | None = None, clip: float | None = None
+        self,
+        received: Tensors,
+        rnd: int,
+        control: Tensors | None = None,
+        clip: float | None = None,
+        lr: float | None = None,
     ) -> tuple[FitResult, Tensors]:
         """Local round ``rnd``, seeded exactly as the in-process engine seeds it (``control``:
         SCAFFOLD's server control, when the run corrects drift; the client's own control is
@@ -291,9 +296,11 @@ class Node:
         ``comm.uplink`` (the update from ``received``, plus the residual this client kept;
         the result's own uplink stays the trained tensors). Under adaptive clipping the
         result's metrics say whether the update fitted within the bound (``fitted``: the
-        report the server counts with noise; user-level DP trusts the server)."""
+        report the server counts with noise; user-level DP trusts the server). ``lr``: the
+        round's rate (``train.lr_schedule``; None: ``train.lr``)."""
         seed = derive_seed(self.cfg.seed, rnd, self.cid)
         torch.manual_seed(seed)
+        self.method.train = self.cfg.train if lr is None else self.cfg.train.model_copy(update={"lr": lr})
         personal, residual = self.kept_before(rnd)
         if personal is None:
             personal = self.method.init_client(self.model, self.initial, self.client)

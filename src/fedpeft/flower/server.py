@@ -33,7 +33,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedpeft.config import DeployConfig
-from fedpeft.engines import compress, guard, privacy, scaffold
+from fedpeft.engines import compress, guard, privacy, scaffold, schedule
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
 from fedpeft.engines.inprocess import close_record, sample_clients
 from fedpeft.engines.server_opt import as_weighted, server_step
@@ -251,6 +251,8 @@ class FlowerServer:
         messages, payload_down, held = [], 0, {}
         control = scaffold.server_control(server, self.method) if scaffold.enabled(self.method) else {}
         config = {"round": rnd, **({"clip": self._clip} if self.dp is not None else {})}
+        if schedule.scheduled(train):  # train.lr_schedule: the round's rate goes with its message
+            config["lr"] = schedule.round_lr(train, rnd)
         for cid in sampled:
             records, payload, held[cid] = self.downlink_records(server, cid, peers[cid], train=True)
             records["config"] = ConfigRecord(config)
@@ -321,10 +323,12 @@ class FlowerServer:
         """The round's training through SecAgg+: one result, the unmasked mean update."""
         instructions, payload_down = {}, 0
         clip = self._clip if self.dp is not None else None
+        train = self.cfg.train
+        lr = schedule.round_lr(train, rnd) if schedule.scheduled(train) else None
         for cid in sampled:
             received = self.method.downlink(server, cid)
             join = None if peers[cid].joined else (self.method.join_message(server) or None)
-            instructions[peers[cid].node_id] = (cid, secure.fit_instructions(received, join, rnd, clip))
+            instructions[peers[cid].node_id] = (cid, secure.fit_instructions(received, join, rnd, clip, lr))
             payload_down += tensor_bytes(received) + (tensor_bytes(join) if join else 0)
             self._sent[cid] = (received, True)  # what the mean is an update of
         uniform = self.dp is not None and self.dp.mode == "user"  # user-level DP: weights 1
