@@ -24,15 +24,46 @@ class LoraSpec(BaseModel):
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch input.")
     target_modules: list[str] = Field(
         default_factory=lambda: ["query", "value"],
-        description="Module names to adapt (query/value as in the papers; q_proj/v_proj for Llama).",
+        description="Module names to adapt; [query, value] (the papers'): the attention's query and "
+        "value projections in every known family (q_proj/v_proj, Phi-3's qkv_proj, ...); [all-linear]: "
+        "every linear layer.",
     )
 
 
-def default_targets(model_type: str, targets: list[str]) -> list[str]:
-    """Map the papers' query/value names onto a decoder's q_proj/v_proj when needed."""
-    if model_type in ("llama", "mistral", "qwen2") and targets == ["query", "value"]:
-        return ["q_proj", "v_proj"]
-    return targets
+#: The attention's query and value projections (the papers' ``query``/``value``) in each
+#: family fedpeft has checked (tests/test_decoder_families.py builds a tiny one of each);
+#: a fused projection (Phi-3's ``qkv_proj``, GPT-2's ``c_attn``) is adapted whole.
+QUERY_VALUE = {
+    **dict.fromkeys(
+        ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi"),
+        ["q_proj", "v_proj"],
+    ),
+    "phi3": ["qkv_proj"],
+    "gpt2": ["c_attn"],
+    "distilbert": ["q_lin", "v_lin"],
+    **dict.fromkeys(("bert", "roberta", "xlm-roberta", "electra"), ["query", "value"]),
+}
+
+
+def default_targets(model_type: str, targets: list[str]) -> list[str] | str:
+    """The modules to adapt: ``["query", "value"]`` (the default, the papers' choice) names
+    the attention's query and value projections, whatever a family calls them
+    (:data:`QUERY_VALUE`, else HF PEFT's own table of default targets); ``["all-linear"]``
+    every linear layer but the output head (PEFT's ``all-linear``); other names as given."""
+    if targets == ["all-linear"]:
+        return "all-linear"
+    if targets != ["query", "value"]:
+        return targets
+    if model_type in QUERY_VALUE:
+        return QUERY_VALUE[model_type]
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+    if model_type in PEFT_DEFAULTS:
+        return list(PEFT_DEFAULTS[model_type])
+    raise ValueError(
+        f"method.lora.target_modules: which modules of a {model_type!r} model are its query and value is "
+        "not known here; name them (e.g. [q_proj, v_proj]) or use [all-linear]"
+    )
 
 
 def add_lora(backbone: nn.Module, spec: LoraSpec) -> nn.Module:
