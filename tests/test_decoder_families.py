@@ -102,3 +102,24 @@ def test_each_family_trains_and_only_its_adapters_move(family_dirs, tiny_config,
     for name, p in setup.model.named_parameters():
         if name in frozen:
             assert torch.equal(p.detach(), frozen[name]), name  # the base never moves
+
+
+def test_a_hub_id_goes_to_from_pretrained_as_it_is(tiny_config, monkeypatch):
+    """``model.backbone: Qwen/Qwen2.5-0.5B-Instruct``: the id reaches transformers' own
+    ``from_pretrained`` unchanged (the download, not possible here, is all that is left),
+    and its failure is an error naming the backbone."""
+    import transformers
+
+    from fedpeft.models.backbone import BackboneError, load_backbone
+
+    asked = []
+
+    def offline(source, *args, **kwargs):
+        asked.append(source)
+        raise OSError("no network here")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
+    cfg = tiny_config(**{"model.backbone": "Qwen/Qwen2.5-0.5B-Instruct", "data.task": "causal_lm"})
+    with pytest.raises(BackboneError, match=r"model.backbone 'Qwen/Qwen2.5-0.5B-Instruct': cannot load"):
+        load_backbone(cfg.model, lm_head=True)
+    assert asked == ["Qwen/Qwen2.5-0.5B-Instruct"]
