@@ -262,6 +262,13 @@ class ModelConfig(BaseModel):
         "mean", description="How token states become one vector for the head."
     )
     dtype: Literal["float32", "bfloat16"] = "float32"
+    quantization: Literal["none", "int8", "nf4"] = Field(
+        "none",
+        description="The frozen backbone's weights through bitsandbytes: int8 (LLM.int8) or nf4 (4-bit "
+        "NormalFloat, QLoRA's), on CPU and GPU; adapters and optimizer state stay float32. A GGUF "
+        "backbone is dequantised to a safetensors copy once (under the venv's share/fedpeft/gguf), then "
+        "quantised on load.",
+    )
     dropout: float | None = Field(
         0.0,
         ge=0,
@@ -722,6 +729,11 @@ class ExperimentConfig(BaseModel):
                 f"comm.uplink {self.comm.uplink.codec}: deploy.secure_aggregation quantises and masks "
                 "the update itself (SecAgg+ sums integers); a compressed update's codes cannot be summed. "
                 "Use one or the other"
+            )
+        if self.privacy.mode == "sample" and self.model.quantization != "none":
+            raise ValueError(
+                f"privacy.mode sample: per-example gradients are a vmap over the rows, which "
+                f"model.quantization {self.model.quantization}'s kernels cannot run under; use user or local"
             )
         if self.privacy.mode == "sample" and self.data.task == "causal_lm":
             raise ValueError(

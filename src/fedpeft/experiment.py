@@ -165,7 +165,8 @@ def build(cfg: ExperimentConfig, model: TaskModel | None = None, tokenizer=None)
     split = make_split(cfg, corpus)
     if model is None:
         outputs = len(corpus.tag_names) if corpus.tag_names is not None else corpus.num_classes  # QA: unused
-        model, tokenizer = build_model(cfg.model, outputs, cfg.seed, cfg.data.task)
+        device = str(resolve_device(cfg.train.device))  # a quantised backbone loads in place
+        model, tokenizer = build_model(cfg.model, outputs, cfg.seed, cfg.data.task, device)
     pool, global_test = encode_corpus(corpus, tokenizer, cfg.data)
     method, initial = attach_method(cfg, model)
     check_composes(cfg, method)
@@ -244,6 +245,21 @@ def pooled_schedule(setup: Setup) -> tuple[list[ClientData], int]:
     return [pooled], steps
 
 
+def cohort_size(cfg: ExperimentConfig) -> int | None:
+    """``train.cohort_size`` as the engine takes it (None: probe the device). A quantised
+    backbone trains one client at a time: bitsandbytes' kernels have no ``vmap`` rule, and
+    a cohort of one runs without ``vmap``."""
+    size = cfg.train.cohort_size
+    if cfg.model.quantization == "none":
+        return None if size == "auto" else size
+    if size not in ("auto", 1):
+        raise ConfigError(
+            f"train.cohort_size {size}: model.quantization {cfg.model.quantization} trains one client at a "
+            "time (bitsandbytes' kernels cannot be vmapped over a cohort); use cohort_size 1 or auto"
+        )
+    return 1
+
+
 def make_engine(
     setup: Setup, on_round: Callable[[dict], None] | None, say: Callable[[str], None] | None = None
 ) -> InProcessEngine:
@@ -269,7 +285,7 @@ def make_engine(
         eval_every=cfg.eval.every,
         eval_local=cfg.eval.local,
         eval_batch_size=cfg.eval.batch_size,
-        cohort_size=None if cfg.train.cohort_size == "auto" else cfg.train.cohort_size,
+        cohort_size=cohort_size(cfg),
         per_client_scores=cfg.data.silos is not None,
         drift_probe=cfg.eval.drift_probe if cfg.eval.drift else 0,
         poisson=cfg.train.client_sampling == "poisson",
@@ -345,6 +361,8 @@ def export(
     shutil.rmtree(target, ignore_errors=True)  # never leave a previous run's adapter behind
     method, exported, cfg = setup.method, {}, setup.cfg
     info: dict = {"task": cfg.data.task, "backbone": cfg.model.backbone, "method": method.name}
+    if cfg.model.quantization != "none":  # the base it loads onto is quantised the same way
+        info["quantization"] = cfg.model.quantization
     if cfg.data.task == "causal_lm":
         info["gguf_file"] = resolve_backbone(cfg.model)[1]
         info["system_prompt"] = cfg.data.system_prompt

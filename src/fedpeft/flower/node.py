@@ -34,6 +34,7 @@ from fedpeft.experiment import attach_method, fingerprint, make_split, place
 from fedpeft.methods.base import ClientData, FitResult, Job, Method, Tensors, load_tensors
 from fedpeft.metrics.scorers import Scorer, SpanScorer, scorer_for
 from fedpeft.models.backbone import TaskModel, build_model, load_tokenizer
+from fedpeft.models.device import resolve_device
 
 KEEP_SNAPSHOTS = 2
 
@@ -142,7 +143,8 @@ class Node:
         if self._learner is None:
             tags = self.scoring.get("tag_names")  # NER: one output per tag, as in-process
             outputs = len(tags) if tags is not None else len(self.class_names)
-            model, _ = build_model(self.cfg.model, outputs, self.cfg.seed, self.cfg.data.task)
+            device = str(resolve_device(self.cfg.train.device))  # a quantised backbone loads in place
+            model, _ = build_model(self.cfg.model, outputs, self.cfg.seed, self.cfg.data.task, device)
             method, initial = attach_method(self.cfg, model)
             device = place(model, self.cfg.train)
             self.client = ClientData(self.cid, self.client.train.to(device), self.client.test.to(device))

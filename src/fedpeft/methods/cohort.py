@@ -229,7 +229,16 @@ def first_order_grad(
     differentiates further (a local step's). ``torch.func.grad`` records its backward pass
     for higher derivatives and holds the forward pass's saved tensors until it returns,
     which doubles a step's memory; here the backward pass records nothing and frees them
-    as it goes (``vjp``'s ``retain_graph``, ``create_graph`` False). Works under ``vmap``."""
+    as it goes (``vjp``'s ``retain_graph``, ``create_graph`` False). Works under ``vmap``.
+    Outside any functorch transform (a cohort of one) it is plain autograd, the same
+    gradient, through which kernels that have no functorch rule (bitsandbytes' quantised
+    matmuls) run too."""
+    if torch._C._functorch.maybe_current_level() is None:
+        leaves = {n: t.detach().requires_grad_(True) for n, t in params.items()}
+        value, aux = objective(leaves)
+        grads = torch.autograd.grad(value, list(leaves.values()), allow_unused=True)
+        pairs = zip(leaves.items(), grads, strict=True)
+        return {n: torch.zeros_like(t) if g is None else g for (n, t), g in pairs}, aux
     value, pullback, aux = vjp(objective, params, has_aux=True)
     (grads,) = pullback(torch.ones_like(value), retain_graph=False, create_graph=False)
     return grads, aux

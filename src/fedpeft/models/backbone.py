@@ -65,14 +65,55 @@ def load_tokenizer(cfg: ModelConfig):
     return tokenizer
 
 
-def load_backbone(cfg: ModelConfig, lm_head: bool = False) -> tuple[nn.Module, object]:
+def quantization_config(cfg: ModelConfig):
+    """``model.quantization`` as transformers' ``BitsAndBytesConfig`` (4-bit NF4 computing
+    in ``model.dtype``, or LLM.int8)."""
+    from transformers import BitsAndBytesConfig
+
+    if cfg.quantization == "nf4":
+        return BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=getattr(torch, cfg.dtype)
+        )
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def dequantised_gguf(source: str, gguf: str) -> Path:
+    """A GGUF backbone as a safetensors checkpoint: transformers dequantises a GGUF file on
+    load and will not quantise it again with bitsandbytes, so it is dequantised once into
+    ``<venv>/share/fedpeft/gguf/<file stem>`` (written whole, then moved into place)."""
+    import shutil
+    import sys
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = Path(sys.prefix) / "share" / "fedpeft" / "gguf" / Path(gguf).stem
+    if not (target / "config.json").is_file():
+        partial = target.with_name(target.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf, dtype=torch.float32).save_pretrained(
+            partial
+        )
+        AutoTokenizer.from_pretrained(source, gguf_file=gguf).save_pretrained(partial)
+        shutil.rmtree(target, ignore_errors=True)
+        partial.rename(target)
+    return target
+
+
+def load_backbone(
+    cfg: ModelConfig, lm_head: bool = False, device: str | None = None
+) -> tuple[nn.Module, object]:
     """The pretrained model body (no head), or with ``lm_head`` the whole causal LM, and
-    its tokenizer."""
+    its tokenizer. A quantised backbone (``model.quantization``) is loaded onto ``device``
+    (bitsandbytes quantises as it places the weights)."""
     from transformers import AutoModel, AutoModelForCausalLM
 
     tokenizer = load_tokenizer(cfg)
     source, gguf = resolve_backbone(cfg)
     kwargs = {"gguf_file": gguf} if gguf else {}
+    if cfg.quantization != "none":
+        if gguf:
+            source, kwargs = str(dequantised_gguf(source, gguf)), {}
+        kwargs |= {"quantization_config": quantization_config(cfg), "device_map": {"": device or "cpu"}}
     auto = AutoModelForCausalLM if lm_head else AutoModel
     try:
         body = auto.from_pretrained(source, dtype=getattr(torch, cfg.dtype), **kwargs)
@@ -220,23 +261,24 @@ def attends_causally(backbone: nn.Module) -> bool:
 
 
 def build_model(
-    cfg: ModelConfig, num_labels: int, seed: int, task: str = "classification"
+    cfg: ModelConfig, num_labels: int, seed: int, task: str = "classification", device: str | None = None
 ) -> tuple[nn.Module, object]:
     """The task model and its tokenizer: for classification the backbone with a seeded
     head (:class:`TaskModel`; :class:`TokenClassifier` for ``token_classification``, with
     ``num_labels`` tags); for ``causal_lm`` the decoder with its own LM head
-    (:class:`fedpeft.models.causal.CausalLM`), which must attend causally."""
+    (:class:`fedpeft.models.causal.CausalLM`), which must attend causally. ``device``: where
+    a quantised backbone is loaded (``model.quantization``; others load on the CPU and move)."""
     if task == "causal_lm":
         from fedpeft.models.causal import CausalLM
 
-        lm, tokenizer = load_backbone(cfg, lm_head=True)
+        lm, tokenizer = load_backbone(cfg, lm_head=True, device=device)
         if not attends_causally(lm):
             raise BackboneError(
                 f"model.backbone {cfg.backbone!r} is not a decoder (it attends both ways): "
                 "data.task causal_lm needs a causal LM"
             )
         return CausalLM(lm), tokenizer
-    body, tokenizer = load_backbone(cfg)
+    body, tokenizer = load_backbone(cfg, device=device)
     torch.manual_seed(seed)
     if task in ("token_classification", "extractive_qa") and not getattr(tokenizer, "is_fast", False):
         raise BackboneError(

@@ -1,0 +1,83 @@
+"""Quantised frozen backbones (issue 36, item 1): bitsandbytes' NF4 and int8 on the CPU,
+a tiny random decoder. The adapters train while the quantised base stays as it was, a
+cohort trains one client at a time, and the exported adapter loads onto a base quantised
+the same way, with HF PEFT as with fedpeft."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fedpeft.config import ConfigError
+from fedpeft.experiment import build, make_engine, run
+from tests.test_causal_lm import lm_config
+
+
+def quantised(model) -> dict[str, torch.Tensor]:
+    """The quantised weights (bitsandbytes stores them as integer tensors), by name."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_floating_point()}
+
+
+@pytest.mark.parametrize("quantization, layer", [("nf4", "Linear4bit"), ("int8", "Linear8bitLt")])
+def test_a_quantised_base_stays_while_its_adapters_train(
+    tiny_config, tiny_decoder, tmp_path, quantization, layer
+):
+    cfg = lm_config(tiny_config, tiny_decoder, **{"model.quantization": quantization, "train.rounds": 2})
+    setup = build(cfg)
+    linears = {type(m).__name__ for m in setup.model.modules()}
+    assert layer in linears
+    base = quantised(setup.model)
+    assert base  # the projections' weights are stored quantised
+    initial = dict(setup.initial)
+    run(cfg, setup=setup)
+    trained = torch.load(cfg.output_dir / "checkpoint.pt", weights_only=True)["server"]["tensors"]
+    assert any("lora_B" in n and not torch.equal(t, initial[n]) for n, t in trained.items())
+    after = quantised(setup.model)
+    assert after.keys() == base.keys() and all(torch.equal(after[n], base[n]) for n in base)
+    assert all(p.dtype == torch.float32 for n, p in setup.model.named_parameters() if p.requires_grad)
+    info = json.loads((cfg.output_dir / "adapter" / "fedpeft_model.json").read_text())
+    assert info["quantization"] == quantization
+
+
+def test_the_exported_adapter_loads_onto_a_base_quantised_the_same_way(tiny_config, tiny_decoder):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    import fedpeft
+    from fedpeft.models.backbone import quantization_config
+
+    cfg = lm_config(tiny_config, tiny_decoder, **{"model.quantization": "nf4", "train.rounds": 1})
+    run(cfg)
+    adapter = cfg.output_dir / "adapter"
+    base = AutoModelForCausalLM.from_pretrained(
+        str(tiny_decoder), quantization_config=quantization_config(cfg.model), device_map={"": "cpu"}
+    )
+    peft_model = PeftModel.from_pretrained(base, str(adapter)).eval()
+    loaded = fedpeft.load_export(adapter)
+    ids = torch.tensor([[5, 17, 99, 1000, 2000, 7]])
+    with torch.no_grad():
+        theirs = peft_model(input_ids=ids).logits
+        ours = loaded.model.backbone(input_ids=ids).logits
+    assert "Linear4bit" in {type(m).__name__ for m in peft_model.modules()}
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    trained = torch.load(cfg.output_dir / "checkpoint.pt", weights_only=True)["server"]["tensors"]
+    lora_b = [n for n in trained if "lora_B" in n]
+    assert lora_b and any(bool(trained[n].abs().sum() > 0) for n in lora_b)
+
+
+def test_a_quantised_base_trains_one_client_at_a_time(tiny_config, tiny_decoder):
+    with pytest.raises(ConfigError, match="train.cohort_size 2: model.quantization nf4 trains one client"):
+        make_engine(
+            build(
+                lm_config(tiny_config, tiny_decoder, **{"model.quantization": "nf4", "train.cohort_size": 2})
+            ),
+            None,
+        )
+    with pytest.raises(ConfigError, match="privacy.mode sample: per-example gradients"):
+        lm_config(
+            tiny_config,
+            tiny_decoder,
+            **{"model.quantization": "int8", "privacy": {"mode": "sample", "noise_multiplier": 1.0}},
+        )
