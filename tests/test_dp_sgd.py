@@ -141,6 +141,7 @@ def test_dp_sgd_is_not_deployed_yet(tiny_config):
         check_deployable(tiny_config(**{"privacy": {"mode": "sample", "noise_multiplier": 1.0}}))
 
 
+@pytest.mark.slow  # two runs, one of them vmapped over clients and rows
 def test_a_clients_dp_sgd_round_does_not_depend_on_its_cohort(tiny_config, tmp_path):
     """Two clients vmapped together (rows vmapped inside) train as each alone does: the
     same batches, noise and clipping, to float rounding."""

@@ -212,7 +212,7 @@ def test_adaptive_clipping_moves_the_bound_and_a_resumed_run_spends_and_clips_th
     "settings",
     [
         {"mode": "user", "noise_multiplier": 0.7, "clip": 0.05, "adaptive_clip": True, "count_noise": 1.0},
-        {"mode": "local", "noise_multiplier": 0.3, "clip": 0.05},
+        pytest.param({"mode": "local", "noise_multiplier": 0.3, "clip": 0.05}, marks=pytest.mark.slow),
     ],
     ids=["user-adaptive", "local"],
 )

@@ -20,7 +20,10 @@ def quantised(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_floating_point()}
 
 
-@pytest.mark.parametrize("quantization, layer", [("nf4", "Linear4bit"), ("int8", "Linear8bitLt")])
+@pytest.mark.parametrize(
+    "quantization, layer",
+    [("nf4", "Linear4bit"), pytest.param("int8", "Linear8bitLt", marks=pytest.mark.slow)],
+)
 def test_a_quantised_base_stays_while_its_adapters_train(
     tiny_config, tiny_decoder, tmp_path, quantization, layer
 ):

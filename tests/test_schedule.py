@@ -85,6 +85,7 @@ def test_each_rounds_clients_train_at_its_rate_and_a_resumed_run_too(tiny_config
     assert all("lr" not in r for r in read_records(plain.output_dir))
 
 
+@pytest.mark.slow  # two runs, one through Flower's apps
 def test_the_flower_path_hands_each_round_its_rate(tiny_config, tmp_path):
     extra = {"train.rounds": 3, "train.lr_schedule": "linear", "train.lr_min": 0.002}
     local = tiny_config(output_dir=str(tmp_path / "inproc"), **extra)
