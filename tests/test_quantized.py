@@ -12,6 +12,7 @@ import torch
 
 from fedpeft.config import ConfigError
 from fedpeft.experiment import build, make_engine, run
+from fedpeft.report.results import read_records
 from tests.test_causal_lm import lm_config
 
 
@@ -84,3 +85,56 @@ def test_a_quantised_base_trains_one_client_at_a_time(tiny_config, tiny_decoder)
             tiny_decoder,
             **{"model.quantization": "int8", "privacy": {"mode": "sample", "noise_multiplier": 1.0}},
         )
+
+
+def test_the_flowertune_recipe_has_flowertunes_settings():
+    from fedpeft.config import load_config
+
+    cfg = load_config("flowertune")
+    assert (cfg.model.backbone, cfg.model.quantization, cfg.data.task) == (
+        "bundled-smollm2",
+        "nf4",
+        "causal_lm",
+    )
+    assert (cfg.partition.num_clients, cfg.train.clients_per_round, cfg.train.local_steps) == (20, 2, 10)
+    assert (cfg.method.lora.r, cfg.method.lora.alpha, cfg.train.lr_schedule) == (32, 64, "cosine")
+
+
+@pytest.mark.slow  # SmolLM2 in 4 bits on the CPU: a minute
+def test_the_flowertune_recipes_adapter_loads_onto_the_4bit_base_with_peft(tmp_path):
+    """The built-in recipe, cut short, on the bundled SmolLM2 in NF4: its global adapter
+    loads with ``PeftModel.from_pretrained`` onto the base quantised the same way and gives
+    ``fedpeft.load_export``'s logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    import fedpeft
+    from fedpeft.config import load_config
+    from fedpeft.models.backbone import (
+        SMOLLM2_GGUF,
+        bundled_smollm2_dir,
+        dequantised_gguf,
+        quantization_config,
+    )
+
+    short = {"output_dir": str(tmp_path / "ft"), "train.rounds": 1, "train.local_steps": 2,
+             "data.max_samples": 200, "data.max_test_samples": 8, "eval.generation.samples": 2,
+             "eval.generation.max_new_tokens": 4}  # fmt: skip
+    cfg = load_config("flowertune", short)
+    run(cfg)
+    base_dir = dequantised_gguf(str(bundled_smollm2_dir()), SMOLLM2_GGUF)
+    base = AutoModelForCausalLM.from_pretrained(
+        str(base_dir), quantization_config=quantization_config(cfg.model), device_map={"": "cpu"}
+    )
+    peft_model = PeftModel.from_pretrained(base, str(cfg.output_dir / "adapter")).eval()
+    loaded = fedpeft.load_export(cfg.output_dir / "adapter")
+    ids = torch.tensor([[1, 200, 3000, 45, 9, 77]])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded.model.backbone(input_ids=ids).logits,
+            peft_model(input_ids=ids).logits,
+            rtol=1e-5,
+            atol=1e-5,
+        )
+    records = read_records(cfg.output_dir)
+    assert records[-1]["cum_bytes"] > 0 and "lr" in records[-1]

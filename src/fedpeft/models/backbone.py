@@ -84,15 +84,22 @@ def dequantised_gguf(source: str, gguf: str) -> Path:
     import shutil
     import sys
 
+    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = Path(sys.prefix) / "share" / "fedpeft" / "gguf" / Path(gguf).stem
     if not (target / "config.json").is_file():
         partial = target.with_name(target.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
-        AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf, dtype=torch.float32).save_pretrained(
-            partial
-        )
+        model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf, dtype=torch.float32)
+        # transformers will not save a model it read from GGUF: the weights (a tied one once)
+        # and the config, less the GGUF quantisation the weights no longer have
+        partial.mkdir(parents=True)
+        save_model(model, str(partial / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(partial)
         AutoTokenizer.from_pretrained(source, gguf_file=gguf).save_pretrained(partial)
         shutil.rmtree(target, ignore_errors=True)
         partial.rename(target)
