@@ -110,7 +110,9 @@ def test_the_accountant_is_the_librarys_rdp_with_replace_one_sampling():
 
 
 @pytest.mark.parametrize(
-    "mode, weighting", [("user", "uniform"), ("local", "examples")], ids=["user", "local"]
+    "mode, weighting",
+    [("user", "uniform"), pytest.param("local", "examples", marks=pytest.mark.slow)],
+    ids=["user", "local"],
 )
 def test_without_noise_and_with_a_clip_no_update_reaches_each_mode_is_the_plain_run(
     tiny_config, tmp_path, mode, weighting
@@ -184,6 +186,7 @@ def test_what_cannot_go_with_a_privacy_mode_is_refused_naming_it(tiny_config, ov
         build(private(**overrides))  # the method checks run where the method is built
 
 
+@pytest.mark.slow  # two runs, one killed and resumed
 def test_adaptive_clipping_moves_the_bound_and_a_resumed_run_spends_and_clips_the_same(tiny_config, tmp_path):
     extra = {
         "train.rounds": 4,

@@ -23,7 +23,10 @@ def quantised(model) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     "quantization, layer",
-    [("nf4", "Linear4bit"), pytest.param("int8", "Linear8bitLt", marks=pytest.mark.slow)],
+    [
+        pytest.param(q, layer, marks=pytest.mark.slow)
+        for q, layer in (("nf4", "Linear4bit"), ("int8", "Linear8bitLt"))
+    ],
 )
 def test_a_quantised_base_stays_while_its_adapters_train(
     tiny_config, tiny_decoder, tmp_path, quantization, layer

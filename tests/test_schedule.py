@@ -38,6 +38,7 @@ def test_the_schedules_by_hand():
     assert rates(rounds=3, lr=1.0, lr_schedule="cosine", warmup_rounds=2) == pytest.approx([0.5, 1.0, 1.0])
 
 
+@pytest.mark.slow  # three runs, one killed and resumed
 def test_each_rounds_clients_train_at_its_rate_and_a_resumed_run_too(tiny_config, tmp_path):
     extra = {
         "train.rounds": 4,
