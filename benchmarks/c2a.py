@@ -41,7 +41,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
-from tuning import LR_GRID, TUNED_DIR, mean_std, read_tuned, run_or_reuse, tune_method, write_tuned
+from tuning import LR_GRID, TUNED_DIR, mean_std, read_tuned, run_all, run_or_reuse, tune_method, write_tuned
 
 from fedpeft.config import ExperimentConfig, load_config
 from fedpeft.report.results import read_records
@@ -199,19 +199,6 @@ def main() -> None:
     print_rounds_to_target(runs, hardest, args.target)
     plot_drift(runs, hardest, args.out / "drift.png")
     print_claim(runs, betas)
-
-
-def run_all(configs: list[ExperimentConfig], jobs: int) -> None:
-    """Every run of ``configs`` finished (or reused), ``jobs`` at a time in worker processes
-    (spawned: each holds its own model; a run directory is only ever written by one)."""
-    configs = list({cfg.output_dir: cfg for cfg in configs}.values())  # the ablation's C2A is the table's
-    if jobs <= 1:
-        for cfg in configs:
-            run_or_reuse(cfg)
-        return
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for done in as_completed([pool.submit(run_or_reuse, cfg) for cfg in configs]):
-            done.result()  # a failed run stops the table, naming its error
 
 
 def tune(names: list[str], args: argparse.Namespace) -> None:

@@ -38,7 +38,7 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-from tuning import LR_GRID, TUNED_DIR, mean_std, read_tuned, run_or_reuse, tune_method, write_tuned
+from tuning import LR_GRID, TUNED_DIR, mean_std, read_tuned, run_all, run_or_reuse, tune_method, write_tuned
 
 from fedpeft.config import ExperimentConfig, load_config
 from fedpeft.methods import REGISTRY
@@ -122,13 +122,15 @@ def table(args, methods: list[str], rows: list[str], seeds: list[int]) -> None:
           "global test accuracy (%) after the last round, mean ± sample std over seeds\n")  # fmt: skip
     print("| Method | Privacy | tuned | Accuracy (%) | epsilon spent | noise multiplier |")
     print("|---|---|---|---|---|---|")
+    outs_of = {(m, r): [args.out / f"{m}-{r}-seed{seed}" for seed in seeds] for m in methods for r in rows}
+    run_all(
+        [config(m, r, seed, out, args, tuned[key(m, r)]) for (m, r), outs in outs_of.items()
+         for seed, out in zip(seeds, outs, strict=True)],
+        args.jobs,
+    )  # fmt: skip
     for method in methods:
         for row in rows:
-            setting, outs = tuned[key(method, row)], []
-            for seed in seeds:
-                out = args.out / f"{method}-{row}-seed{seed}"
-                run_or_reuse(config(method, row, seed, out, args, setting))
-                outs.append(out)
+            setting, outs = tuned[key(method, row)], outs_of[(method, row)]
             accuracy = np.array([read_records(o)[-1]["global"]["accuracy"] for o in outs])
             spent = read_summary(outs[0]).get("privacy", {})
             epsilon = (
@@ -154,6 +156,8 @@ def main() -> None:
     ap.add_argument("--extend", type=int, default=3, help="--tune: grid extensions past an end's best rate")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/privacy"))
     ap.add_argument("--tuned-file", type=Path, default=TUNED_FILE)
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="table runs at once, each in its own process (a GPU's share)")  # fmt: skip
     args = ap.parse_args()
     methods, rows = args.methods.split(","), args.rows.split(",")
     for given, known, what in ((methods, METHODS, "methods"), (rows, ROWS, "rows")):

@@ -43,7 +43,7 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-from tuning import LR_GRID, TUNED_DIR, mean_std, read_tuned, run_or_reuse, tune_method, write_tuned
+from tuning import LR_GRID, TUNED_DIR, mean_std, read_tuned, run_all, run_or_reuse, tune_method, write_tuned
 
 from fedpeft.config import ExperimentConfig, load_config
 from fedpeft.report.results import read_records
@@ -187,7 +187,7 @@ def mb_per_client_round(out: Path) -> float:
 def table_runs(args, methods, splits, rows, seeds) -> dict[tuple[str, str, str], list[Path]]:
     keys = [key(m, s, r) for m in methods for s in splits for r in rows]
     tuned = read_tuned(args.tuned_file, keys)
-    runs = {}
+    runs, configs = {}, []
     for method in methods:
         for split in splits:
             base = tuned[key(method, split, "fedavg")] if "fedavg" in rows else {}
@@ -196,9 +196,10 @@ def table_runs(args, methods, splits, rows, seeds) -> dict[tuple[str, str, str],
                 outs = []
                 for seed in seeds:
                     out = args.out / f"{method}-{split}-{row}-seed{seed}"
-                    run_or_reuse(config(method, split, seed, out, args, train, server))
+                    configs.append(config(method, split, seed, out, args, train, server))
                     outs.append(out)
                 runs[(method, split, row)] = outs
+    run_all(configs, args.jobs)
     return runs
 
 
@@ -242,18 +243,20 @@ def robustness(args, seeds) -> None:
           f"accuracy (%) after the last round, mean ± sample std over seeds {seeds}\n")  # fmt: skip
     print("| Aggregator | " + " | ".join(f"{100 * b / 20:g} % ({b})" for b in BYZANTINE) + " |")
     print("|---|" + "---|" * len(BYZANTINE))
-    for rule, label in AGGREGATORS.items():
+    outs: dict[tuple[str, int], list[Path]] = {}
+    configs = []
+    for rule in AGGREGATORS:
         server = {"aggregation": rule, **({"trim": 0.3} if rule == "trimmed_mean" else {}),
                   **({"byzantine": 3} if "krum" in rule else {})}  # fmt: skip
-        cells = []
         for bad in BYZANTINE:
-            outs = []
             for seed in seeds:
                 out = args.out / f"robust-{rule}-byz{bad}-seed{seed}"
                 faults = {"byzantine_clients": bad, "attack": "sign_flip"} if bad else {}
-                run_or_reuse(config("fedlr", "dirichlet", seed, out, args, train, server, faults=faults))
-                outs.append(out)
-            cells.append(mean_std(final_accuracy(outs), scale=100, digits=1))
+                configs.append(config("fedlr", "dirichlet", seed, out, args, train, server, faults=faults))
+                outs.setdefault((rule, bad), []).append(out)
+    run_all(configs, args.jobs)
+    for rule, label in AGGREGATORS.items():
+        cells = [mean_std(final_accuracy(outs[(rule, bad)]), scale=100, digits=1) for bad in BYZANTINE]
         print(f"| {label} | " + " | ".join(cells) + " |", flush=True)
 
 
@@ -275,6 +278,8 @@ def main() -> None:
     )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/server_opt"))
     ap.add_argument("--tuned-file", type=Path, default=TUNED_FILE)
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="table runs at once, each in its own process (a GPU's share)")  # fmt: skip
     args = ap.parse_args()
     methods, splits, rows = args.methods.split(","), args.splits.split(","), args.rows.split(",")
     for given, known, what in (

@@ -15,7 +15,9 @@ there unless it is told to use the defaults.
 from __future__ import annotations
 
 import json
+import multiprocessing
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import yaml
@@ -130,3 +132,17 @@ def run_or_reuse(cfg: ExperimentConfig) -> dict:
             raise SystemExit(f"{out}: a run made before {why}; remove it (or use another --out) to re-run it")
         return read_summary(out)
     return run(cfg, resume=(out / "checkpoint.pt").is_file())
+
+
+def run_all(configs: list[ExperimentConfig], jobs: int = 1) -> None:
+    """Every run of ``configs`` finished (or reused), ``jobs`` at a time in worker processes
+    (spawned: each holds its own model; on a GPU they share the device). A run directory is
+    only ever written by one: configs naming the same directory run once."""
+    configs = list({cfg.output_dir: cfg for cfg in configs}.values())
+    if jobs <= 1:
+        for cfg in configs:
+            run_or_reuse(cfg)
+        return
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for done in as_completed([pool.submit(run_or_reuse, cfg) for cfg in configs]):
+            done.result()  # a failed run stops the table, naming its error
