@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -221,6 +222,25 @@ def model_scale(model: torch.nn.Module) -> float:
     return LOSS_SCALE if getattr(model, "precision", None) == torch.float16 else 1.0
 
 
+#: Set while a quantised backbone trains (:func:`run_cohort`): gradients by plain autograd.
+PLAIN_AUTOGRAD: ContextVar[bool] = ContextVar("plain_autograd", default=False)
+
+
+def quantised(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds quantised weights (bitsandbytes stores them as integers)."""
+    return any(not p.is_floating_point() for p in model.parameters())
+
+
+@contextmanager
+def plain_autograd(enabled: bool) -> Iterator[None]:
+    """:data:`PLAIN_AUTOGRAD` set to ``enabled`` for the duration."""
+    token = PLAIN_AUTOGRAD.set(enabled)
+    try:
+        yield
+    finally:
+        PLAIN_AUTOGRAD.reset(token)
+
+
 def first_order_grad(
     objective: Callable[[Tensors], tuple[torch.Tensor, torch.Tensor]], params: Tensors
 ) -> tuple[Tensors, torch.Tensor]:
@@ -230,10 +250,10 @@ def first_order_grad(
     for higher derivatives and holds the forward pass's saved tensors until it returns,
     which doubles a step's memory; here the backward pass records nothing and frees them
     as it goes (``vjp``'s ``retain_graph``, ``create_graph`` False). Works under ``vmap``.
-    Outside any functorch transform (a cohort of one) it is plain autograd, the same
-    gradient, through which kernels that have no functorch rule (bitsandbytes' quantised
-    matmuls) run too."""
-    if torch._C._functorch.maybe_current_level() is None:
+    For a quantised backbone (:data:`PLAIN_AUTOGRAD`, outside any functorch transform: a
+    cohort of one) it is plain autograd, the same gradient, through which kernels that
+    have no functorch rule (bitsandbytes' quantised matmuls) run."""
+    if PLAIN_AUTOGRAD.get() and torch._C._functorch.maybe_current_level() is None:
         leaves = {n: t.detach().requires_grad_(True) for n, t in params.items()}
         value, aux = objective(leaves)
         grads = torch.autograd.grad(value, list(leaves.values()), allow_unused=True)
@@ -549,7 +569,7 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
     losses = torch.zeros(len(jobs), device=device)
     tokens = torch.zeros(len(jobs), dtype=torch.long, device=device)  # real tokens each client trained on
     start = time.perf_counter()
-    with training_attention(model, method, len(jobs)):
+    with plain_autograd(quantised(model)), training_attention(model, method, len(jobs)):
         for k in range(len(batches)):
             stacked = prepare_step(model, batches.step(k), batches.scored[k] or None)
             noise = next(noises)
