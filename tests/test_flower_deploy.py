@@ -49,6 +49,7 @@ def tls_federation(tmp_path_factory):
 
 # PF2LoRA: shared and personal state both cross the deployment (FedLR's shared-only case
 # is covered against the in-process engine by tests/test_flower_bridge.py).
+@pytest.mark.slow  # about 75 s (a SuperLink and three SuperNodes); keeps the default tier under 10 min
 @pytest.mark.parametrize("method", [PF2], ids=["pf2lora"])
 def test_deployment_matches_in_process(tiny_config, tmp_path, tls_federation, method):
     flower_cfg = tiny_config(method=method, output_dir=str(tmp_path / "flower"), **SMALL)
