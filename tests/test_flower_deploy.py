@@ -131,7 +131,7 @@ def test_only_enrolled_nodes_join_and_a_revoked_one_is_refused(tiny_config, tmp_
 
     paths = make_certificates(tmp_path / "certs", ["127.0.0.1", "localhost"])
     tls = deploy.Tls(paths["ca.crt"], paths["server.pem"], paths["server.key"])
-    cfg = tiny_config(**{**SMALL, "train.rounds": 3, "eval.every": 1, "deploy.min_results": 2,
+    cfg = tiny_config(**{**SMALL, "train.rounds": 5, "eval.every": 1, "deploy.min_results": 2,
                          "deploy.round_timeout": 60}, output_dir=str(tmp_path / "run"))  # fmt: skip
     with deploy.local_federation(tmp_path / "fed", 3, tls=tls) as fed:
         assert sorted(fed.enrolled) == [0, 1, 2]
@@ -166,11 +166,13 @@ def test_only_enrolled_nodes_join_and_a_revoked_one_is_refused(tiny_config, tmp_
         revoker.join(5)
         assert status["status"] == "finished:completed"
         records = read_records(cfg.output_dir)
-        assert len(records) == 3
+        assert len(records) == 5
         assert 2 in records[0]["clients"]
-        # every round that started after the revocation took effect went on without node 2
+        # every round that started after the revocation took effect went on without node 2:
+        # round finished + 1 may have been under way, so the rounds from finished + 2 on (warm
+        # nodes run a round in seconds, about as long as the `flwr` call that revokes: 5 rounds)
         (finished,) = finished_at_revocation
-        assert finished <= 2, "the revocation came too late to test a round after it"
+        assert finished <= 3, "the revocation came too late to test a round after it"
         later = records[finished + 1 :]
         assert later and all(2 not in r.get("clients_returned", r["clients"]) for r in later)
         assert all(r["nodes"] == 2 for r in later)
