@@ -66,7 +66,8 @@ def test_cli_run_partition_report_methods(tiny_config, tmp_path, monkeypatch):
     for name in ("fedft", "fedbf", "fedap", "fedlr", "local", "centralized"):
         assert name in res.output
     rows = {line.split("│")[1].strip(): line for line in res.output.splitlines() if line.count("│") > 3}
-    assert "vectorised" in rows["fedlr"] and "vectorised" in rows["pf2lora"]  # cohorts column
+    # cohorts column: LoRA folds (tests/test_folding.py); PF2LoRA's hypergradient is vmapped only
+    assert "vmap, folded" in rows["fedlr"] and "vmap " in rows["pf2lora"] and "folded" not in rows["pf2lora"]
     assert "no (bf16)" in rows["pf2lora"] and "yes" in rows["fedlr"]  # fp16 column
 
 

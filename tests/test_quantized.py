@@ -1,6 +1,6 @@
 """Quantised frozen backbones (issue 36, item 1): bitsandbytes' NF4 and int8 on the CPU,
 a tiny random decoder. The adapters train while the quantised base stays as it was, a
-cohort trains one client at a time, and the exported adapter loads onto a base quantised
+cohort trains folded (or one client at a time), and the exported adapter loads onto a base quantised
 the same way, with HF PEFT as with fedpeft."""
 
 from __future__ import annotations
@@ -74,14 +74,20 @@ def test_the_exported_adapter_loads_onto_a_base_quantised_the_same_way(tiny_conf
     assert lora_b and any(bool(trained[n].abs().sum() > 0) for n in lora_b)
 
 
-def test_a_quantised_base_trains_one_client_at_a_time(tiny_config, tiny_decoder):
-    with pytest.raises(ConfigError, match="train.cohort_size 2: model.quantization nf4 trains one client"):
-        make_engine(
-            build(
-                lm_config(tiny_config, tiny_decoder, **{"model.quantization": "nf4", "train.cohort_size": 2})
-            ),
-            None,
-        )
+def test_a_quantised_base_cohorts_only_methods_that_fold(tiny_config, tiny_decoder):
+    """Cohorts on a quantised base train folded (tests/test_folding.py); a method that
+    cannot fold trains one client at a time, and a cohort size asked of it is refused."""
+    over = {"model.quantization": "nf4", "train.cohort_size": 2}
+    assert make_engine(build(lm_config(tiny_config, tiny_decoder, **over)), None).cohort_size == 2
+    with pytest.raises(
+        ConfigError, match="train.cohort_size 2: model.quantization nf4 trains cohorts folded"
+    ):
+        make_engine(build(lm_config(tiny_config, tiny_decoder, method={"name": "compacter"}, **over)), None)
+    auto = {**over, "train.cohort_size": "auto"}
+    engine = make_engine(
+        build(lm_config(tiny_config, tiny_decoder, method={"name": "compacter"}, **auto)), None
+    )
+    assert engine.cohort_size == 1
     with pytest.raises(ConfigError, match="privacy.mode sample: per-example gradients"):
         lm_config(
             tiny_config,

@@ -200,8 +200,12 @@ def methods(config: ConfigArg = None, set_: SetOpt = None) -> None:
         base, _ = build_model(cfg.model, num_classes, cfg.seed, cfg.data.task)
     except (ConfigError, ValueError, FileNotFoundError) as err:
         _fail(err)
-    task = cfg.data.task
-    table = Table(title=f"methods on {cfg.model.backbone}, task {task}, {num_classes} classes or domains")
+    task, quantized = cfg.data.task, cfg.model.quantization != "none"
+    table = Table(
+        title=f"methods on {cfg.model.backbone}, task {task}, {num_classes} classes or domains",
+        caption="cohorts: how sampled clients train together (train.cohort_mode): vmap, folded (the frozen "
+        "backbone once on the folded batch; on a quantised backbone the only way), or one at a time",
+    )
     for col in ("method", "trainable", "shared (sent)", "personal", "% of model", "cohorts", "fp16", "tasks"):
         table.add_column(col)
     for name, cls in REGISTRY.items():
@@ -221,11 +225,23 @@ def methods(config: ConfigArg = None, set_: SetOpt = None) -> None:
             f"{c['shared']:,}",
             f"{c['personal']:,}",
             f"{100 * c['trainable'] / c['total']:.2f}",
-            "vectorised" if cls.vectorised else "one at a time",
+            cohorts(method, model, quantized),
             "yes" if cls.fp16 else "no (bf16)",
             tasks,
         )
     console.print(table)
+
+
+def cohorts(method, model, quantized: bool) -> str:
+    """How ``method`` (prepared on ``model``) trains a cohort: ``fedpeft methods``' cell."""
+    from fedpeft.methods.folding import fold_refusal
+
+    if not method.vectorised:
+        return "one at a time"
+    folds = not fold_refusal(method, model)
+    if quantized:
+        return "folded" if folds else "one at a time"
+    return "vmap, folded" if folds else "vmap"
 
 
 #: The summary table's score columns per headline score: (title, key of the scores).

@@ -348,6 +348,14 @@ class TrainConfig(BaseModel):
         "a GPU the most that fit its free memory, found by a probe; on a CPU 1 (batching clients gains "
         "nothing there). Not part of the run's identity: any size gives the same results to float rounding.",
     )
+    cohort_mode: Literal["auto", "vmap", "folded"] = Field(
+        "auto",
+        description="How a cohort trains together: vmap (every operation batched over the client axis; "
+        "fused attention falls back to eager), folded (the frozen backbone runs once on the cohort's "
+        "batches folded into one, only the trained tensors per client; linear, LoRA, adapter and BitFit "
+        "methods: `fedpeft methods` says which), auto (folded on a quantised backbone, which vmap cannot "
+        "batch, else vmap). Not part of the run's identity: the same results to float rounding.",
+    )
     client_memory_mb: float | None = Field(
         None,
         gt=0,

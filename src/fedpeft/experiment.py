@@ -33,6 +33,7 @@ from fedpeft.engines.server_opt import check_composes
 from fedpeft.engines.store import ClientStore
 from fedpeft.methods import build_method
 from fedpeft.methods.base import ClientData, Method, ServerState, Tensors, load_tensors, read_tensors
+from fedpeft.methods.folding import fold_refusal
 from fedpeft.metrics.scorers import scorer_for
 from fedpeft.metrics.variation import lora_variations
 from fedpeft.models.backbone import TaskModel, build_model, resolve_backbone
@@ -113,7 +114,7 @@ def group_values(cfg: ExperimentConfig, corpus: Corpus) -> np.ndarray:
 
 def fingerprint(cfg: ExperimentConfig) -> str:
     """A hash of everything that determines the results (output_dir, export, checkpoint,
-    and train.device, train.cohort_size, train.client_memory_mb, train.memory_check,
+    and train.device, train.cohort_size, train.cohort_mode, train.client_memory_mb, train.memory_check,
     train.on_corrupt_state and deploy.warm_nodes, with which a run may resume differently
     laid out):
     the settings that differ
@@ -123,7 +124,14 @@ def fingerprint(cfg: ExperimentConfig) -> str:
         "output_dir": True,
         "export": True,
         "checkpoint": True,
-        "train": {"device", "cohort_size", "client_memory_mb", "memory_check", "on_corrupt_state"},
+        "train": {
+            "device",
+            "cohort_size",
+            "cohort_mode",
+            "client_memory_mb",
+            "memory_check",
+            "on_corrupt_state",
+        },
         "deploy": {"warm_nodes"},
     }
     data = cfg.model_dump(mode="json", exclude_defaults=True, exclude=exclude)
@@ -245,17 +253,31 @@ def pooled_schedule(setup: Setup) -> tuple[list[ClientData], int]:
     return [pooled], steps
 
 
-def cohort_size(cfg: ExperimentConfig) -> int | None:
-    """``train.cohort_size`` as the engine takes it (None: probe the device). A quantised
-    backbone trains one client at a time: bitsandbytes' kernels have no ``vmap`` rule, and
-    a cohort of one runs without ``vmap``."""
+def cohort_size(cfg: ExperimentConfig, method: Method, model: torch.nn.Module) -> int | None:
+    """``train.cohort_size`` as the engine takes it (None: probe the device). A cohort on a
+    quantised backbone, or with ``train.cohort_mode: folded``, trains folded
+    (:mod:`fedpeft.methods.folding`: bitsandbytes' kernels cannot be vmapped), which the
+    method must allow; on a quantised backbone a method that cannot trains one client at
+    a time."""
     size = cfg.train.cohort_size
-    if cfg.model.quantization == "none":
+    folds = cfg.train.cohort_mode == "folded" or (
+        cfg.train.cohort_mode == "auto" and cfg.model.quantization != "none"
+    )
+    refusal = fold_refusal(method, model) if folds and method.vectorised else ""
+    if not refusal:
         return None if size == "auto" else size
+    why = (
+        f"model.quantization {cfg.model.quantization} trains cohorts folded (bitsandbytes' kernels cannot "
+        "be vmapped)"
+        if cfg.model.quantization != "none"
+        else "train.cohort_mode folded"
+    )
+    if cfg.train.cohort_mode == "folded":
+        raise ConfigError(f"train.cohort_mode folded: {refusal}; use cohort_mode vmap or auto")
     if size not in ("auto", 1):
         raise ConfigError(
-            f"train.cohort_size {size}: model.quantization {cfg.model.quantization} trains one client at a "
-            "time (bitsandbytes' kernels cannot be vmapped over a cohort); use cohort_size 1 or auto"
+            f"train.cohort_size {size}: {why}, and {refusal}; use cohort_size 1 or auto (one client at a "
+            "time)"
         )
     return 1
 
@@ -285,7 +307,7 @@ def make_engine(
         eval_every=cfg.eval.every,
         eval_local=cfg.eval.local,
         eval_batch_size=cfg.eval.batch_size,
-        cohort_size=cohort_size(cfg),
+        cohort_size=cohort_size(cfg, setup.method, setup.model),
         per_client_scores=cfg.data.silos is not None,
         drift_probe=cfg.eval.drift_probe if cfg.eval.drift else 0,
         poisson=cfg.train.client_sampling == "poisson",

@@ -557,19 +557,23 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
     dropout = has_active_dropout(model)
     if dropout:
         torch.manual_seed(jobs[0].seed)  # a cohort of one: its own dropout draws, as alone
-    one_step = local_step(method, model)
-    step = (
-        unvmapped(one_step)
-        if len(jobs) == 1
-        else vmap(one_step, randomness="different" if dropout else "error")
-    )
+    folded = len(jobs) > 1 and folds(method, model)
+    if folded:
+        from fedpeft.methods.folding import folded_step
+
+        step = folded_step(method, model)
+    elif len(jobs) == 1:
+        step = unvmapped(local_step(method, model))
+    else:
+        step = vmap(local_step(method, model), randomness="different" if dropout else "error")
     noises = dp_noise(method, jobs, params, device)
     model.train(dropout)  # eval mode when no dropout is active: the same function, no RNG calls
     steps = torch.tensor([s.steps for s in starts], device=device)
     losses = torch.zeros(len(jobs), device=device)
     tokens = torch.zeros(len(jobs), dtype=torch.long, device=device)  # real tokens each client trained on
     start = time.perf_counter()
-    with plain_autograd(quantised(model)), training_attention(model, method, len(jobs)):
+    attention = nullcontext() if folded else training_attention(model, method, len(jobs))
+    with plain_autograd(quantised(model)), attention:
         for k in range(len(batches)):
             stacked = prepare_step(model, batches.step(k), batches.scored[k] or None)
             noise = next(noises)
@@ -596,6 +600,13 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
             settle_control(result, job, own_i, p, s.steps, method.train.lr)
         results.append(result)
     return results
+
+
+def folds(method: Method, model: torch.nn.Module) -> bool:
+    """Whether a cohort trains folded (:mod:`fedpeft.methods.folding`) rather than vmapped:
+    ``train.cohort_mode``; auto folds on a quantised backbone, which vmap cannot batch."""
+    mode = method.train.cohort_mode
+    return mode == "folded" or (mode == "auto" and quantised(model))
 
 
 def dp_noise(method: Method, jobs: list[Job], params: Tensors, device: torch.device) -> Iterator[Tensors]:
@@ -644,15 +655,11 @@ def settle_control(
 
 
 def local_step(method: Method, model: torch.nn.Module):
-    """One client's local step as a pure function (what :func:`run_cohort` vmaps). With
-    FedProx (Li et al. 2020; ``train.prox_mu``), the gradient of ``mu/2 ||w - anchor||^2``
-    over the shared tensors joins the method's gradient before clipping; the loss
-    reported stays the method's. With SCAFFOLD (``train.correction``), ``correction``
-    (``c - c_i`` per shared tensor) is added to the clipped gradient, so the step follows
-    ``g - c_i + c`` (clipping bounds the stochastic gradient, not the drift estimate)."""
-    gradients, cfg, dp = method.step_gradients(model), method.train, method.sample_dp
-    skip_overflow = model_scale(model) != 1.0
-    mu = cfg.prox_mu
+    """One client's local step as a pure function (what :func:`run_cohort` vmaps): the
+    method's gradients (DP-SGD's, under ``privacy.mode: sample``), then
+    :func:`apply_gradients`."""
+    gradients, dp = method.step_gradients(model), method.sample_dp
+    apply = apply_gradients(method, model)
 
     def step(
         params: Tensors,
@@ -668,6 +675,32 @@ def local_step(method: Method, model: torch.nn.Module):
             replaced = {}
         else:
             loss, grads, replaced = gradients(params, consts, batches)
+        return apply(params, opt, loss, grads, replaced, anchor, correction)
+
+    return step
+
+
+def apply_gradients(method: Method, model: torch.nn.Module):
+    """``apply(params, opt, loss, grads, replaced, anchor, correction) -> (params, opt, loss)``:
+    what one client's local step does with its gradients, as a pure function. With FedProx
+    (Li et al. 2020; ``train.prox_mu``), the gradient of ``mu/2 ||w - anchor||^2`` over the
+    shared tensors joins the method's gradient before clipping; the loss reported stays
+    the method's. With SCAFFOLD (``train.correction``), ``correction`` (``c - c_i`` per
+    shared tensor) is added to the clipped gradient, so the step follows ``g - c_i + c``
+    (clipping bounds the stochastic gradient, not the drift estimate). Then the optimizer
+    step; ``replaced``: tensors the method sets itself."""
+    cfg, skip_overflow = method.train, model_scale(model) != 1.0
+    mu = cfg.prox_mu
+
+    def apply(
+        params: Tensors,
+        opt: Tensors,
+        loss: torch.Tensor,
+        grads: Tensors,
+        replaced: Tensors,
+        anchor: Tensors,
+        correction: Tensors,
+    ):
         if anchor:
             grads = {n: g + mu * (params[n] - anchor[n]) if n in anchor else g for n, g in grads.items()}
         clipped = {}
@@ -683,7 +716,7 @@ def local_step(method: Method, model: torch.nn.Module):
             new_opt = {n: torch.where(finite, t, opt[n]) for n, t in new_opt.items()}
         return new_params, new_opt, loss
 
-    return step
+    return apply
 
 
 def clip_groups(method: Method, grads: Tensors) -> list[Tensors]:
@@ -732,11 +765,22 @@ def predict_cohort(
     if any(plans):
         batches = CohortBatches(plans, device)
         batched = vmap(forward, in_dims=(0, None, None) if shared else 0)
-        with eager_attention(model):
+        folded = len(states) > 1 and quantised(model)  # vmap cannot batch quantised kernels
+        with nullcontext() if folded else eager_attention(model):
             for k in range(len(batches)):
                 (batch,) = batches.step(k)
                 ids, mask = batch["input_ids"], batch["attention_mask"]
-                preds = batched(stacked, ids[0], mask[0]) if shared else batched(stacked, ids, mask)
+                if folded:
+                    from fedpeft.methods.folding import cohort_outputs
+
+                    wide = {"input_ids": ids, "attention_mask": mask}
+                    if shared:  # the one batch, for every client
+                        wide = {k: t[:1].expand(len(states), *t.shape[1:]) for k, t in wide.items()}
+                    preds = cohort_outputs(model, stacked, wide).argmax(-1)
+                elif shared:
+                    preds = batched(stacked, ids[0], mask[0])
+                else:
+                    preds = batched(stacked, ids, mask)
                 for c in range(len(states)):
                     rows = counts[0 if shared else c]
                     if k < len(rows):

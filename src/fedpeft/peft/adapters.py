@@ -127,6 +127,7 @@ def add_adapters(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         adapter = kind(linear.out_features, spec.bottleneck, spec.activation)
-        adapter.to(dtype=linear.weight.dtype)
+        # the projection's float type; float32 beside a quantised one (its weight is stored as integers)
+        adapter.to(dtype=linear.weight.dtype if linear.weight.is_floating_point() else torch.float32)
         setattr(parent, child, AdaptedLinear(linear, adapter))
     return [name for name, _ in targets]
