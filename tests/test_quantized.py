@@ -80,7 +80,7 @@ def test_a_quantised_base_cohorts_only_methods_that_fold(tiny_config, tiny_decod
     over = {"model.quantization": "nf4", "train.cohort_size": 2}
     assert make_engine(build(lm_config(tiny_config, tiny_decoder, **over)), None).cohort_size == 2
     with pytest.raises(
-        ConfigError, match="train.cohort_size 2: model.quantization nf4 trains cohorts folded"
+        ConfigError, match="train.cohort_size 2: cohorts train folded with model.quantization nf4"
     ):
         make_engine(build(lm_config(tiny_config, tiny_decoder, method={"name": "compacter"}, **over)), None)
     auto = {**over, "train.cohort_size": "auto"}

@@ -261,7 +261,18 @@ class ModelConfig(BaseModel):
     pooling: Literal["mean", "cls", "last"] = Field(
         "mean", description="How token states become one vector for the head."
     )
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="The frozen backbone's stored weights. bfloat16: loaded so (half the memory) and run "
+        "under bfloat16 autocast (train.precision fp32 becomes bf16); trained tensors (adapters, heads, "
+        "BitFit's biases) and optimizer state stay float32.",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute each transformer layer's activations in the backward pass instead of "
+        "keeping them (torch.utils.checkpoint, non-reentrant): less memory, about one more forward pass. "
+        "Trains with plain autograd: a cohort trains folded (methods that cannot fold: one client at a time).",
+    )
     quantization: Literal["none", "int8", "nf4"] = Field(
         "none",
         description="The frozen backbone's weights through bitsandbytes: int8 (LLM.int8) or nf4 (4-bit "
@@ -742,6 +753,11 @@ class ExperimentConfig(BaseModel):
             raise ValueError(
                 f"privacy.mode sample: per-example gradients are a vmap over the rows, which "
                 f"model.quantization {self.model.quantization}'s kernels cannot run under; use user or local"
+            )
+        if self.privacy.mode == "sample" and self.model.gradient_checkpointing:
+            raise ValueError(
+                "privacy.mode sample: per-example gradients are a vmap over the rows, which "
+                "model.gradient_checkpointing cannot run under; turn one off"
             )
         if self.privacy.mode == "sample" and self.data.task == "causal_lm":
             raise ValueError(

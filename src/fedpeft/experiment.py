@@ -11,7 +11,7 @@ import json
 import math
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +36,7 @@ from fedpeft.methods.base import ClientData, Method, ServerState, Tensors, load_
 from fedpeft.methods.folding import fold_refusal
 from fedpeft.metrics.scorers import scorer_for
 from fedpeft.metrics.variation import lora_variations
-from fedpeft.models.backbone import TaskModel, build_model, resolve_backbone
+from fedpeft.models.backbone import TaskModel, build_model, enable_checkpointing, resolve_backbone
 from fedpeft.models.device import autocast_dtype, resolve_device
 from fedpeft.report import results as R
 
@@ -182,6 +182,8 @@ def build(cfg: ExperimentConfig, model: TaskModel | None = None, tokenizer=None)
     privacy.check_composes(cfg, method)
     method.mean = combiner(cfg.server)
     device = place(model, cfg.train)
+    if cfg.model.gradient_checkpointing:
+        enable_checkpointing(model)
     pool, global_test = pool.to(device), global_test.to(device)
     spaces = corpus.label_spaces or [None] * len(split.train)
     clients = [
@@ -217,8 +219,20 @@ def attach_method(cfg: ExperimentConfig, model: TaskModel) -> tuple[Method, Tens
         )
     torch.manual_seed(cfg.seed + 1)  # adapter / LoRA initialisation
     method.prepare(model)
+    half = {id(p) for p in half_precision_tensors(model)}
+    for p in model.parameters():  # trained in float32 whatever the backbone's dtype (model.dtype)
+        if p.is_floating_point() and id(p) not in half and p.dtype != torch.float32:
+            p.data = p.data.float()
     initial = read_tensors(model, [n for n, p in model.named_parameters() if p.requires_grad])
     return method, initial
+
+
+def stored_precision(model: TaskModel) -> torch.dtype | None:
+    """The autocast precision of a backbone stored in half precision (``model.dtype:
+    bfloat16``), whose frozen layers then compute in it beside the float32 trained tensors;
+    None for a float32 one."""
+    half = {p.dtype for p in half_precision_tensors(model)} & {torch.bfloat16, torch.float16}
+    return half.pop() if len(half) == 1 else None
 
 
 def place(model: TaskModel, train: TrainConfig) -> torch.device:
@@ -229,12 +243,22 @@ def place(model: TaskModel, train: TrainConfig) -> torch.device:
     bias computes in that dtype only when its weights are in it)."""
     device = resolve_device(train.device)
     model.to(device)
-    model.precision = autocast_dtype(train.precision)
+    model.precision = autocast_dtype(train.precision) or stored_precision(model)
     if model.precision is not None:
-        for p in model.parameters():
-            if not p.requires_grad and p.is_floating_point():
-                p.data = p.data.to(model.precision)
+        for p in half_precision_tensors(model):
+            p.data = p.data.to(model.precision)
     return device
+
+
+def half_precision_tensors(model: torch.nn.Module) -> Iterator[torch.nn.Parameter]:
+    """The frozen float tensors a half-precision run stores in its precision: all but those
+    of a layer norm that trains some of its own (BitFit trains a norm's bias alone, and the
+    CPU kernels want its weight and bias in one dtype), which stay float32 whole."""
+    for module in model.modules():
+        own = list(module.parameters(recurse=False))
+        if isinstance(module, torch.nn.LayerNorm) and any(p.requires_grad for p in own):
+            continue
+        yield from (p for p in own if not p.requires_grad and p.is_floating_point())
 
 
 def pooled_schedule(setup: Setup) -> tuple[list[ClientData], int]:
@@ -254,30 +278,30 @@ def pooled_schedule(setup: Setup) -> tuple[list[ClientData], int]:
 
 
 def cohort_size(cfg: ExperimentConfig, method: Method, model: torch.nn.Module) -> int | None:
-    """``train.cohort_size`` as the engine takes it (None: probe the device). A cohort on a
-    quantised backbone, or with ``train.cohort_mode: folded``, trains folded
-    (:mod:`fedpeft.methods.folding`: bitsandbytes' kernels cannot be vmapped), which the
-    method must allow; on a quantised backbone a method that cannot trains one client at
-    a time."""
-    size = cfg.train.cohort_size
-    folds = cfg.train.cohort_mode == "folded" or (
-        cfg.train.cohort_mode == "auto" and cfg.model.quantization != "none"
-    )
+    """``train.cohort_size`` as the engine takes it (None: probe the device). On a
+    quantised backbone or with gradient checkpointing, whose steps run in plain autograd
+    (neither bitsandbytes' kernels nor checkpoints can be vmapped), a cohort trains folded
+    (:mod:`fedpeft.methods.folding`), as with ``train.cohort_mode: folded``; a method that
+    cannot fold then trains one client at a time."""
+    size, mode = cfg.train.cohort_size, cfg.train.cohort_mode
+    if cfg.model.quantization != "none":
+        why = f"model.quantization {cfg.model.quantization} (bitsandbytes' kernels cannot be vmapped)"
+    elif cfg.model.gradient_checkpointing:
+        why = "model.gradient_checkpointing (checkpoints cannot be vmapped)"
+    else:
+        why = ""
+    if mode == "vmap" and why:
+        raise ConfigError(f"train.cohort_mode vmap: {why}; use cohort_mode folded or auto")
+    folds = mode == "folded" or (mode == "auto" and why)
     refusal = fold_refusal(method, model) if folds and method.vectorised else ""
     if not refusal:
         return None if size == "auto" else size
-    why = (
-        f"model.quantization {cfg.model.quantization} trains cohorts folded (bitsandbytes' kernels cannot "
-        "be vmapped)"
-        if cfg.model.quantization != "none"
-        else "train.cohort_mode folded"
-    )
-    if cfg.train.cohort_mode == "folded":
+    if mode == "folded":
         raise ConfigError(f"train.cohort_mode folded: {refusal}; use cohort_mode vmap or auto")
     if size not in ("auto", 1):
         raise ConfigError(
-            f"train.cohort_size {size}: {why}, and {refusal}; use cohort_size 1 or auto (one client at a "
-            "time)"
+            f"train.cohort_size {size}: cohorts train folded with {why}, and {refusal}; use cohort_size 1 "
+            "or auto (one client at a time)"
         )
     return 1
 

@@ -222,13 +222,40 @@ def model_scale(model: torch.nn.Module) -> float:
     return LOSS_SCALE if getattr(model, "precision", None) == torch.float16 else 1.0
 
 
-#: Set while a quantised backbone trains (:func:`run_cohort`): gradients by plain autograd.
+#: Set while a quantised or checkpointed backbone trains (:func:`run_cohort`): gradients by
+#: plain autograd (:func:`needs_plain_autograd`).
 PLAIN_AUTOGRAD: ContextVar[bool] = ContextVar("plain_autograd", default=False)
 
 
 def quantised(model: torch.nn.Module) -> bool:
     """Whether ``model`` holds quantised weights (bitsandbytes stores them as integers)."""
     return any(not p.is_floating_point() for p in model.parameters())
+
+
+def needs_plain_autograd(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s training steps run in plain autograd, outside functorch: a
+    quantised backbone (bitsandbytes has no functorch rules) or one that checkpoints its
+    layers (``torch.utils.checkpoint`` cannot run under ``vjp`` or ``vmap``)."""
+    from fedpeft.models.backbone import checkpointed_layers
+
+    return quantised(model) or bool(checkpointed_layers(model))
+
+
+@contextmanager
+def checkpointing(model: torch.nn.Module) -> Iterator[None]:
+    """The checkpointed layers of ``model`` in training mode for the duration, the rest as
+    it is: Hugging Face checkpoints a layer only in training mode, and the engine's steps
+    run in eval mode when no dropout is active (``model.gradient_checkpointing``)."""
+    from fedpeft.models.backbone import checkpointed_layers
+
+    layers = [(layer, layer.training) for layer in checkpointed_layers(model)]
+    for layer, _ in layers:
+        layer.training = True
+    try:
+        yield
+    finally:
+        for layer, before in layers:
+            layer.training = before
 
 
 @contextmanager
@@ -250,9 +277,9 @@ def first_order_grad(
     for higher derivatives and holds the forward pass's saved tensors until it returns,
     which doubles a step's memory; here the backward pass records nothing and frees them
     as it goes (``vjp``'s ``retain_graph``, ``create_graph`` False). Works under ``vmap``.
-    For a quantised backbone (:data:`PLAIN_AUTOGRAD`, outside any functorch transform: a
-    cohort of one) it is plain autograd, the same gradient, through which kernels that
-    have no functorch rule (bitsandbytes' quantised matmuls) run."""
+    For a quantised or checkpointed backbone (:data:`PLAIN_AUTOGRAD`, outside any functorch
+    transform: a cohort of one) it is plain autograd, the same gradient, through which
+    kernels that have no functorch rule (bitsandbytes' quantised matmuls) and checkpoints run."""
     if PLAIN_AUTOGRAD.get() and torch._C._functorch.maybe_current_level() is None:
         leaves = {n: t.detach().requires_grad_(True) for n, t in params.items()}
         value, aux = objective(leaves)
@@ -573,7 +600,7 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
     tokens = torch.zeros(len(jobs), dtype=torch.long, device=device)  # real tokens each client trained on
     start = time.perf_counter()
     attention = nullcontext() if folded else training_attention(model, method, len(jobs))
-    with plain_autograd(quantised(model)), attention:
+    with plain_autograd(needs_plain_autograd(model)), attention, checkpointing(model):
         for k in range(len(batches)):
             stacked = prepare_step(model, batches.step(k), batches.scored[k] or None)
             noise = next(noises)
@@ -604,9 +631,10 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
 
 def folds(method: Method, model: torch.nn.Module) -> bool:
     """Whether a cohort trains folded (:mod:`fedpeft.methods.folding`) rather than vmapped:
-    ``train.cohort_mode``; auto folds on a quantised backbone, which vmap cannot batch."""
+    ``train.cohort_mode``; auto folds where the steps run in plain autograd (a quantised or
+    checkpointed backbone: :func:`needs_plain_autograd`), which vmap cannot batch."""
     mode = method.train.cohort_mode
-    return mode == "folded" or (mode == "auto" and quantised(model))
+    return mode == "folded" or (mode == "auto" and needs_plain_autograd(model))
 
 
 def dp_noise(method: Method, jobs: list[Job], params: Tensors, device: torch.device) -> Iterator[Tensors]:

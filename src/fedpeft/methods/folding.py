@@ -25,6 +25,9 @@ the model's loss and every tensor it trains is a linear's or layer norm's weight
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,6 +42,8 @@ if TYPE_CHECKING:
     from fedpeft.methods.base import Method, Tensors
 
 F = nn.functional
+#: The number of clients of the folded forward pass under way (None: none).
+FOLDED: ContextVar[int | None] = ContextVar("folded_clients", default=None)
 
 
 class ClientAxis(TorchFunctionMode):
@@ -134,9 +139,38 @@ def cohort_outputs(model: nn.Module, stacked: Tensors, batch: Batch) -> torch.Te
     ``(C, ...)`` in place of the model's."""
     clients = batch["input_ids"].shape[0]
     args, kwargs = model_inputs(fold(batch))
-    with ClientAxis(clients):
-        out = functional_call(model, stacked, args, kwargs)
+    token = FOLDED.set(clients)
+    try:
+        with ClientAxis(clients):
+            out = functional_call(model, stacked, args, kwargs)
+    finally:
+        FOLDED.reset(token)
     return out.unflatten(0, (clients, -1))
+
+
+def checkpoint_contexts(layer: nn.Module) -> tuple[AbstractContextManager, AbstractContextManager]:
+    """``torch.utils.checkpoint``'s ``context_fn`` for ``layer`` (``model.gradient_checkpointing``):
+    the layer recomputes its activations in the backward pass, after the forward pass's
+    ``functional_call`` (a client's tensors, or a cohort's stacked ones, in place of the
+    model's) and :class:`ClientAxis` have left; the recomputation runs with the tensors the
+    layer held when it ran (taken now, by reference) and, in a folded pass, under a
+    :class:`ClientAxis` again."""
+    held = [(m, n, t) for m in layer.modules() for n, t in m._parameters.items() if t is not None]
+    clients = FOLDED.get()
+    return nullcontext(), _as_in_forward(held, clients)
+
+
+@contextmanager
+def _as_in_forward(held: list[tuple[nn.Module, str, torch.Tensor]], clients: int | None) -> Iterator[None]:
+    before = [(m, n, m._parameters[n]) for m, n, _ in held]
+    for m, n, t in held:
+        m._parameters[n] = t
+    try:
+        with ClientAxis(clients) if clients else nullcontext():
+            yield
+    finally:
+        for m, n, t in before:
+            m._parameters[n] = t
 
 
 def folded_gradients(model: nn.Module, stacked: Tensors, batch: Batch, scale: float = 1.0):

@@ -50,7 +50,8 @@ class Adapter(nn.Module):
         nn.init.zeros_(self.up.bias)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.up(self.act(self.down(h)))
+        # in h's dtype: a float32 adapter on a bfloat16 backbone leaves its stream bfloat16
+        return h + self.up(self.act(self.down(h))).to(h.dtype)
 
 
 class AdaptedLinear(nn.Module):
