@@ -68,8 +68,9 @@ def test_a_checkpointed_decoder_trains_the_same_round(tiny_config, tiny_decoder,
 
 
 def test_a_checkpointed_classifier_folds_its_cohorts_and_refuses_vmap(tiny_config):
-    cfg = tiny_config(method={"name": "fedap"}, **{"model.gradient_checkpointing": True, "train.cohort_size": 2,
-                                                    "train.local_steps": 2, "train.optimizer": "sgd"})  # fmt: skip
+    over = {"model.gradient_checkpointing": True, "train.cohort_size": 2, "train.local_steps": 2,
+            "train.optimizer": "sgd"}  # fmt: skip
+    cfg = tiny_config(method={"name": "fedap"}, **over)
     setup = build(cfg)
     assert make_engine(setup, None).cohort_size == 2
     jobs = _jobs(setup, [0, 1])

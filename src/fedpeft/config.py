@@ -271,7 +271,8 @@ class ModelConfig(BaseModel):
         False,
         description="Recompute each transformer layer's activations in the backward pass instead of "
         "keeping them (torch.utils.checkpoint, non-reentrant): less memory, about one more forward pass. "
-        "Trains with plain autograd: a cohort trains folded (methods that cannot fold: one client at a time).",
+        "Trains with plain autograd: a cohort trains folded (methods that cannot fold: one client at a "
+        "time).",
     )
     quantization: Literal["none", "int8", "nf4"] = Field(
         "none",
