@@ -72,6 +72,7 @@ VECTORISED = [
     "moon",
     "fedrep",
     "fedrod",
+    "ffalora",
 ]
 
 

@@ -42,6 +42,7 @@ CLAIMS = {
     "fedkd": lambda n: "lora_" in n or n.startswith(("head.", "mentor_head.")),
     "local": lambda n: "lora_" in n or n.startswith("head."),
     "centralized": lambda n: "lora_" in n or n.startswith("head."),
+    "ffalora": lambda n: "lora_B" in n or n.startswith("head."),  # A frozen
 }
 
 

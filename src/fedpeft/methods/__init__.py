@@ -21,6 +21,7 @@ from fedpeft.methods.fedlr import FedLR
 from fedpeft.methods.fedmcp import FedMCP
 from fedpeft.methods.fedrep import FedRep
 from fedpeft.methods.fedrod import FedRoD
+from fedpeft.methods.ffalora import FFALoRA
 from fedpeft.methods.hetlora import HETLoRA
 from fedpeft.methods.local import LocalOnly
 from fedpeft.methods.moon import MOON
@@ -56,6 +57,7 @@ REGISTRY: dict[str, type[Method]] = {
         FedKD,
         LocalOnly,
         Centralized,
+        FFALoRA,
     )
 }
 

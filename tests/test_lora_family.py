@@ -1,0 +1,103 @@
+"""The federated LoRA family of 2024-26 (issue 33; docs/lora_family.md): what each
+method trains, sends and never sends, and the exactness its paper claims for its
+aggregate (the global model's update of each module equals the weighted mean of the
+clients' updates ``s B_k A_k``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedpeft.experiment import build, run
+from fedpeft.methods.base import read_tensors
+from fedpeft.methods.ffalora import frozen_a_names
+from fedpeft.peft.lora import lora_layers
+from fedpeft.report.results import read_records
+from tests.test_cohort import _jobs
+
+
+def module_updates(model, tensors: dict) -> dict[str, torch.Tensor]:
+    """``s B A`` of every LoRA module, from ``tensors`` (A or B missing there: the model's)."""
+    own = dict(model.named_parameters())
+    out = {}
+    for name, layer in lora_layers(model).items():
+        a, b = (
+            tensors.get(f"{name}.lora_{x}.default.weight", own[f"{name}.lora_{x}.default.weight"])
+            for x in "AB"
+        )
+        out[name] = layer.scaling["default"] * b.double() @ a.double()
+    return out
+
+
+def test_ffalora_trains_and_sends_b_only_with_one_a_everywhere(tiny_config, tmp_path):
+    """A is frozen, sent once in the join message and never in an update; B (and the
+    head) are trained and sent: half of FedLR's LoRA bytes a round."""
+    setup = build(tiny_config(method={"name": "ffalora"}))
+    method, model = setup.method, setup.model
+    fixed = frozen_a_names(model)
+    assert fixed and not set(fixed) & set(method.shared_names + method.personal_names)
+    assert all("lora_B" in n or n.startswith("head.") for n in method.shared_names)
+    server = method.init_server(model)
+    assert sorted(method.join_message(server)) == sorted(fixed)
+    a_before = read_tensors(model, fixed)
+    results = method.fit_cohort(model, _jobs(setup, [0, 1]))
+    assert all(not set(fixed) & set(r.uplink) for r in results)
+    assert all(any(not torch.equal(r.uplink[n], server.tensors[n]) for n in r.uplink) for r in results)
+    assert all(torch.equal(a_before[n], t) for n, t in read_tensors(model, fixed).items())
+
+    run(tiny_config(method={"name": "ffalora"}, output_dir=str(tmp_path / "ffa")))
+    run(tiny_config(method={"name": "fedlr"}, output_dir=str(tmp_path / "lr")))
+    ffa, lr = read_records(tmp_path / "ffa"), read_records(tmp_path / "lr")
+    head = sum(t.numel() * 4 for n, t in setup.initial.items() if n.startswith("head."))
+    per_client = [(r["bytes_up"] / len(r["clients"]) - head) for r in (ffa[0], lr[0])]
+    assert per_client[0] == per_client[1] / 2  # B alone: A and B have r x d each here (d_in == d_out)
+
+
+def test_ffalora_aggregate_is_the_weighted_mean_of_the_clients_updates(tiny_config):
+    """FFA-LoRA's exactness (Sun et al., sec. 4): with A shared and fixed,
+    ``mean_w(B_k) A = mean_w(B_k A)`` in every module."""
+    setup = build(tiny_config(method={"name": "ffalora"}, **{"train.local_steps": 3}))
+    method, model = setup.method, setup.model
+    server = method.init_server(model)
+    results = method.fit_cohort(model, _jobs(setup, [0, 1, 2]))
+    weights = torch.tensor([float(r.num_examples) for r in results], dtype=torch.float64)
+    weights /= weights.sum()
+    aggregate = method.aggregate(server, results, 1).tensors
+    got = module_updates(model, aggregate)
+    each = [module_updates(model, r.uplink) for r in results]
+    for name, update in got.items():
+        want = sum(w * u[name] for w, u in zip(weights, each, strict=True))
+        assert float(want.abs().max()) > 0
+        torch.testing.assert_close(update, want, rtol=1e-6, atol=1e-9)
+
+
+def test_ffalora_exports_a_plain_peft_adapter_with_its_frozen_a(tiny_config, tmp_path):
+    """The export is one HF PEFT LoRA adapter (A frozen, B trained): loaded onto the
+    pretrained backbone with ``PeftModel.from_pretrained`` it is the trained model."""
+    from peft import PeftModel
+    from transformers import AutoModel
+
+    import fedpeft
+
+    cfg = tiny_config(method={"name": "ffalora"}, **{"train.rounds": 2})
+    run(cfg)
+    adapter = cfg.output_dir / "adapter"
+    loaded = fedpeft.load_export(adapter)
+    texts = ["a small dog", "to run quickly"]
+    base = AutoModel.from_pretrained(cfg.model.backbone)
+    peft_model = PeftModel.from_pretrained(base, str(adapter)).eval()
+    batch = loaded.tokenizer(texts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        theirs = peft_model(**batch).last_hidden_state
+        ours = loaded.model.backbone(**batch).last_hidden_state
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["ffalora"])
+def test_the_family_trains_on_a_decoder(tiny_config, tiny_decoder, name):
+    from tests.test_causal_lm import lm_config
+
+    cfg = lm_config(tiny_config, tiny_decoder, method={"name": name}, **{"train.rounds": 2})
+    run(cfg)
+    records = read_records(cfg.output_dir)
+    assert records[-1]["loss"] < records[0]["loss"]
