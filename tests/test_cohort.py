@@ -73,6 +73,7 @@ VECTORISED = [
     "fedrep",
     "fedrod",
     "ffalora",
+    "fedsalora",
 ]
 
 

@@ -93,7 +93,7 @@ def test_ffalora_exports_a_plain_peft_adapter_with_its_frozen_a(tiny_config, tmp
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["ffalora"])
+@pytest.mark.parametrize("name", ["ffalora", "fedsalora"])
 def test_the_family_trains_on_a_decoder(tiny_config, tiny_decoder, name):
     from tests.test_causal_lm import lm_config
 
@@ -101,3 +101,25 @@ def test_the_family_trains_on_a_decoder(tiny_config, tiny_decoder, name):
     run(cfg)
     records = read_records(cfg.output_dir)
     assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_fedsalora_averages_a_and_keeps_b_and_the_head_on_each_client(tiny_config):
+    """Only A travels (and is averaged); each client's B and head stay in its personal
+    state, so after a round two clients share A and differ in B."""
+    setup = build(tiny_config(method={"name": "fedsalora"}, **{"train.local_steps": 3}))
+    method, model = setup.method, setup.model
+    assert method.shared_names and all(".lora_A." in n for n in method.shared_names)
+    assert all(".lora_B." in n or n.startswith("head.") for n in method.personal_names)
+    server = method.init_server(model)
+    results = method.fit_cohort(model, _jobs(setup, [0, 1]))
+    for r in results:
+        assert set(r.uplink) == set(method.shared_names)
+        assert not {n for n in r.personal if ".lora_B." in n or n.startswith("head.")} & set(r.uplink)
+    b = next(n for n in method.personal_names if ".lora_B." in n)
+    assert not torch.equal(results[0].personal[b], results[1].personal[b])
+    weights = torch.tensor([float(r.num_examples) for r in results], dtype=torch.float64)
+    aggregate = method.aggregate(server, results, 1).tensors
+    for name in method.shared_names:
+        want = sum(w * r.uplink[name].double() for w, r in zip(weights / weights.sum(), results, strict=True))
+        torch.testing.assert_close(aggregate[name].double(), want, rtol=1e-6, atol=1e-9)
+    assert method.global_state(server) is None  # no single global model: each client's own B

@@ -43,6 +43,7 @@ CLAIMS = {
     "local": lambda n: "lora_" in n or n.startswith("head."),
     "centralized": lambda n: "lora_" in n or n.startswith("head."),
     "ffalora": lambda n: "lora_B" in n or n.startswith("head."),  # A frozen
+    "fedsalora": lambda n: "lora_" in n or n.startswith("head."),
 }
 
 

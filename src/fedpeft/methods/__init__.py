@@ -21,6 +21,7 @@ from fedpeft.methods.fedlr import FedLR
 from fedpeft.methods.fedmcp import FedMCP
 from fedpeft.methods.fedrep import FedRep
 from fedpeft.methods.fedrod import FedRoD
+from fedpeft.methods.fedsalora import FedSALoRA
 from fedpeft.methods.ffalora import FFALoRA
 from fedpeft.methods.hetlora import HETLoRA
 from fedpeft.methods.local import LocalOnly
@@ -58,6 +59,7 @@ REGISTRY: dict[str, type[Method]] = {
         LocalOnly,
         Centralized,
         FFALoRA,
+        FedSALoRA,
     )
 }
 
