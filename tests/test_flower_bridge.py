@@ -72,8 +72,8 @@ CASES = [({"name": "fedlr"}, {}), (PF2, {}), ({"name": "federa"}, {}), (HET, KEE
          ({"name": "fedlr"}, SERVER_LAYERS), ({"name": "fedmcp"}, SCAFFOLD)]  # fmt: skip
 #: methods whose clients receive a join message once (FeDeRA's initial A, B; FFA-LoRA's frozen A)
 JOINING = ("federa", "ffalora")
-PERSONAL_CASES = [(PF2, {}), (PF2, KEEP), ({"name": "fedsalora"}, {}), (HET, KEEP), ({"name": "fedmcp"}, {}), (FDLORA, {}),
-                  ({"name": "fedmcp"}, SCAFFOLD)]  # fmt: skip
+PERSONAL_CASES = [(PF2, {}), (PF2, KEEP), ({"name": "fedsalora"}, {}), (HET, KEEP), ({"name": "fedmcp"}, {}),
+                  (FDLORA, {}), ({"name": "fedmcp"}, SCAFFOLD)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("method", "over"), CASES)

@@ -26,7 +26,8 @@ from fedpeft.peft import LoraSpec
 
 
 class FedSALoRAConfig(MethodConfig):
-    """``A`` averaged, ``B`` (and by default the head) per client. Paper: FedSA-LoRA (Guo et al., ICLR 2025)."""
+    """``A`` averaged, ``B`` (and by default the head) per client. Paper: FedSA-LoRA (Guo et
+    al., ICLR 2025)."""
 
     name: Literal["fedsalora"] = "fedsalora"
     head: Literal["shared", "personal"] = Field(
