@@ -74,6 +74,7 @@ VECTORISED = [
     "fedrod",
     "ffalora",
     "fedsalora",
+    "rolora",
 ]
 
 

@@ -93,7 +93,7 @@ def test_ffalora_exports_a_plain_peft_adapter_with_its_frozen_a(tiny_config, tmp
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["ffalora", "fedsalora"])
+@pytest.mark.parametrize("name", ["ffalora", "fedsalora", "rolora"])
 def test_the_family_trains_on_a_decoder(tiny_config, tiny_decoder, name):
     from tests.test_causal_lm import lm_config
 
@@ -123,3 +123,31 @@ def test_fedsalora_averages_a_and_keeps_b_and_the_head_on_each_client(tiny_confi
         want = sum(w * r.uplink[name].double() for w, r in zip(weights / weights.sum(), results, strict=True))
         torch.testing.assert_close(aggregate[name].double(), want, rtol=1e-6, atol=1e-9)
     assert method.global_state(server) is None  # no single global model: each client's own B
+
+
+def test_rolora_trains_and_sends_b_then_a_in_turn(tiny_config):
+    """Round 1 trains and sends B (A frozen), round 2 A (B frozen), with the head each
+    round; the server averages the half it got and keeps the other as it was, so each
+    round's aggregate is exactly the weighted mean of the clients' updates ``s B_k A_k``."""
+    setup = build(tiny_config(method={"name": "rolora"}, **{"train.local_steps": 3}))
+    method, model = setup.method, setup.model
+    server = method.init_server(model)
+    for rnd, trained, frozen in ((1, ".lora_B.", ".lora_A."), (2, ".lora_A.", ".lora_B.")):
+        jobs = [
+            type(j)(method.downlink(server, j.client.cid), j.personal, j.client, j.seed, rnd)
+            for j in _jobs(setup, [0, 1, 2], rnd)
+        ]
+        results = method.fit_cohort(model, jobs)
+        for r in results:
+            assert any(trained in n for n in r.uplink) and not any(frozen in n for n in r.uplink)
+            assert any(n.startswith("head.") for n in r.uplink)
+            assert all(not torch.equal(t, server.tensors[n]) for n, t in r.uplink.items() if trained in n)
+        weights = torch.tensor([float(r.num_examples) for r in results], dtype=torch.float64)
+        weights /= weights.sum()
+        new = method.aggregate(server, results, rnd)
+        assert all(torch.equal(new.tensors[n], server.tensors[n]) for n in server.tensors if frozen in n)
+        each = [module_updates(model, {**server.tensors, **r.uplink}) for r in results]
+        for name, update in module_updates(model, new.tensors).items():
+            want = sum(w * u[name] for w, u in zip(weights, each, strict=True))
+            torch.testing.assert_close(update, want, rtol=1e-6, atol=1e-9)
+        server = new

@@ -44,6 +44,7 @@ CLAIMS = {
     "centralized": lambda n: "lora_" in n or n.startswith("head."),
     "ffalora": lambda n: "lora_B" in n or n.startswith("head."),  # A frozen
     "fedsalora": lambda n: "lora_" in n or n.startswith("head."),
+    "rolora": lambda n: "lora_" in n or n.startswith("head."),
 }
 
 

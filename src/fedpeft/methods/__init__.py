@@ -29,6 +29,7 @@ from fedpeft.methods.moon import MOON
 from fedpeft.methods.perfedavg import PerFedAvg
 from fedpeft.methods.pf2lora import PF2LoRA
 from fedpeft.methods.prompt_tuning import PromptTuning
+from fedpeft.methods.rolora import RoLoRA
 
 if TYPE_CHECKING:
     from fedpeft.config import TrainConfig
@@ -60,6 +61,7 @@ REGISTRY: dict[str, type[Method]] = {
         Centralized,
         FFALoRA,
         FedSALoRA,
+        RoLoRA,
     )
 }
 

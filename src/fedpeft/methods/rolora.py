@@ -1,0 +1,118 @@
+"""RoLoRA: federated LoRA trained by alternating optimisation of ``B`` and ``A``.
+
+Paper: Chen et al., "Robust Federated Finetuning of LLMs via Alternating Optimization of
+LoRA", NeurIPS 2025 (docs/lora_family.md states it, with where fedpeft departs).
+
+Averaging ``A`` and ``B`` of a round apart is not averaging ``B A``; training only one of
+them in a round is: with ``A`` fixed, ``mean(B_k) A = mean(B_k A)``, and likewise with
+``B`` fixed. RoLoRA alternates: odd rounds train and average ``B`` with ``A`` frozen,
+even rounds train and average ``A`` with ``B`` frozen (``B`` first: with ``B`` at its
+zero start, ``A`` would get no gradient). Each round sends the half it trained, and the
+classifier head, trained every round. The server keeps both halves; clients receive
+both.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from fedpeft.methods.base import FitResult, Job, MethodConfig, ServerState, Start, Tensors
+from fedpeft.methods.cohort import (
+    OPT,
+    GradientFn,
+    StepInput,
+    backprop,
+    model_loss,
+    model_scale,
+    optimizer_state,
+)
+from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.peft import LoraSpec
+
+
+class RoLoRAConfig(MethodConfig):
+    """LoRA's ``B`` (odd rounds) and ``A`` (even rounds) trained and averaged in turn.
+    Paper: RoLoRA (Chen et al., NeurIPS 2025)."""
+
+    name: Literal["rolora"] = "rolora"
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+
+
+def half_of_round(rnd: int) -> str:
+    """The LoRA factor round ``rnd`` trains: ``B`` in odd rounds (the first), ``A`` in even."""
+    return "B" if rnd % 2 == 1 else "A"
+
+
+class RoLoRA(FedAvgPeft):
+    name = "rolora"
+    config_cls = RoLoRAConfig
+    kind = "lora"
+
+    def __init__(self, cfg, train, seed: int = 0):
+        super().__init__(cfg, train, seed)
+        self.half: str | None = None  # the factor the cohort loop is training
+
+    def server_step_refusal(self) -> str:
+        return (
+            "its rounds train A or B in turn; a server optimiser's momentum would move the half a round "
+            "does not train"
+        )
+
+    def correction_refusal(self) -> str:
+        return "its rounds train A or B in turn: a client's control of the other half would go stale"
+
+    # ----- the local round: the round's half (and the head)
+    def fit_cohort(self, model, jobs: list[Job]) -> list[FitResult]:
+        try:
+            self.half = half_of_round(jobs[0].rnd)
+            return super().fit_cohort(model, jobs)
+        finally:
+            self.half = None
+
+    def optimised_names(self) -> list[str]:
+        if self.half is None:
+            raise RuntimeError(
+                "rolora: a local round runs through RoLoRA.fit_cohort (it picks the round's half)"
+            )
+        other = ".lora_A." if self.half == "B" else ".lora_B."
+        return [n for n in [*self.shared_names, *self.personal_names] if other not in n]
+
+    def cohort_start(self, model, job: Job) -> Start:
+        start = super().cohort_start(model, job)
+        params = start.params
+        group = self.optimised_names()
+        return Start(
+            params, optimizer_state(job.personal, {n: params[n] for n in group}, self.train), {}, start.steps
+        )
+
+    def step_gradients(self, model) -> GradientFn:
+        """Backprop with respect to the round's half and the head only: the other factor
+        enters the loss as a constant and gets no gradient (nor any step)."""
+        loss, group, scale = model_loss(model), set(self.optimised_names()), model_scale(model)
+
+        def gradients(params: Tensors, consts: Tensors, batches: StepInput):
+            frozen = {n: t for n, t in params.items() if n not in group}
+            trained = {n: t for n, t in params.items() if n in group}
+            return backprop(lambda p, c, b: loss({**frozen, **p}, b[0]), scale)(trained, consts, batches)
+
+        return gradients
+
+    def cohort_finish(self, job: Job, params: Tensors, opt: Tensors, metrics: dict[str, float]) -> FitResult:
+        """The round's half (and the head) as the uplink; a kept optimizer state of the
+        other half carried along."""
+        result = super().cohort_finish(job, params, opt, metrics)
+        group = set(self.optimised_names())
+        result.uplink = {n: t for n, t in result.uplink.items() if n in group}
+        kept = {k: t for k, t in job.personal.items() if k.startswith(OPT)}
+        result.personal = {**kept, **result.personal}
+        return result
+
+    # ----- the server: the mean of the half that was sent, the other half as it was
+    def aggregate(self, server: ServerState, results: list[FitResult], rnd: int) -> ServerState:
+        sent = self.mean([r.uplink for r in results], [r.num_examples for r in results])
+        return ServerState({**server.tensors, **sent}, server.extras)
+
+    def uplink_as_shared(self, uplink: Tensors) -> Tensors:
+        return uplink
