@@ -151,3 +151,40 @@ def test_rolora_trains_and_sends_b_then_a_in_turn(tiny_config):
             want = sum(w * u[name] for w, u in zip(weights, each, strict=True))
             torch.testing.assert_close(update, want, rtol=1e-6, atol=1e-9)
         server = new
+
+
+@pytest.mark.parametrize("name", ["fedlr", "ffalora", "federa"])
+def test_dora_trains_its_magnitudes_cohorts_and_exports_for_peft(tiny_config, name):
+    """``lora.use_dora``: the magnitudes train and travel with the adapters, a cohort gets
+    each client's round alone, and the export (A, B and magnitudes, ``use_dora`` in its
+    config) loaded with ``PeftModel.from_pretrained`` is the trained model."""
+    from peft import PeftModel
+    from transformers import AutoModel
+
+    import fedpeft
+    from tests.test_cohort import assert_cohort_equals_alone
+
+    cfg = tiny_config(method={"name": name, "lora": {"use_dora": True}}, **{"train.rounds": 2})
+    setup = build(cfg)
+    magnitudes = [n for n in setup.method.shared_names if "lora_magnitude_vector" in n]
+    assert magnitudes
+    assert_cohort_equals_alone(setup, [0, 1, 2], f"{name}+dora")
+    run(cfg, setup=setup)
+    trained = torch.load(cfg.output_dir / "checkpoint.pt", weights_only=True)["server"]["tensors"]
+    assert any(not torch.equal(trained[n], setup.initial[n]) for n in magnitudes)
+    adapter = cfg.output_dir / "adapter"
+    loaded = fedpeft.load_export(adapter)
+    peft_model = PeftModel.from_pretrained(AutoModel.from_pretrained(cfg.model.backbone), str(adapter)).eval()
+    assert peft_model.peft_config["default"].use_dora
+    batch = loaded.tokenizer(["a small dog", "to run quickly"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        theirs = peft_model(**batch).last_hidden_state
+        ours = loaded.model.backbone(**batch).last_hidden_state
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_dora_is_refused_where_it_does_not_compose(tiny_config):
+    from fedpeft.config import ConfigError
+
+    with pytest.raises(ConfigError, match="method.lora.use_dora: not for method hetlora"):
+        build(tiny_config(method={"name": "hetlora", "lora": {"use_dora": True}}))

@@ -217,6 +217,7 @@ def attach_method(cfg: ExperimentConfig, model: TaskModel) -> tuple[Method, Tens
             f"train.precision: fp16 needs loss scaling, which method {method.name} (it takes its own "
             "gradients) does not have; use bf16 (float32's range, no scaling needed) or fp32"
         )
+    check_dora(cfg, method)
     torch.manual_seed(cfg.seed + 1)  # adapter / LoRA initialisation
     method.prepare(model)
     half = {id(p) for p in half_precision_tensors(model)}
@@ -225,6 +226,28 @@ def attach_method(cfg: ExperimentConfig, model: TaskModel) -> tuple[Method, Tens
             p.data = p.data.float()
     initial = read_tensors(model, [n for n, p in model.named_parameters() if p.requires_grad])
     return method, initial
+
+
+def check_dora(cfg: ExperimentConfig, method: Method) -> None:
+    """A :class:`ConfigError` when ``method.lora.use_dora`` is set for a method it does not
+    compose with, or while HF PEFT caches DoRA's norms (the cache would hand one client's
+    norm to the next, in the one shared model)."""
+    lora = getattr(cfg.method, "lora", None)
+    if lora is None or not lora.use_dora:
+        return
+    if not getattr(method, "dora", False):
+        raise ConfigError(
+            f"method.lora.use_dora: not for method {method.name} (DoRA composes with fedlr, federa, "
+            "ffalora, local and centralized: its magnitude is one more tensor each trains and averages "
+            "as it is)"
+        )
+    from peft.tuners.lora import dora
+
+    if dora.ENABLE_DORA_CACHING:
+        raise ConfigError(
+            "method.lora.use_dora: peft.tuners.lora.dora.ENABLE_DORA_CACHING is on; its cached norms would "
+            "be shared by the clients of the one model: turn it off"
+        )
 
 
 def stored_precision(model: TaskModel) -> torch.dtype | None:

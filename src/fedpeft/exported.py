@@ -269,8 +269,10 @@ def load_peft_export(d: Path, cfg: ExperimentConfig, info: dict):
             f"{cfg.model.backbone!r}: {err}"
         ) from None
     lora = {n: p for n, p in model.backbone.named_parameters() if "lora_" in n}
-    # the file names each tensor as PEFT saves it: without the adapter's name ("default")
-    params = {n.replace(".default.", "."): p for n, p in lora.items()}
+    # the file names each tensor as PEFT saves it: without the adapter's name ("default"),
+    # DoRA's magnitude without its ".default.weight"
+    params = {n.replace(".lora_magnitude_vector.default.weight", ".lora_magnitude_vector").replace(
+        ".default.", "."): p for n, p in lora.items()}  # fmt: skip
     check_tensors(weights, saved, params, set(params), "the LoRA model of its adapter_config.json")
     trained = [*lora.values()]
     filled = []

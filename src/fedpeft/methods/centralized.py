@@ -33,4 +33,5 @@ class Centralized(FedAvgPeft):
     name = "centralized"
     config_cls = CentralizedConfig
     pooled = True
+    dora = True
     communicates = False  # the data, not the model, was moved: no per-round traffic

@@ -14,13 +14,16 @@ from safetensors.torch import save_file
 
 from fedpeft.methods.base import Method, Tensors
 from fedpeft.peft import AdapterSpec, LoraSpec, Trainable, make_trainable
-from fedpeft.peft.lora import LoraTerm, lora_terms, write_lora_adapter
+from fedpeft.peft.lora import LoraTerm, dora_magnitudes, lora_terms, write_lora_adapter
 
 
 class FedAvgPeft(Method):
     """FedAvg of the tensors that ``kind`` makes trainable."""
 
     kind: ClassVar[Trainable]
+    #: Whether ``method.lora.use_dora`` composes with the method: DoRA's magnitude is one
+    #: more trained and averaged tensor, which a plain FedAvg of LoRA takes as it is.
+    dora: ClassVar[bool] = False
 
     def trainable_kind(self) -> Trainable:
         """What is trainable: the config's ``trainable`` where the method has that option
@@ -47,7 +50,7 @@ class FedAvgPeft(Method):
         if self.trainable_kind() != "lora":
             return super().export(model, tensors, out_dir)
         config = model.backbone.peft_config["default"]
-        write_lora_adapter(config, self.lora_terms(model, tensors), out_dir)
+        write_lora_adapter(config, self.lora_terms(model, tensors), out_dir, dora_magnitudes(model, tensors))
         head = {k.removeprefix("head."): v.contiguous() for k, v in tensors.items() if k.startswith("head.")}
         if head:
             save_file(head, str(out_dir / "head.safetensors"))

@@ -48,6 +48,7 @@ class FeDeRAConfig(MethodConfig):
 
 
 class FeDeRA(FedAvgPeft):
+    dora = True
     name = "federa"
     config_cls = FeDeRAConfig
     kind = "lora"

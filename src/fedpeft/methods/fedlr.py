@@ -17,6 +17,7 @@ class FedLRConfig(MethodConfig):
 
 
 class FedLR(FedAvgPeft):
+    dora = True
     name = "fedlr"
     config_cls = FedLRConfig
     kind = "lora"

@@ -43,6 +43,7 @@ class FFALoRAConfig(MethodConfig):
 
 
 class FFALoRA(FedAvgPeft):
+    dora = True
     name = "ffalora"
     config_cls = FFALoRAConfig
     kind = "lora"

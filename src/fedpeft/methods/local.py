@@ -23,6 +23,7 @@ class LocalConfig(MethodConfig):
 
 
 class LocalOnly(FedAvgPeft):
+    dora = True
     name = "local"
     config_cls = LocalConfig
 

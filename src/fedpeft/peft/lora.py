@@ -22,6 +22,12 @@ class LoraSpec(BaseModel):
     r: int = Field(8, ge=1, description="Rank r of B A.")
     alpha: float = Field(16.0, gt=0, description="Scale numerator: the update is (alpha / r) B A.")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch input.")
+    use_dora: bool = Field(
+        False,
+        description="DoRA (Liu et al., ICML 2024; HF PEFT's): each adapted weight as a trained magnitude "
+        "per output times the direction of W0 + s B A; for the LoRA methods it composes with (fedlr, "
+        "federa, ffalora, local, centralized).",
+    )
     target_modules: list[str] = Field(
         default_factory=lambda: ["query", "value"],
         description="Module names to adapt; [query, value] (the papers'): the attention's query and "
@@ -71,7 +77,13 @@ def add_lora(backbone: nn.Module, spec: LoraSpec) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     targets = default_targets(getattr(backbone.config, "model_type", ""), spec.target_modules)
-    config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=targets)
+    config = LoraConfig(
+        r=spec.r,
+        lora_alpha=spec.alpha,
+        lora_dropout=spec.dropout,
+        target_modules=targets,
+        use_dora=spec.use_dora,
+    )
     try:
         return get_peft_model(backbone, config)
     except ValueError as err:
@@ -89,7 +101,9 @@ def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
 LoraTerm = tuple[float, torch.Tensor, torch.Tensor]
 
 
-def write_lora_adapter(config, terms: dict[str, list[LoraTerm]], out_dir: Path) -> None:
+def write_lora_adapter(
+    config, terms: dict[str, list[LoraTerm]], out_dir: Path, magnitudes: dict[str, torch.Tensor] | None = None
+) -> None:
     """Write one HF PEFT LoRA adapter whose update of module ``m`` is ``sum_k s_k B_k A_k``
     over ``terms[m]`` (module names as in the TaskModel, ``backbone.`` first).
 
@@ -99,7 +113,9 @@ def write_lora_adapter(config, terms: dict[str, list[LoraTerm]], out_dir: Path) 
     (HF PEFT converts PiSSA adapters the same way). With one term this is the plain
     adapter, rank and scale unchanged. ``config`` is the ``LoraConfig`` the model was
     built with (target modules, dropout); ``PeftModel.from_pretrained`` on the
-    *pretrained* backbone then computes exactly the adapted model.
+    *pretrained* backbone then computes exactly the adapted model. ``magnitudes``: DoRA's
+    trained magnitude of each module (``use_dora``): DoRA normalises ``W0 + s B' A'``,
+    the same matrix as the trained model's, so the same magnitude applies.
     """
     from safetensors.torch import save_file
 
@@ -111,6 +127,8 @@ def write_lora_adapter(config, terms: dict[str, list[LoraTerm]], out_dir: Path) 
         key = module.removeprefix("backbone.")
         state[f"{key}.lora_A.weight"] = a.contiguous()
         state[f"{key}.lora_B.weight"] = b.contiguous()
+        if magnitudes is not None:
+            state[f"{key}.lora_magnitude_vector"] = magnitudes[module].contiguous()
         ranks.add(a.shape[0])
     if len(ranks) != 1:  # pragma: no cover - every fedpeft method adapts all modules at one rank
         raise ValueError(f"adapted modules have different total ranks {sorted(ranks)}")
@@ -120,6 +138,20 @@ def write_lora_adapter(config, terms: dict[str, list[LoraTerm]], out_dir: Path) 
     out_dir.mkdir(parents=True, exist_ok=True)
     out.save_pretrained(str(out_dir))
     save_file(state, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def dora_magnitudes(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """DoRA's magnitude of every adapted module (from ``tensors``, else the model's own),
+    or None when the model's LoRA is not DoRA."""
+    layers = lora_layers(model)
+    if not any(len(layer.lora_magnitude_vector) for layer in layers.values()):
+        return None
+    own = dict(model.named_parameters())
+    out = {}
+    for name in layers:
+        key = f"{name}.lora_magnitude_vector.default.weight"
+        out[name] = tensors.get(key, own[key]).detach()
+    return out
 
 
 def lora_terms(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, list[LoraTerm]]:
