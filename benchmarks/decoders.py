@@ -162,11 +162,15 @@ def measure(row: dict, args: argparse.Namespace) -> dict:
 
 
 def rows(args: argparse.Namespace) -> list[dict]:
+    """Every configuration; on a CPU without bfloat16 kernels (``--bf16-alone``) bfloat16 one
+    client at a time only: it computes 30 times slower than float32 there."""
     out = []
     for precision in args.precisions.split(","):
         quantised = PRECISIONS[precision][1] != "none"
         for checkpointing in (False, True):
             out.append({"precision": precision, "clients": 1, "mode": "auto", "checkpointing": checkpointing})
+            if precision == "bf16" and args.bf16_alone:
+                continue
             modes = ["auto"] if quantised or checkpointing else ["auto", "folded"]  # auto is vmap here
             out += [
                 {"precision": precision, "clients": args.cohort, "mode": m, "checkpointing": checkpointing}
@@ -185,6 +189,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="timed steps a round")
     ap.add_argument("--cohort", type=int, default=4, help="clients of a cohort")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--bf16-alone", action="store_true", help="bfloat16 one client at a time only (a CPU)")
     ap.add_argument("--work", type=Path, default=Path("benchmarks/results/decoders"))
     args = ap.parse_args()
     args.backbone_path = backbone_path(args)
