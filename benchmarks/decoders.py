@@ -41,31 +41,29 @@ PRECISIONS = {  # name: (model.dtype, model.quantization)
 }
 
 
-def random_1b(work: Path) -> Path:
-    """A Llama-3.2-1B-shaped decoder with random weights and SmolLM2's tokenizer, saved
-    under ``work`` (once; bfloat16 on disk)."""
+#: Llama-3.2-1B's shape (with SmolLM2's vocabulary: 1.1 B parameters)
+SHAPE_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+            "num_attention_heads": 32, "num_key_value_heads": 8}  # fmt: skip
+
+
+def random_decoder(out: Path, shape: dict) -> Path:
+    """A Llama-shaped decoder of ``shape`` with random weights and SmolLM2's tokenizer,
+    saved to ``out`` (once; bfloat16 on disk): a model of that size without a download."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from fedpeft.models.backbone import SMOLLM2_GGUF, bundled_smollm2_dir
 
-    out = work / "random-1b"
     if (out / "config.json").is_file():
         return out
     tok = AutoTokenizer.from_pretrained(str(bundled_smollm2_dir()), gguf_file=SMOLLM2_GGUF)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096, tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        vocab_size=len(tok), max_position_embeddings=4096, tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **shape,
     )  # fmt: skip
     torch.manual_seed(0)
-    with torch.device("meta"):
-        shapes = LlamaForCausalLM(config)
-    print(
-        f"writing a random {sum(p.numel() for p in shapes.parameters()) / 1e9:.2f} B decoder to {out}",
-        flush=True,
-    )
     model = LlamaForCausalLM(config).to(torch.bfloat16)
+    print(f"writing a random {model.num_parameters() / 1e9:.2f} B decoder to {out}", flush=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
@@ -77,7 +75,7 @@ def backbone_path(args: argparse.Namespace) -> str:
     in every process would take longer than the measurement), the random 1 B decoder, or
     the path given."""
     if args.backbone == "random-1b":
-        return str(random_1b(args.work))
+        return str(random_decoder(args.work / "random-1b", SHAPE_1B))
     if args.backbone == "bundled-smollm2":
         from fedpeft.models.backbone import SMOLLM2_GGUF, bundled_smollm2_dir, dequantised_gguf
 
