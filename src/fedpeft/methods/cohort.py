@@ -350,6 +350,28 @@ def backprop(loss: Callable[[Tensors, Tensors, StepInput], torch.Tensor], scale:
     return gradients
 
 
+def group_backprop(model: torch.nn.Module, group: set[str]) -> GradientFn:
+    """:func:`backprop` of the model's loss with respect to the tensors named in ``group``
+    only: the others enter the loss as constants and get no gradient (nor any step); a
+    method whose local round trains part of its tensors (FedRep's phases, RoLoRA's halves)."""
+    loss, scale = model_loss(model), model_scale(model)
+
+    def gradients(params: Tensors, consts: Tensors, batches: StepInput):
+        frozen = {n: t for n, t in params.items() if n not in group}
+        trained = {n: t for n, t in params.items() if n in group}
+        return backprop(lambda p, c, b: loss({**frozen, **p}, b[0]), scale)(trained, consts, batches)
+
+    return gradients
+
+
+def carry_kept_state(job: Job, result: FitResult) -> FitResult:
+    """``result`` with the kept optimizer state (``opt.*``) of tensors its round did not
+    train carried over from the client's personal state (the round's own wins)."""
+    kept = {k: t for k, t in job.personal.items() if k.startswith(OPT)}
+    result.personal = {**kept, **result.personal}
+    return result
+
+
 def backprop_reporting(
     objective: Callable[[Tensors, Tensors, StepInput], tuple[torch.Tensor, torch.Tensor]], scale: float = 1.0
 ) -> GradientFn:

@@ -48,14 +48,11 @@ from pydantic import Field
 
 from fedpeft.methods.base import FitResult, Job, MethodConfig, Tensors, local_steps
 from fedpeft.methods.cohort import (
-    OPT,
     GradientFn,
     Start,
-    StepInput,
-    backprop,
+    carry_kept_state,
     derive_seed,
-    model_loss,
-    model_scale,
+    group_backprop,
     optimizer_state,
     run_cohort,
 )
@@ -158,19 +155,8 @@ class FedRep(FedAvgPeft):
     def step_gradients(self, model) -> GradientFn:
         """Backprop of the cross-entropy with respect to the phase's group only: the
         other group enters the loss as a constant and gets no gradient (nor any step)."""
-        loss, group, scale = model_loss(model), set(self.optimised_names()), model_scale(model)
-
-        def gradients(params: Tensors, consts: Tensors, batches: StepInput):
-            frozen = {n: t for n, t in params.items() if n not in group}
-            trained = {n: t for n, t in params.items() if n in group}
-            step = backprop(lambda p, c, b: loss({**frozen, **p}, b[0]), scale)
-            return step(trained, consts, batches)
-
-        return gradients
+        return group_backprop(model, set(self.optimised_names()))
 
     def cohort_finish(self, job: Job, params: Tensors, opt: Tensors, metrics: dict[str, float]) -> FitResult:
         """The phase's result, with the other phase's kept optimizer state carried along."""
-        result = super().cohort_finish(job, params, opt, metrics)
-        kept = {k: t for k, t in job.personal.items() if k.startswith(OPT)}
-        result.personal = {**kept, **result.personal}
-        return result
+        return carry_kept_state(job, super().cohort_finish(job, params, opt, metrics))

@@ -19,15 +19,7 @@ from typing import Literal
 from pydantic import Field
 
 from fedpeft.methods.base import FitResult, Job, MethodConfig, ServerState, Start, Tensors
-from fedpeft.methods.cohort import (
-    OPT,
-    GradientFn,
-    StepInput,
-    backprop,
-    model_loss,
-    model_scale,
-    optimizer_state,
-)
+from fedpeft.methods.cohort import GradientFn, carry_kept_state, group_backprop, optimizer_state
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.peft import LoraSpec
 
@@ -90,23 +82,14 @@ class RoLoRA(FedAvgPeft):
     def step_gradients(self, model) -> GradientFn:
         """Backprop with respect to the round's half and the head only: the other factor
         enters the loss as a constant and gets no gradient (nor any step)."""
-        loss, group, scale = model_loss(model), set(self.optimised_names()), model_scale(model)
-
-        def gradients(params: Tensors, consts: Tensors, batches: StepInput):
-            frozen = {n: t for n, t in params.items() if n not in group}
-            trained = {n: t for n, t in params.items() if n in group}
-            return backprop(lambda p, c, b: loss({**frozen, **p}, b[0]), scale)(trained, consts, batches)
-
-        return gradients
+        return group_backprop(model, set(self.optimised_names()))
 
     def cohort_finish(self, job: Job, params: Tensors, opt: Tensors, metrics: dict[str, float]) -> FitResult:
         """The round's half (and the head) as the uplink; a kept optimizer state of the
         other half carried along."""
-        result = super().cohort_finish(job, params, opt, metrics)
+        result = carry_kept_state(job, super().cohort_finish(job, params, opt, metrics))
         group = set(self.optimised_names())
         result.uplink = {n: t for n, t in result.uplink.items() if n in group}
-        kept = {k: t for k, t in job.personal.items() if k.startswith(OPT)}
-        result.personal = {**kept, **result.personal}
         return result
 
     # ----- the server: the mean of the half that was sent, the other half as it was
