@@ -77,7 +77,11 @@ PERSONAL_CASES = [(PF2, {}), (PF2, KEEP), ({"name": "fedsalora"}, {}), (HET, KEE
                   (FDLORA, {}), ({"name": "fedmcp"}, SCAFFOLD)]  # fmt: skip
 
 
-@pytest.mark.parametrize(("method", "over"), CASES)
+def case_ids(cases) -> list[str]:
+    return [f"{m['name']}{'+' + '+'.join(k.split('.')[-1] for k in over) if over else ''}" for m, over in cases]
+
+
+@pytest.mark.parametrize(("method", "over"), CASES, ids=case_ids(CASES))
 def test_same_metrics_as_in_process(tiny_config, tmp_path, method, over):
     """HETLoRA: client ranks below r_max pass the server's update check; with ``keep`` each
     node's optimizer state carries over its rounds as in-process."""
@@ -107,7 +111,7 @@ def test_same_metrics_as_in_process(tiny_config, tmp_path, method, over):
     assert all(r["dropped"] == {} for r in b if "dropped" in r)  # no update refused
 
 
-@pytest.mark.parametrize(("method", "over"), PERSONAL_CASES)
+@pytest.mark.parametrize(("method", "over"), PERSONAL_CASES, ids=case_ids(PERSONAL_CASES))
 def test_personal_state_stays_on_the_nodes(tiny_config, tmp_path, method, over):
     """Personal parameters, kept optimizer state (``opt.*``), HETLoRA's own adapter
     (``own.*``) and SCAFFOLD's client control (``control.*``) never appear in a message;

@@ -281,7 +281,7 @@ class FlowerServer:
                     dropped[cid] = diverged[cid] = f"non-finite: {reason}"
                     continue
                 codec.check_tensors(
-                    self.method.uplink_as_shared(uplink), self.uplink_like, f"client {cid} update"
+                    self.method.uplink_as_shared(uplink), self.round_uplink_like(rnd), f"client {cid} update"
                 )
                 codec.check_tensors(result.control, control, f"client {cid} control update")
             except (codec.ReplyError, KeyError) as err:
@@ -338,7 +338,7 @@ class FlowerServer:
             self.context,
             rnd,
             instructions,
-            self.uplink_like,
+            self.round_uplink_like(rnd),
             max_weight,
             self.deploy.round_timeout,
         )
@@ -381,10 +381,14 @@ class FlowerServer:
             "bytes_down": counted.down,
             "bytes_up": counted.up,
             "payload_bytes_down": payload_down,
-            "payload_bytes_up": len(returned) * tensor_bytes(self.uplink_like),
+            "payload_bytes_up": len(returned) * tensor_bytes(self.round_uplink_like(rnd)),
             "time_fit_max": max((m["time_fit"] for m in per_client), default=float("nan")),
             **({"client_readout": readouts} if any(readouts.values()) else {}),
         }
+
+    def round_uplink_like(self, rnd: int) -> Tensors:
+        """The names, shapes and dtypes of a client's update in round ``rnd``."""
+        return {n: self.uplink_like[n] for n in self.method.uplink_names(rnd)}
 
     def evaluate(self, server: ServerState, rnd: int, peers: dict[int, Peer]) -> dict:
         """Global-test scores of the global model (or the clients' mean when there is

@@ -287,6 +287,11 @@ class Method:
         aggregate calls :attr:`mean`)."""
         return self.server_step_refusal()
 
+    def uplink_names(self, rnd: int) -> list[str]:
+        """The shared tensors a client's update of round ``rnd`` carries (what a networked
+        server checks it against; RoLoRA's rounds send half of them). Default: all."""
+        return list(self.shared_names)
+
     def uplink_as_shared(self, uplink: Tensors) -> Tensors:
         """A client's update in the names and shapes of the shared state, which a networked
         server checks every update against (HETLoRA zero-pads a smaller rank); default: as is."""

@@ -97,5 +97,6 @@ class RoLoRA(FedAvgPeft):
         sent = self.mean([r.uplink for r in results], [r.num_examples for r in results])
         return ServerState({**server.tensors, **sent}, server.extras)
 
-    def uplink_as_shared(self, uplink: Tensors) -> Tensors:
-        return uplink
+    def uplink_names(self, rnd: int) -> list[str]:
+        other = ".lora_A." if half_of_round(rnd) == "B" else ".lora_B."
+        return [n for n in self.shared_names if other not in n]
