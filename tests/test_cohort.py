@@ -75,6 +75,7 @@ VECTORISED = [
     "ffalora",
     "fedsalora",
     "rolora",
+    "fedexlora",
 ]
 
 

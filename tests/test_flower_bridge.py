@@ -69,7 +69,7 @@ SERVER_LAYERS = {"server.optimizer": "fedadam", "server.lr": 0.05, "server.aggre
 SCAFFOLD = {"train.correction": "scaffold", "train.optimizer": "sgd", "train.lr": 0.05}
 CASES = [({"name": "fedlr"}, {}), (PF2, {}), ({"name": "federa"}, {}), (HET, KEEP), ({"name": "fedmcp"}, {}),
          (FDLORA, {}), ({"name": "c2a"}, {}), ({"name": "ffalora"}, {}),
-         ({"name": "rolora"}, KEEP), ({"name": "fedlr"}, SERVER_LAYERS),
+         ({"name": "rolora"}, KEEP), ({"name": "fedexlora"}, {}), ({"name": "fedlr"}, SERVER_LAYERS),
          ({"name": "fedmcp"}, SCAFFOLD)]  # fmt: skip
 #: methods whose clients receive a join message once (FeDeRA's initial A, B; FFA-LoRA's frozen A)
 JOINING = ("federa", "ffalora")
@@ -78,7 +78,9 @@ PERSONAL_CASES = [(PF2, {}), (PF2, KEEP), ({"name": "fedsalora"}, {}), (HET, KEE
 
 
 def case_ids(cases) -> list[str]:
-    return [f"{m['name']}{'+' + '+'.join(k.split('.')[-1] for k in over) if over else ''}" for m, over in cases]
+    return [
+        f"{m['name']}{'+' + '+'.join(k.split('.')[-1] for k in over) if over else ''}" for m, over in cases
+    ]
 
 
 @pytest.mark.parametrize(("method", "over"), CASES, ids=case_ids(CASES))

@@ -188,3 +188,74 @@ def test_dora_is_refused_where_it_does_not_compose(tiny_config):
 
     with pytest.raises(ConfigError, match="method.lora.use_dora: not for method hetlora"):
         build(tiny_config(method={"name": "hetlora", "lora": {"use_dora": True}}))
+
+
+def test_fedexlora_folds_the_residual_so_the_global_update_is_exact(tiny_config):
+    """After a round, the new frozen weight plus ``s B_bar A_bar`` equals the old frozen
+    weight plus the clients' weighted mean ``s B_k A_k`` in every module (FedEx-LoRA's
+    exactness), the residual is not zero (the factors' mean alone would have missed it),
+    and the frozen weights travel down, never up."""
+    setup = build(tiny_config(method={"name": "fedexlora"}, **{"train.local_steps": 3}))
+    method, model = setup.method, setup.model
+    server = method.init_server(model)
+    frozen = [w for w, _ in method.modules.values()]
+    assert set(frozen) <= set(method.downlink(server, 0)) and not set(frozen) & set(method.shared_names)
+    results = method.fit_cohort(model, _jobs(setup, [0, 1, 2]))
+    assert all(not set(frozen) & set(r.uplink) for r in results)
+    weights = torch.tensor([float(r.num_examples) for r in results], dtype=torch.float64)
+    weights /= weights.sum()
+    new = method.aggregate(server, results, 1).tensors
+    for name, (w, scale) in method.modules.items():
+        a, b = f"{name}.lora_A.default.weight", f"{name}.lora_B.default.weight"
+        got = new[w].double() + scale * new[b].double() @ new[a].double()
+        mean = sum(
+            p * scale * r.uplink[b].double() @ r.uplink[a].double()
+            for p, r in zip(weights, results, strict=True)
+        )
+        want = server.tensors[w].double() + mean
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert float((new[w] - server.tensors[w]).abs().max()) > 0
+
+
+def test_fedexlora_counts_the_frozen_weights_it_sends_and_exports_one_peft_adapter(tiny_config, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModel
+
+    import fedpeft
+
+    cfg = tiny_config(method={"name": "fedexlora"}, **{"train.rounds": 2})
+    run(cfg)
+    lr = tiny_config(method={"name": "fedlr"}, **{"train.rounds": 2}, output_dir=str(tmp_path / "lr"))
+    run(lr)
+    setup = build(cfg)
+    frozen = sum(t.numel() * 4 for t in setup.method.pretrained.values())
+    ours, theirs = read_records(cfg.output_dir), read_records(lr.output_dir)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a["bytes_up"] == b["bytes_up"]  # the factors and the head, as FedLR
+        assert a["bytes_down"] == b["bytes_down"] + frozen * len(a["clients"])
+    adapter = cfg.output_dir / "adapter"
+    loaded = fedpeft.load_export(adapter)
+    peft_model = PeftModel.from_pretrained(AutoModel.from_pretrained(cfg.model.backbone), str(adapter)).eval()
+    batch = loaded.tokenizer(["a small dog", "to run quickly"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded.model.backbone(**batch).last_hidden_state,
+            peft_model(**batch).last_hidden_state,
+            rtol=1e-5,
+            atol=1e-5,
+        )
+
+
+@pytest.mark.parametrize(
+    "over, says",
+    [
+        ({"server.optimizer": "fedadam"}, "server.optimizer"),
+        ({"server.aggregation": "median"}, "server.aggregation"),
+        ({"privacy": {"mode": "user", "noise_multiplier": 1.0}}, "privacy.mode"),
+    ],
+)
+def test_fedexlora_refuses_what_would_break_its_exactness(tiny_config, over, says):
+    from fedpeft.config import ConfigError
+
+    with pytest.raises(ConfigError, match=says):
+        build(tiny_config(method={"name": "fedexlora"}, **over))

@@ -45,6 +45,7 @@ CLAIMS = {
     "ffalora": lambda n: "lora_B" in n or n.startswith("head."),  # A frozen
     "fedsalora": lambda n: "lora_" in n or n.startswith("head."),
     "rolora": lambda n: "lora_" in n or n.startswith("head."),
+    "fedexlora": lambda n: "lora_" in n or n.startswith("head."),
 }
 
 
@@ -75,9 +76,13 @@ def test_conformance(method_name, tiny_config):
     setup = build(cfg)
     model, method = setup.model, setup.method
     # A method may rewrite frozen weights once, as every client does on joining (FeDeRA's
-    # residual); from then on the backbone must not move.
+    # residual); from then on the backbone must not move, but for the frozen tensors the
+    # server holds and hands down (FedEx-LoRA's frozen weights, which take its residuals)
     method.join(model, method.join_message(method.init_server(model)))
-    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    carried = set(method.server_frozen_names())
+    frozen = {
+        n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad and n not in carried
+    }
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -111,6 +116,7 @@ def test_conformance(method_name, tiny_config):
     # bytes accounted == bytes of the tensors exchanged, plus, down, the one-time join
     # message at each client's first contact; never more than the shared state (float32)
     shared_bytes = sum(params[n].numel() * 4 for n in method.shared_names)
+    carried_bytes = sum(params[n].numel() * 4 for n in carried)
     join_bytes = tensor_bytes(method.join_message(ckpt.server))
     per_round = 1 if method.pooled else cfg.train.clients_per_round
     seen: set[int] = set()
@@ -124,18 +130,19 @@ def test_conformance(method_name, tiny_config):
             continue
         assert r["bytes_up"] == up <= per_round * shared_bytes
         assert r["bytes_down"] == down + first_contacts * join_bytes
-        assert down <= per_round * shared_bytes
+        assert down <= per_round * (shared_bytes + carried_bytes)
     # personal tensors never sent; shared and personal partition the trainable set
     assert sent_up and sent_down
     for message in sent_up + sent_down:
         assert set(message).isdisjoint(method.personal_names)
+    assert all(set(message).isdisjoint(carried) for message in sent_up)  # handed down, never back
     assert set(method.shared_names).isdisjoint(method.personal_names)
     assert set(method.shared_names) | set(method.personal_names) == set(trainable)
     # the checkpoint holds the final server state and every trained client's personal state:
     # its personal parameters, plus only private entries (kept optimizer state, HETLoRA's own model)
     for state in ckpt.personal.values():
         assert {n for n in state if not n.startswith(PRIVATE)} == set(method.personal_names)
-    assert set(ckpt.server.tensors) == set(method.shared_names)
+    assert set(ckpt.server.tensors) == set(method.shared_names) | carried
     assert summary["params"]["trainable"] == sum(params[n].numel() for n in trainable)
 
 

@@ -443,7 +443,7 @@ def export(
         info.update(pooling=cfg.model.pooling, id2label=dict(enumerate(setup.corpus.class_names)))
     config = {"config": cfg.model_dump(mode="json")}
     if method.shared_names:
-        shared = {n: server_tensors[n] for n in method.shared_names}
+        shared = {n: server_tensors[n] for n in method.global_export_names()}
         refuse_nonfinite(shared, target)
         exported["global"] = str(method.export(setup.model, shared, target))
         R.write_json(target / "fedpeft_model.json", {**info, "part": "global", **config})

@@ -221,14 +221,15 @@ class InProcessEngine:
         return restrict_heads(self.method.init_client(self.model, self.initial, client), client.classes), {}
 
     def load(self, tensors: Tensors) -> None:
-        """Load tensors into the model unless exactly these are loaded already."""
+        """Load tensors into the model unless exactly these are loaded already: every
+        trainable tensor, and any frozen one a method's state holds (FedEx-LoRA's frozen
+        weights)."""
         # Holding the tensors themselves (not their ids) keeps the identity test sound.
         same = len(tensors) == len(self._loaded) and all(
             a is b for a, b in zip(tensors.values(), self._loaded, strict=True)
         )
         if not same:
-            if set(tensors) != self.trainable:  # a partial load would leave another client's values
-                missing = sorted(self.trainable - set(tensors))[:3]
+            if missing := sorted(self.trainable - set(tensors))[:3]:  # would leave another client's values
                 raise RuntimeError(f"method {self.method.name}: state to load lacks {missing}")
             load_tensors(self.model, tensors)
             self._loaded = tuple(tensors.values())

@@ -15,6 +15,7 @@ from fedpeft.methods.fedamp import FedAMP
 from fedpeft.methods.fedap import FedAP
 from fedpeft.methods.fedbf import FedBF
 from fedpeft.methods.federa import FeDeRA
+from fedpeft.methods.fedexlora import FedExLoRA
 from fedpeft.methods.fedft import FedFT
 from fedpeft.methods.fedkd import FedKD
 from fedpeft.methods.fedlr import FedLR
@@ -62,6 +63,7 @@ REGISTRY: dict[str, type[Method]] = {
         FFALoRA,
         FedSALoRA,
         RoLoRA,
+        FedExLoRA,
     )
 }
 

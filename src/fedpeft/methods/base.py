@@ -287,6 +287,18 @@ class Method:
         aggregate calls :attr:`mean`)."""
         return self.server_step_refusal()
 
+    def server_frozen_names(self) -> list[str]:
+        """Frozen tensors of the model that the server holds and hands to clients with the
+        shared ones, and that change over a run (FedEx-LoRA's frozen weights, into which it
+        folds residuals); they enter a client's step as constants and are never sent back.
+        Default: none (the backbone never moves)."""
+        return []
+
+    def global_export_names(self) -> list[str]:
+        """The server's tensors the global export is written from: the shared ones and
+        :meth:`server_frozen_names`."""
+        return [*self.shared_names, *self.server_frozen_names()]
+
     def uplink_names(self, rnd: int) -> list[str]:
         """The shared tensors a client's update of round ``rnd`` carries (what a networked
         server checks it against; RoLoRA's rounds send half of them). Default: all."""

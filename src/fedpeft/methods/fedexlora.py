@@ -1,0 +1,116 @@
+"""FedEx-LoRA: FedAvg of LoRA's ``A`` and ``B``, made exact by folding the residual into
+the frozen weights.
+
+Paper: Singhal, Ponkshe and Vepakomma, "FedEx-LoRA: Exact Aggregation for Federated and
+Efficient Fine-Tuning of Foundation Models", ACL 2025 (docs/lora_family.md states it,
+with where fedpeft departs).
+
+The mean of the factors is not the mean of the updates: ``s B_bar A_bar`` misses
+``s (sum_k p_k B_k A_k - B_bar A_bar)``. FedEx-LoRA averages ``A`` and ``B`` as FedAvg
+does (weights ``p_k = |D_k| / sum |D|``) and adds that residual to every adapted
+module's frozen weight, so that the global model's frozen weight plus ``s B_bar A_bar``
+is exactly the frozen weight plus the clients' mean update. Clients start the next round
+from ``A_bar, B_bar`` on the new frozen weight.
+
+The frozen weight of each adapted module is therefore server state here (``<module>.
+base_layer.weight`` beside the factors): checkpointed, handed to clients with the
+factors every round (its bytes counted in the downlink, as the residual's are in the
+paper), entering a client's step as a constant (no gradient), never sent back.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from fedpeft.methods.base import FitResult, MethodConfig, ServerState, Tensors, read_tensors
+from fedpeft.methods.cohort import GradientFn, group_backprop
+from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.peft import LoraSpec
+from fedpeft.peft.lora import LoraTerm, lora_layers
+
+
+class FedExLoRAConfig(MethodConfig):
+    """FedAvg of LoRA plus the residual folded into the frozen weights. Paper: FedEx-LoRA
+    (Singhal et al., ACL 2025)."""
+
+    name: Literal["fedexlora"] = "fedexlora"
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+
+
+class FedExLoRA(FedAvgPeft):
+    name = "fedexlora"
+    config_cls = FedExLoRAConfig
+    kind = "lora"
+
+    def prepare(self, model) -> None:
+        if any(not p.is_floating_point() for p in model.parameters()):
+            raise ValueError(
+                "method fedexlora folds each round's residual into the frozen weights, which a quantised "
+                "backbone (model.quantization) cannot hold: use model.quantization none"
+            )
+        super().prepare(model)
+        layers = lora_layers(model)
+        #: per adapted module: its frozen weight's name and LoRA's scale s
+        self.modules = {
+            name: (f"{name}.base_layer.weight", layer.scaling["default"]) for name, layer in layers.items()
+        }
+        frozen = read_tensors(model, [w for w, _ in self.modules.values()])
+        self.pretrained = {n: t.float() for n, t in frozen.items()}  # W0, for the export
+
+    def server_step_refusal(self) -> str:
+        return (
+            "its aggregate folds the residual of the clients' products into the frozen weights; a server "
+            "step on the factors would leave that residual stale"
+        )
+
+    def robust_refusal(self) -> str:
+        return "its residual is of the clients' weighted mean; another rule would break the exactness"
+
+    # ----- the frozen weights as server state, a constant of every client's step
+    def init_server(self, model) -> ServerState:
+        return ServerState({**read_tensors(model, self.shared_names), **dict(self.pretrained)})
+
+    def step_gradients(self, model) -> GradientFn:
+        return group_backprop(model, set(self.optimised_names()))
+
+    # ----- the exact aggregate
+    def aggregate(self, server: ServerState, results: list[FitResult], rnd: int) -> ServerState:
+        weights = torch.tensor([float(r.num_examples) for r in results], dtype=torch.float64)
+        weights /= weights.sum()
+        mean = self.mean([r.uplink for r in results], [r.num_examples for r in results])
+        tensors = {**server.tensors, **mean}
+        for name, (frozen, scale) in self.modules.items():
+            a, b = f"{name}.lora_A.default.weight", f"{name}.lora_B.default.weight"
+            exact = sum(
+                w * r.uplink[b].double() @ r.uplink[a].double() for w, r in zip(weights, results, strict=True)
+            )
+            residual = scale * (exact - mean[b].double() @ mean[a].double())
+            tensors[frozen] = (server.tensors[frozen].double() + residual).to(server.tensors[frozen].dtype)
+        return ServerState(tensors, server.extras)
+
+    # ----- export: the factors and the folded residuals, one PEFT adapter on W0
+    def lora_terms(self, model, tensors: Tensors) -> dict[str, list[LoraTerm]]:
+        """``s B A`` and, per module, the residuals folded so far, ``W - W0``, as a term of
+        rank ``min(d_out, d_in)`` (its SVD, ``U S`` and ``V^T``), zero-padded to one rank
+        for all modules (PEFT's adapter has one rank): on the pretrained backbone, the
+        trained model."""
+        terms = super().lora_terms(model, tensors)
+        folded = {}
+        for name, (frozen, _) in self.modules.items():
+            u, s, vh = torch.linalg.svd(
+                tensors[frozen].double() - self.pretrained[frozen].double(), full_matrices=False
+            )
+            folded[name] = ((u * s).float(), vh.float())
+        rank = max(vh.shape[0] for _, vh in folded.values())
+        for name, (us, vh) in folded.items():
+            pad = rank - vh.shape[0]
+            a = torch.cat([vh, vh.new_zeros(pad, vh.shape[1])])
+            b = torch.cat([us, us.new_zeros(us.shape[0], pad)], dim=1)
+            terms[name].append((1.0, a, b))
+        return terms
+
+    def server_frozen_names(self) -> list[str]:
+        return [w for w, _ in self.modules.values()]
