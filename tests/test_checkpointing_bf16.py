@@ -93,7 +93,10 @@ def test_a_checkpointed_classifier_folds_its_cohorts_and_refuses_vmap(tiny_confi
         )
 
 
-@pytest.mark.parametrize("name", ["fedlr", "fedap", "fedbf"])
+@pytest.mark.parametrize(
+    "name",
+    ["fedlr", pytest.param("fedap", marks=pytest.mark.slow), pytest.param("fedbf", marks=pytest.mark.slow)],
+)
 def test_a_bfloat16_backbone_trains_float32_tensors_under_bf16_autocast(tiny_config, tmp_path, name):
     """``model.dtype: bfloat16``: the frozen weights stay bfloat16, the trained ones (LoRA,
     adapters, BitFit's own biases, the head) and the optimizer state float32, and the

@@ -18,6 +18,7 @@ from fedpeft.report.results import read_records  # noqa: E402
 from tests.test_causal_lm import lm_config  # noqa: E402
 
 
+@pytest.mark.slow  # writes and trains a decoder with SmolLM2's tokenizer: about 10 s
 def test_a_random_decoder_of_any_shape_loads_and_trains(tiny_config, tmp_path):
     tiny = {**SHAPE_1B, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
             "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip

@@ -70,6 +70,7 @@ def trained_logits(model, tensors, batch) -> torch.Tensor:
         return model(**batch)
 
 
+@pytest.mark.slow  # the heaviest default test (30-45 s): to the slow tier for the default's 10 minutes
 def test_exports_reproduce_the_trained_models(tiny_config, tiny_backbone, tmp_path):
     """Every LoRA method's global and per-client exports, loaded as the README says in one
     fresh interpreter, give the logits of the models the run trained and scored."""

@@ -465,7 +465,14 @@ def _task_config(task, tiny_config, tiny_decoder, tmp_path, out, **over):
                           "data.max_samples": 120, "data.max_test_samples": 20, **over})  # fmt: skip
 
 
-@pytest.mark.parametrize("task", ["causal_lm", "token_classification", "extractive_qa"])
+@pytest.mark.parametrize(
+    "task",
+    [
+        "causal_lm",
+        "token_classification",
+        pytest.param("extractive_qa", marks=pytest.mark.slow),
+    ],  # QA: 25-40 s
+)
 def test_every_task_deploys_with_the_in_process_metrics(tiny_config, tiny_decoder, tmp_path, task):
     """Instruction tuning (loss, perplexity, generation scores), NER (entity scores) and
     extractive QA (EM, F1) deployed: each node scores its own model with the task's

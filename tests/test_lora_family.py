@@ -71,6 +71,7 @@ def test_ffalora_aggregate_is_the_weighted_mean_of_the_clients_updates(tiny_conf
         torch.testing.assert_close(update, want, rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.slow  # a run and two loads; every method's export loads in test_export_load (slow) too
 def test_ffalora_exports_a_plain_peft_adapter_with_its_frozen_a(tiny_config, tmp_path):
     """The export is one HF PEFT LoRA adapter (A frozen, B trained): loaded onto the
     pretrained backbone with ``PeftModel.from_pretrained`` it is the trained model."""
@@ -93,6 +94,7 @@ def test_ffalora_exports_a_plain_peft_adapter_with_its_frozen_a(tiny_config, tmp
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # three decoder runs
 @pytest.mark.parametrize("name", ["ffalora", "fedsalora", "rolora"])
 def test_the_family_trains_on_a_decoder(tiny_config, tiny_decoder, name):
     from tests.test_causal_lm import lm_config
@@ -153,7 +155,14 @@ def test_rolora_trains_and_sends_b_then_a_in_turn(tiny_config):
         server = new
 
 
-@pytest.mark.parametrize("name", ["fedlr", "ffalora", "federa"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "fedlr",
+        pytest.param("ffalora", marks=pytest.mark.slow),
+        pytest.param("federa", marks=pytest.mark.slow),
+    ],
+)
 def test_dora_trains_its_magnitudes_cohorts_and_exports_for_peft(tiny_config, name):
     """``lora.use_dora``: the magnitudes train and travel with the adapters, a cohort gets
     each client's round alone, and the export (A, B and magnitudes, ``use_dora`` in its
@@ -217,6 +226,7 @@ def test_fedexlora_folds_the_residual_so_the_global_update_is_exact(tiny_config)
         assert float((new[w] - server.tensors[w]).abs().max()) > 0
 
 
+@pytest.mark.slow  # two runs and two loads
 def test_fedexlora_counts_the_frozen_weights_it_sends_and_exports_one_peft_adapter(tiny_config, tmp_path):
     from peft import PeftModel
     from transformers import AutoModel
