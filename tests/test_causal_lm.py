@@ -226,6 +226,7 @@ with torch.no_grad():
 """
 
 
+@pytest.mark.slow  # 10-18 s: out of the default tier for its 10 minutes (CI's slow tier runs it)
 def test_lm_export_loads_as_documented_and_reproduces_the_model(tiny_config, tiny_decoder, tmp_path):
     """The global adapter of an instruction-tuned run, loaded in a fresh process with
     ``AutoModelForCausalLM`` + ``PeftModel.from_pretrained`` (docs/tasks.md), gives the

@@ -264,6 +264,7 @@ PORT_TAKEN_LINE = (  # what uvicorn prints for the node's runtime API
 )
 
 
+@pytest.mark.slow  # 10-18 s: out of the default tier for its 10 minutes (CI's slow tier runs it)
 def test_join_restarts_a_node_whose_port_was_taken(tmp_path, monkeypatch):
     """Another program binds the node's port between choosing and binding it: the node is
     started again on a new port; it keeps happening: one line that says so."""
@@ -373,6 +374,7 @@ def test_a_node_not_admitted_is_told_in_one_line():
     assert not echo.refused and "Exit Code: 305" in other.getvalue() and "Disk full." in other.getvalue()
 
 
+@pytest.mark.slow  # 10-18 s: out of the default tier for its 10 minutes (CI's slow tier runs it)
 def test_join_retries_a_node_not_admitted_then_gives_up_in_one_line(tmp_path, monkeypatch):
     """Not admitted (its key not enrolled yet): retried for the grace (at most --max-wait),
     then one line; admitted on a retry (enrolled meanwhile), the node runs on."""

@@ -141,6 +141,7 @@ def test_qa_runs_through_fedpeft_run(tiny_config, tmp_path):
     assert read_summary(cfg.output_dir)["headline"] == "f1"
 
 
+@pytest.mark.slow  # 10-18 s: out of the default tier for its 10 minutes (CI's slow tier runs it)
 @pytest.mark.integration
 def test_question_clusters_become_the_partition_classes():
     """data.question_clusters: k-means over MiniLM sentence embeddings of the questions

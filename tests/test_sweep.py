@@ -40,6 +40,7 @@ def test_aggregate_mean_and_std_over_seeds():
     assert rows[1]["accuracy_std"] == 0.0
 
 
+@pytest.mark.slow  # 10-18 s: out of the default tier for its 10 minutes (CI's slow tier runs it)
 def test_sweep_command_runs_grid_and_resumes(tiny_config, tmp_path):
     cfg = tiny_config(output_dir=str(tmp_path / "sw"))
     path = tmp_path / "exp.yaml"
