@@ -147,6 +147,7 @@ def test_personal_state_stays_on_the_nodes(tiny_config, tmp_path, method, over):
         assert all(set(codec.from_record(m.content["control"])) == shared for m in replies)
 
 
+@pytest.mark.slow  # 10-12 s: out of the default tier for its 10 minutes (CI's slow tier runs it)
 def test_a_kept_node_serves_the_next_run_unless_its_files_changed(tiny_config, tmp_path):
     """A process that lives on (a warm node's worker) keeps each node across runs of the
     same experiment: the second run builds no model and gives the first run's results

@@ -80,6 +80,7 @@ def test_a_dropped_client_keeps_the_denominator_at_s():
     torch.testing.assert_close(mean, torch.full((3,), 1.0))  # (1 + 2) / 3
 
 
+@pytest.mark.slow  # 10-12 s: out of the default tier for its 10 minutes (CI's slow tier runs it)
 def test_the_accountant_is_the_librarys_rdp_with_replace_one_sampling():
     """Epsilon after T rounds equals dp-accounting's RDP accountant composing the round's
     event T times by hand; local mode has no sampling; sigma 0 spends everything."""
@@ -135,6 +136,7 @@ def test_without_noise_and_with_a_clip_no_update_reaches_each_mode_is_the_plain_
     assert summary["mode"] == mode and summary["epsilon"] is None
 
 
+@pytest.mark.slow  # 10-12 s: out of the default tier for its 10 minutes (CI's slow tier runs it)
 def test_a_private_run_records_epsilon_each_round_and_stays_within_its_budget(tiny_config, tmp_path):
     cfg = tiny_config(
         **{"train.rounds": 4, "privacy": {"mode": "user", "target_epsilon": 8.0, "delta": 1e-4, "clip": 0.05}}
