@@ -76,7 +76,12 @@ VECTORISED = [
     "fedsalora",
     "rolora",
     "fedexlora",
+    "flexlora",
 ]
+
+
+#: methods whose clients train different ranks (``method.ranks``) masked in one cohort
+MIXED_RANKS = {"flexlora": {"ranks": [2, 8, 4]}}
 
 
 @pytest.mark.parametrize("optimizer, wd", [("adamw", 0.0), ("adamw", 0.05), ("sgd", 0.01)])
@@ -262,12 +267,15 @@ def test_functional_round_equals_autograd_with_torch_adamw(tiny_config):
 def test_cohort_equals_one_at_a_time(tiny_config, name):
     """Clients of different sizes (so different step counts, in epochs mode) trained as
     one cohort get the rounds they get alone; a client that finishes early stays put."""
-    cfg = tiny_config(method={"name": name}, **{"train.local_steps": None, "train.local_epochs": 1,
-                                                 "train.optimizer_state": "keep"})  # fmt: skip
+    method = {"name": name, **MIXED_RANKS.get(name, {})}
+    cfg = tiny_config(method=method, **{"train.local_steps": None, "train.local_epochs": 1,
+                                         "train.optimizer_state": "keep"})  # fmt: skip
     setup = build(cfg)
     cids = list(range(len(setup.clients)))
     if name == "hetlora":  # masked ranks: clients of different ranks in one cohort
         assert len({setup.method.initial_rank(c) for c in cids}) > 1
+    if name in MIXED_RANKS:
+        assert len({setup.method.rank(c) for c in cids}) > 1
     if name != "centralized":
         sizes = [len(setup.clients[c].train) for c in cids]
         assert len({-(-s // cfg.train.batch_size) for s in sizes}) > 1, (

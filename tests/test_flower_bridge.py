@@ -59,6 +59,7 @@ def serve(grid: FakeGrid, resume: bool = False) -> None:
 
 
 HET = {"name": "hetlora", "lora": {"r": 4}, "r_min": 1}
+FLEX = {"name": "flexlora", "lora": {"r": 4}, "ranks": [1, 4, 2]}
 KEEP = {"train.optimizer_state": "keep"}
 
 
@@ -69,7 +70,7 @@ SERVER_LAYERS = {"server.optimizer": "fedadam", "server.lr": 0.05, "server.aggre
 SCAFFOLD = {"train.correction": "scaffold", "train.optimizer": "sgd", "train.lr": 0.05}
 CASES = [({"name": "fedlr"}, {}), (PF2, {}), ({"name": "federa"}, {}), (HET, KEEP), ({"name": "fedmcp"}, {}),
          (FDLORA, {}), ({"name": "c2a"}, {}), ({"name": "ffalora"}, {}),
-         ({"name": "rolora"}, KEEP), ({"name": "fedexlora"}, {}), ({"name": "fedlr"}, SERVER_LAYERS),
+         ({"name": "rolora"}, KEEP), ({"name": "fedexlora"}, {}), (FLEX, KEEP), ({"name": "fedlr"}, SERVER_LAYERS),
          ({"name": "fedmcp"}, SCAFFOLD)]  # fmt: skip
 #: methods whose clients receive a join message once (FeDeRA's initial A, B; FFA-LoRA's frozen A)
 JOINING = ("federa", "ffalora")

@@ -15,6 +15,9 @@ from fedpeft.peft.lora import lora_layers
 from fedpeft.report.results import read_records
 from tests.test_cohort import _jobs
 
+#: FlexLoRA with clients of ranks 1, 4 and 2 (repeated over the clients) inside r_max = 4
+FLEX = {"name": "flexlora", "lora": {"r": 4}, "ranks": [1, 4, 2]}
+
 
 def module_updates(model, tensors: dict) -> dict[str, torch.Tensor]:
     """``s B A`` of every LoRA module, from ``tensors`` (A or B missing there: the model's)."""
@@ -72,15 +75,18 @@ def test_ffalora_aggregate_is_the_weighted_mean_of_the_clients_updates(tiny_conf
 
 
 @pytest.mark.slow  # a run and two loads; every method's export loads in test_export_load (slow) too
-def test_ffalora_exports_a_plain_peft_adapter_with_its_frozen_a(tiny_config, tmp_path):
-    """The export is one HF PEFT LoRA adapter (A frozen, B trained): loaded onto the
-    pretrained backbone with ``PeftModel.from_pretrained`` it is the trained model."""
+@pytest.mark.parametrize("method", [{"name": "ffalora"}, FLEX], ids=["ffalora", "flexlora"])
+def test_a_plain_lora_export_loads_with_peft(tiny_config, tmp_path, method):
+    """FFA-LoRA's export is one HF PEFT LoRA adapter (A frozen, B trained), FlexLoRA's the
+    server's rank-r_max approximation of the mean update (clients of mixed ranks): loaded
+    onto the pretrained backbone with ``PeftModel.from_pretrained`` each is the trained
+    model."""
     from peft import PeftModel
     from transformers import AutoModel
 
     import fedpeft
 
-    cfg = tiny_config(method={"name": "ffalora"}, **{"train.rounds": 2})
+    cfg = tiny_config(method=method, **{"train.rounds": 2})
     run(cfg)
     adapter = cfg.output_dir / "adapter"
     loaded = fedpeft.load_export(adapter)
@@ -269,3 +275,63 @@ def test_fedexlora_refuses_what_would_break_its_exactness(tiny_config, over, say
 
     with pytest.raises(ConfigError, match=says):
         build(tiny_config(method={"name": "fedexlora"}, **over))
+
+
+
+def test_flexlora_sends_each_client_its_rank_of_the_svd_of_the_mean_update(tiny_config):
+    """FlexLoRA (Bai et al., 2024): each client sends ``A_k, B_k`` at its own rank; the
+    server's state is the best rank-``r_max`` approximation of ``sum_k p_k s B_k A_k``, and
+    client ``k`` receives its first ``r_k`` terms, which equal a rank-``r_k`` SVD of that
+    mean done here by hand (numpy, float64)."""
+    import numpy as np
+
+    setup = build(tiny_config(method=FLEX, **{"train.local_steps": 3}))
+    method, model = setup.method, setup.model
+    server = method.init_server(model)
+    ranks = [method.rank(c) for c in range(3)]
+    assert ranks == [1, 4, 2]
+    results = method.fit_cohort(model, _jobs(setup, [0, 1, 2]))
+    for r, rank in zip(results, ranks, strict=True):
+        assert {t.shape[0] for n, t in r.uplink.items() if ".lora_A." in n} == {rank}
+        assert {t.shape[1] for n, t in r.uplink.items() if ".lora_B." in n} == {rank}
+    weights = np.array([r.num_examples for r in results], dtype=float)
+    weights /= weights.sum()
+    new = method.aggregate(server, results, 1)
+    for cid, rank in enumerate(ranks):
+        got = module_updates(model, method.eval_state(model, method.downlink(new, cid), {}, setup.clients[cid]))
+        assert {t.shape[0] for n, t in method.downlink(new, cid).items() if ".lora_A." in n} == {rank}
+        for name, (a, b, scale) in method.modules.items():
+            mean = sum(
+                w * scale * r.uplink[b].double().numpy() @ r.uplink[a].double().numpy()
+                for w, r in zip(weights, results, strict=True)
+            )
+            u, s, vt = np.linalg.svd(mean)
+            want = (u[:, :rank] * s[:rank]) @ vt[:rank]
+            assert np.linalg.matrix_rank(mean) > rank  # the truncation drops something
+            np.testing.assert_allclose(got[name].numpy(), want, rtol=1e-5, atol=1e-7)
+
+
+def test_flexlora_refuses_a_rank_above_r_max_and_server_steps(tiny_config):
+    from fedpeft.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"method.ranks: rank 8 .* raise it to at least 8"):
+        build(tiny_config(method={**FLEX, "ranks": [2, 8]}))
+    with pytest.raises(ConfigError, match="server.optimizer"):
+        build(tiny_config(method=FLEX, **{"server.optimizer": "fedadam", "server.lr": 0.1}))
+
+
+def test_the_rank_setting_is_one_for_hetlora_and_flexlora(tiny_config):
+    """``method.ranks`` gives HETLoRA and FlexLoRA the same clients at the same ranks: a list
+    repeated over the clients, or a seeded draw (HETLoRA's default: uniform in
+    ``r_min..r_max`` seeded by ``rank_seed``, the draw it always made)."""
+    import numpy as np
+
+    for ranks in ([3, 1], {"choice": [1, 2, 4], "seed": 5}, {"uniform": [1, 4], "seed": 2}):
+        het = build(tiny_config(method={"name": "hetlora", "lora": {"r": 4}, "r_min": 1, "ranks": ranks})).method
+        flex = build(tiny_config(method={**FLEX, "ranks": ranks})).method
+        assert [het.initial_rank(c) for c in range(6)] == [flex.rank(c) for c in range(6)]
+    assert [flex.rank(c) for c in range(4)] == [np.random.default_rng([flex.seed, 2, c]).integers(1, 5) for c in range(4)]
+    default = build(tiny_config(method={"name": "hetlora", "lora": {"r": 4}, "r_min": 1, "rank_seed": 3})).method
+    assert [default.initial_rank(c) for c in range(5)] == [
+        np.random.default_rng([default.seed, 3, c]).integers(1, 5) for c in range(5)
+    ]

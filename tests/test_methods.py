@@ -46,6 +46,7 @@ CLAIMS = {
     "fedsalora": lambda n: "lora_" in n or n.startswith("head."),
     "rolora": lambda n: "lora_" in n or n.startswith("head."),
     "fedexlora": lambda n: "lora_" in n or n.startswith("head."),
+    "flexlora": lambda n: "lora_" in n or n.startswith("head."),
 }
 
 

@@ -24,6 +24,7 @@ from fedpeft.methods.fedrep import FedRep
 from fedpeft.methods.fedrod import FedRoD
 from fedpeft.methods.fedsalora import FedSALoRA
 from fedpeft.methods.ffalora import FFALoRA
+from fedpeft.methods.flexlora import FlexLoRA
 from fedpeft.methods.hetlora import HETLoRA
 from fedpeft.methods.local import LocalOnly
 from fedpeft.methods.moon import MOON
@@ -64,6 +65,7 @@ REGISTRY: dict[str, type[Method]] = {
         FedSALoRA,
         RoLoRA,
         FedExLoRA,
+        FlexLoRA,
     )
 }
 

@@ -4,8 +4,9 @@ Paper: Cho et al., "Heterogeneous LoRA for Federated Fine-tuning of On-Device Fo
 Models", EMNLP 2024; METHODS.md, PF2LoRA section. Four parts:
 
 1. **Rank initialisation**: client ``i`` gets a fixed rank ``r_i`` in ``[r_min, r_max]``
-   (a uniform draw seeded by the experiment seed, ``rank_seed`` and the client id), the
-   server keeps rank ``r_max``.
+   (a uniform draw seeded by the experiment seed, ``rank_seed`` and the client id; or
+   ``method.ranks``, the setting HETLoRA shares with FlexLoRA and FLoRA), the server
+   keeps rank ``r_max``.
 2. **Truncation on the way down**: client ``i`` receives ``B[:, :r_i]`` and ``A[:r_i, :]``
    (fewer bytes for smaller ranks).
 3. **Local training with self-pruning**: the loss gets
@@ -55,7 +56,6 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-import numpy as np
 import torch
 from pydantic import Field, model_validator
 
@@ -80,6 +80,19 @@ from fedpeft.methods.cohort import (
     optimizer_state,
 )
 from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.methods.ranks import (
+    RankDraw,
+    Ranks,
+    check_ranks,
+    client_rank,
+    is_a,
+    is_b,
+    mask_components,
+    pad,
+    pairs,
+    rank_of,
+    truncate,
+)
 from fedpeft.peft import LoraSpec
 
 
@@ -88,8 +101,14 @@ class HETLoRAConfig(MethodConfig):
 
     name: Literal["hetlora"] = "hetlora"
     lora: LoraSpec = Field(default_factory=LoraSpec, description="lora.r is r_max, the server's rank.")
-    r_min: int = Field(2, ge=1, description="Smallest client rank.")
+    r_min: int = Field(2, ge=1, description="Smallest client rank (and the floor of self-pruning).")
     rank_seed: int = Field(0, ge=0, description="Seed of the per-client rank draw.")
+    ranks: Ranks = Field(
+        None,
+        description="The clients' ranks (fedpeft.methods.ranks: a list repeated over the clients, or "
+        "{uniform: [lo, hi]} / {choice: [...]} drawn per client); default: uniform in r_min..lora.r, "
+        "seeded by rank_seed.",
+    )
     gamma: float = Field(0.9, gt=0, lt=1, description="Sparsity factor: a prune keeps floor(gamma r_i).")
     penalty: float = Field(1e-3, ge=0, description="lambda of the rank-tail regulariser.")
     prune_rule: Literal["mean", "share"] = Field(
@@ -108,43 +127,16 @@ class HETLoRAConfig(MethodConfig):
     def _ranks(self) -> HETLoRAConfig:
         if self.r_min > self.lora.r:
             raise ValueError(f"method.r_min: {self.r_min} exceeds r_max = method.lora.r = {self.lora.r}")
+        check_ranks(self.ranks, self.lora.r)
         return self
 
-
-def is_a(name: str) -> bool:
-    return ".lora_A." in name
-
-
-def is_b(name: str) -> bool:
-    return ".lora_B." in name
-
-
-def truncate(tensors: Tensors, rank: int) -> Tensors:
-    """The first ``rank`` components: ``A[:rank, :]`` and ``B[:, :rank]``; other tensors as they are."""
-    return {
-        n: t[:rank].clone() if is_a(n) else t[:, :rank].clone() if is_b(n) else t for n, t in tensors.items()
-    }
-
-
-def pad(tensors: Tensors, r_max: int) -> Tensors:
-    """Zero-pad every ``A`` (rows) and ``B`` (columns) to rank ``r_max``."""
-    out = {}
-    for n, t in tensors.items():
-        if is_a(n):
-            t = torch.cat([t, t.new_zeros(r_max - t.shape[0], t.shape[1])])
-        elif is_b(n):
-            t = torch.cat([t, t.new_zeros(t.shape[0], r_max - t.shape[1])], dim=1)
-        out[n] = t
-    return out
-
-
-def rank_of(tensors: Tensors) -> int:
-    return next(t.shape[0] for n, t in tensors.items() if is_a(n))
-
-
-def pairs(tensors: Tensors) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(A, B)`` of every adapted module."""
-    return [(t, tensors[n.replace(".lora_A.", ".lora_B.")]) for n, t in tensors.items() if is_a(n)]
+    def rank_draw(self) -> Ranks:
+        """``ranks``, or the paper's uniform draw in ``r_min..r_max`` when not given."""
+        return (
+            self.ranks
+            if self.ranks is not None
+            else RankDraw(uniform=(self.r_min, self.lora.r), seed=self.rank_seed)
+        )
 
 
 def update_norm(tensors: Tensors) -> float:
@@ -202,8 +194,7 @@ class HETLoRA(FedAvgPeft):
     kind = "lora"
 
     def initial_rank(self, cid: int) -> int:
-        rng = np.random.default_rng([self.seed, self.cfg.rank_seed, cid])
-        return int(rng.integers(self.cfg.r_min, self.cfg.lora.r + 1))
+        return client_rank(self.cfg.rank_draw(), cid, self.seed, self.cfg.lora.r)
 
     def rank(self, server: ServerState, cid: int) -> int:
         key = f"rank.{cid}"
@@ -319,17 +310,3 @@ class HETLoRA(FedAvgPeft):
         if self.cfg.personal_model == "own":
             return {"global": self.truncated_global(received, personal)}
         return {"own": self.own_state(received, personal)}
-
-
-def mask_components(state: Tensors, rank: int) -> Tensors:
-    """``opt.*`` entries of LoRA tensors with the rank components from ``rank`` on set to
-    zero (a kept Adam moment must not move a zero-padded or pruned component); others as
-    they are."""
-    out = {}
-    for n, t in state.items():
-        if n.startswith(OPT) and t.dim() == 2 and is_a(n):
-            t = torch.cat([t[:rank], t.new_zeros(t.shape[0] - rank, t.shape[1])])
-        elif n.startswith(OPT) and t.dim() == 2 and is_b(n):
-            t = torch.cat([t[:, :rank], t.new_zeros(t.shape[0], t.shape[1] - rank)], dim=1)
-        out[n] = t
-    return out

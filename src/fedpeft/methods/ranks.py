@@ -1,0 +1,130 @@
+"""Heterogeneous LoRA ranks: one setting (``method.ranks``) for every method that lets
+clients train different ranks (HETLoRA, FlexLoRA, FLoRA), so that they compare on the
+same clients with the same ranks.
+
+A client of rank ``r_k`` holds the model's LoRA modules at the server's rank ``r_max =
+method.lora.r`` with its components ``r_k..r_max-1`` zero: those get no gradient (both
+their ``A`` row and ``B`` column are zero), so the client trains rank ``r_k`` exactly, and
+clients of different ranks share one cohort (their ranks masked inside ``r_max``).
+
+``method.ranks`` is either
+
+- a list: client ``i`` has rank ``ranks[i mod len(ranks)]`` (a list as long as the
+  federation gives each client its own; ``[2, 4, 8, 16]`` puts a quarter of the clients
+  at each), or
+- a seeded draw: ``{uniform: [lo, hi]}`` (an integer in ``lo..hi``, HETLoRA's draw) or
+  ``{choice: [2, 4, 8, 16]}`` (one of the listed), per client, seeded by the
+  experiment's seed, the draw's ``seed`` and the client's id.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from fedpeft.methods.base import Tensors
+from fedpeft.methods.cohort import OPT
+
+
+class RankDraw(BaseModel):
+    """Each client's rank drawn at random, seeded (``uniform`` or ``choice``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    uniform: tuple[int, int] | None = Field(None, description="[lo, hi]: a rank in lo..hi, uniformly.")
+    choice: list[int] | None = Field(None, min_length=1, description="One of these ranks, uniformly.")
+    seed: int = Field(0, ge=0, description="Seed of the draw (beside the experiment's seed).")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> RankDraw:
+        if (self.uniform is None) == (self.choice is None):
+            raise ValueError("give exactly one of uniform: [lo, hi] or choice: [r, ...]")
+        if self.uniform is not None and not 1 <= self.uniform[0] <= self.uniform[1]:
+            raise ValueError(f"uniform: {list(self.uniform)} is not [lo, hi] with 1 <= lo <= hi")
+        return self
+
+    def candidates(self) -> list[int]:
+        return list(self.choice) if self.choice is not None else [self.uniform[0], self.uniform[1]]
+
+
+#: ``method.ranks``: per-client ranks as a list (repeated over the clients), a seeded
+#: draw, or None (every client at ``method.lora.r``)
+Ranks = list[int] | RankDraw | None
+
+
+def check_ranks(ranks: Ranks, r_max: int) -> None:
+    """Refuse a rank outside ``1..r_max``, naming it (a pydantic validator calls this, so
+    the error reaches the user as ``method.ranks...``)."""
+    values = ranks.candidates() if isinstance(ranks, RankDraw) else list(ranks or [])
+    if isinstance(ranks, list) and not ranks:
+        raise ValueError("method.ranks: an empty list (give one rank per client, repeated over them)")
+    for i, r in enumerate(values):
+        if not 1 <= r <= r_max:
+            raise ValueError(
+                f"method.ranks: rank {r} (entry {i}) is outside 1..{r_max}; method.lora.r is the server's "
+                f"r_max, the largest rank a client can have: raise it to at least {max(values)}"
+            )
+
+
+def client_rank(ranks: Ranks, cid: int, seed: int, r_max: int) -> int:
+    """Client ``cid``'s rank under ``ranks`` (``seed``: the experiment's)."""
+    if ranks is None:
+        return r_max
+    if isinstance(ranks, list):
+        return int(ranks[cid % len(ranks)])
+    rng = np.random.default_rng([seed, ranks.seed, cid])
+    if ranks.uniform is not None:
+        return int(rng.integers(ranks.uniform[0], ranks.uniform[1] + 1))
+    return int(ranks.choice[rng.integers(len(ranks.choice))])
+
+
+# ----- LoRA factors of a rank inside r_max
+def is_a(name: str) -> bool:
+    return ".lora_A." in name
+
+
+def is_b(name: str) -> bool:
+    return ".lora_B." in name
+
+
+def truncate(tensors: Tensors, rank: int) -> Tensors:
+    """The first ``rank`` components: ``A[:rank, :]`` and ``B[:, :rank]``; other tensors as they are."""
+    return {
+        n: t[:rank].clone() if is_a(n) else t[:, :rank].clone() if is_b(n) else t for n, t in tensors.items()
+    }
+
+
+def pad(tensors: Tensors, r_max: int) -> Tensors:
+    """Zero-pad every ``A`` (rows) and ``B`` (columns) to rank ``r_max``."""
+    out = {}
+    for n, t in tensors.items():
+        if is_a(n):
+            t = torch.cat([t, t.new_zeros(r_max - t.shape[0], t.shape[1])])
+        elif is_b(n):
+            t = torch.cat([t, t.new_zeros(t.shape[0], r_max - t.shape[1])], dim=1)
+        out[n] = t
+    return out
+
+
+def rank_of(tensors: Tensors) -> int:
+    return next(t.shape[0] for n, t in tensors.items() if is_a(n))
+
+
+def pairs(tensors: Tensors) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(A, B)`` of every adapted module."""
+    return [(t, tensors[n.replace(".lora_A.", ".lora_B.")]) for n, t in tensors.items() if is_a(n)]
+
+
+def mask_components(state: Tensors, rank: int) -> Tensors:
+    """``opt.*`` entries of LoRA tensors with the rank components from ``rank`` on set to
+    zero (a kept Adam moment must not move a zero-padded or pruned component); others as
+    they are."""
+    out = {}
+    for n, t in state.items():
+        if n.startswith(OPT) and t.dim() == 2 and is_a(n):
+            t = torch.cat([t[:rank], t.new_zeros(t.shape[0] - rank, t.shape[1])])
+        elif n.startswith(OPT) and t.dim() == 2 and is_b(n):
+            t = torch.cat([t[:, :rank], t.new_zeros(t.shape[0], t.shape[1] - rank)], dim=1)
+        out[n] = t
+    return out
