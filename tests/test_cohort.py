@@ -77,6 +77,7 @@ VECTORISED = [
     "rolora",
     "fedexlora",
     "flexlora",
+    "lorafair",
 ]
 
 

@@ -70,7 +70,8 @@ SERVER_LAYERS = {"server.optimizer": "fedadam", "server.lr": 0.05, "server.aggre
 SCAFFOLD = {"train.correction": "scaffold", "train.optimizer": "sgd", "train.lr": 0.05}
 CASES = [({"name": "fedlr"}, {}), (PF2, {}), ({"name": "federa"}, {}), (HET, KEEP), ({"name": "fedmcp"}, {}),
          (FDLORA, {}), ({"name": "c2a"}, {}), ({"name": "ffalora"}, {}),
-         ({"name": "rolora"}, KEEP), ({"name": "fedexlora"}, {}), (FLEX, KEEP), ({"name": "fedlr"}, SERVER_LAYERS),
+         ({"name": "rolora"}, KEEP), ({"name": "fedexlora"}, {}), (FLEX, KEEP), ({"name": "lorafair"}, {}),
+         ({"name": "fedlr"}, SERVER_LAYERS),
          ({"name": "fedmcp"}, SCAFFOLD)]  # fmt: skip
 #: methods whose clients receive a join message once (FeDeRA's initial A, B; FFA-LoRA's frozen A)
 JOINING = ("federa", "ffalora")

@@ -75,10 +75,13 @@ def test_ffalora_aggregate_is_the_weighted_mean_of_the_clients_updates(tiny_conf
 
 
 @pytest.mark.slow  # a run and two loads; every method's export loads in test_export_load (slow) too
-@pytest.mark.parametrize("method", [{"name": "ffalora"}, FLEX], ids=["ffalora", "flexlora"])
+@pytest.mark.parametrize(
+    "method", [{"name": "ffalora"}, FLEX, {"name": "lorafair"}], ids=["ffalora", "flexlora", "lorafair"]
+)
 def test_a_plain_lora_export_loads_with_peft(tiny_config, tmp_path, method):
     """FFA-LoRA's export is one HF PEFT LoRA adapter (A frozen, B trained), FlexLoRA's the
-    server's rank-r_max approximation of the mean update (clients of mixed ranks): loaded
+    server's rank-r_max approximation of the mean update (clients of mixed ranks),
+    LoRA-FAIR's the averaged A with the corrected B: loaded
     onto the pretrained backbone with ``PeftModel.from_pretrained`` each is the trained
     model."""
     from peft import PeftModel
@@ -277,7 +280,6 @@ def test_fedexlora_refuses_what_would_break_its_exactness(tiny_config, over, say
         build(tiny_config(method={"name": "fedexlora"}, **over))
 
 
-
 def test_flexlora_sends_each_client_its_rank_of_the_svd_of_the_mean_update(tiny_config):
     """FlexLoRA (Bai et al., 2024): each client sends ``A_k, B_k`` at its own rank; the
     server's state is the best rank-``r_max`` approximation of ``sum_k p_k s B_k A_k``, and
@@ -298,7 +300,9 @@ def test_flexlora_sends_each_client_its_rank_of_the_svd_of_the_mean_update(tiny_
     weights /= weights.sum()
     new = method.aggregate(server, results, 1)
     for cid, rank in enumerate(ranks):
-        got = module_updates(model, method.eval_state(model, method.downlink(new, cid), {}, setup.clients[cid]))
+        got = module_updates(
+            model, method.eval_state(model, method.downlink(new, cid), {}, setup.clients[cid])
+        )
         assert {t.shape[0] for n, t in method.downlink(new, cid).items() if ".lora_A." in n} == {rank}
         for name, (a, b, scale) in method.modules.items():
             mean = sum(
@@ -327,11 +331,80 @@ def test_the_rank_setting_is_one_for_hetlora_and_flexlora(tiny_config):
     import numpy as np
 
     for ranks in ([3, 1], {"choice": [1, 2, 4], "seed": 5}, {"uniform": [1, 4], "seed": 2}):
-        het = build(tiny_config(method={"name": "hetlora", "lora": {"r": 4}, "r_min": 1, "ranks": ranks})).method
+        het = build(
+            tiny_config(method={"name": "hetlora", "lora": {"r": 4}, "r_min": 1, "ranks": ranks})
+        ).method
         flex = build(tiny_config(method={**FLEX, "ranks": ranks})).method
         assert [het.initial_rank(c) for c in range(6)] == [flex.rank(c) for c in range(6)]
-    assert [flex.rank(c) for c in range(4)] == [np.random.default_rng([flex.seed, 2, c]).integers(1, 5) for c in range(4)]
-    default = build(tiny_config(method={"name": "hetlora", "lora": {"r": 4}, "r_min": 1, "rank_seed": 3})).method
+    assert [flex.rank(c) for c in range(4)] == [
+        np.random.default_rng([flex.seed, 2, c]).integers(1, 5) for c in range(4)
+    ]
+    default = build(
+        tiny_config(method={"name": "hetlora", "lora": {"r": 4}, "r_min": 1, "rank_seed": 3})
+    ).method
     assert [default.initial_rank(c) for c in range(5)] == [
         np.random.default_rng([default.seed, 3, c]).integers(1, 5) for c in range(5)
     ]
+
+
+@pytest.mark.parametrize("similarity", ["frobenius", "cosine"])
+def test_lorafair_corrects_b_towards_the_mean_update(tiny_config, similarity):
+    """LoRA-FAIR (Bian et al., 2025): ``A`` and the head are FedAvg's, ``B`` is ``B_bar + dB``
+    with ``dB`` minimising ``D((B_bar + dB) A_bar, sum_k p_k B_k A_k) + lam ||dB||^2``:
+    frobenius against the ridge solution computed here by least squares on the stacked
+    system ``[A_bar^T; sqrt(lam) I]``; cosine at a stationary point of its objective that
+    beats ``dB = 0``. Either way the corrected product is nearer the mean update than
+    ``B_bar A_bar``."""
+    import numpy as np
+
+    from fedpeft.methods.lorafair import cosine_objective
+
+    lam = 0.01
+    cfg = tiny_config(
+        method={"name": "lorafair", "similarity": similarity, "lam": lam}, **{"train.local_steps": 3}
+    )
+    setup = build(cfg)
+    method, model = setup.method, setup.model
+    server = method.init_server(model)
+    results = method.fit_cohort(model, _jobs(setup, [0, 1, 2]))
+    weights = torch.tensor([float(r.num_examples) for r in results], dtype=torch.float64)
+    weights /= weights.sum()
+    new = method.aggregate(server, results, 1).tensors
+    plain = method.mean([r.uplink for r in results], [r.num_examples for r in results])
+    for n, t in plain.items():
+        if ".lora_B." not in n:
+            assert torch.equal(new[n], t)  # A and the head: FedAvg's
+    for a, b in method.modules.values():
+        target = sum(
+            w * r.uplink[b].double() @ r.uplink[a].double() for w, r in zip(weights, results, strict=True)
+        )
+        a_bar, b_bar, got = plain[a].double(), plain[b].double(), new[b].double()
+        delta = got - b_bar
+        assert float(delta.abs().max()) > 0
+        if similarity == "frobenius":
+            rows = a_bar.shape[0]
+            system = np.vstack([a_bar.numpy().T, np.sqrt(lam) * np.eye(rows)])
+            rhs = np.vstack([(target - b_bar @ a_bar).numpy().T, np.zeros((rows, b_bar.shape[0]))])
+            want = np.linalg.lstsq(system, rhs, rcond=None)[0].T
+            np.testing.assert_allclose(delta.numpy(), want, rtol=1e-4, atol=1e-9)
+            assert float((got @ a_bar - target).norm()) < float((b_bar @ a_bar - target).norm())
+        else:
+            def at(x: torch.Tensor) -> tuple[float, float]:
+                x = x.clone().requires_grad_(True)
+                loss = cosine_objective(x, b_bar, a_bar, target, lam)
+                return float(loss), float(torch.autograd.grad(loss, x)[0].norm())
+
+            (loss, grad), (start_loss, start_grad) = at(delta), at(torch.zeros_like(delta))
+            assert loss < start_loss
+            assert grad < 1e-3 * start_grad  # stationary, up to B's float32 rounding
+            cos = lambda m: float((m * target).sum() / (m.norm() * target.norm()))  # noqa: E731
+            assert cos(got @ a_bar) > cos(b_bar @ a_bar)
+
+
+def test_lorafair_sends_what_fedlr_sends_and_refuses_other_rules(tiny_config):
+    from fedpeft.config import ConfigError
+
+    fair, lr = (build(tiny_config(method={"name": n})).method for n in ("lorafair", "fedlr"))
+    assert fair.shared_names == lr.shared_names and fair.personal_names == lr.personal_names
+    with pytest.raises(ConfigError, match="server.aggregation"):
+        build(tiny_config(method={"name": "lorafair"}, **{"server.aggregation": "median"}))

@@ -47,6 +47,7 @@ CLAIMS = {
     "rolora": lambda n: "lora_" in n or n.startswith("head."),
     "fedexlora": lambda n: "lora_" in n or n.startswith("head."),
     "flexlora": lambda n: "lora_" in n or n.startswith("head."),
+    "lorafair": lambda n: "lora_" in n or n.startswith("head."),
 }
 
 

@@ -27,6 +27,7 @@ from fedpeft.methods.ffalora import FFALoRA
 from fedpeft.methods.flexlora import FlexLoRA
 from fedpeft.methods.hetlora import HETLoRA
 from fedpeft.methods.local import LocalOnly
+from fedpeft.methods.lorafair import LoRAFAIR
 from fedpeft.methods.moon import MOON
 from fedpeft.methods.perfedavg import PerFedAvg
 from fedpeft.methods.pf2lora import PF2LoRA
@@ -66,6 +67,7 @@ REGISTRY: dict[str, type[Method]] = {
         RoLoRA,
         FedExLoRA,
         FlexLoRA,
+        LoRAFAIR,
     )
 }
 

@@ -111,7 +111,9 @@ class FlexLoRA(FedAvgPeft):
         if rest[0]:
             tensors.update(self.mean(rest, [r.num_examples for r in results]))
         for a, b, scale in self.modules.values():
-            update = sum(w * scale * u[b].double() @ u[a].double() for w, u in zip(weights, uplinks, strict=True))
+            update = sum(
+                w * scale * u[b].double() @ u[a].double() for w, u in zip(weights, uplinks, strict=True)
+            )
             new_a, new_b = best_factors(update, self.cfg.lora.r, scale)
             tensors[a], tensors[b] = new_a.to(server.tensors[a].dtype), new_b.to(server.tensors[b].dtype)
         return ServerState(tensors, server.extras)
