@@ -78,11 +78,12 @@ VECTORISED = [
     "fedexlora",
     "flexlora",
     "lorafair",
+    "flora",
 ]
 
 
 #: methods whose clients train different ranks (``method.ranks``) masked in one cohort
-MIXED_RANKS = {"flexlora": {"ranks": [2, 8, 4]}}
+MIXED_RANKS = {"flexlora": {"ranks": [2, 8, 4]}, "flora": {"ranks": [2, 8, 4]}}
 
 
 @pytest.mark.parametrize("optimizer, wd", [("adamw", 0.0), ("adamw", 0.05), ("sgd", 0.01)])

@@ -71,6 +71,7 @@ SCAFFOLD = {"train.correction": "scaffold", "train.optimizer": "sgd", "train.lr"
 CASES = [({"name": "fedlr"}, {}), (PF2, {}), ({"name": "federa"}, {}), (HET, KEEP), ({"name": "fedmcp"}, {}),
          (FDLORA, {}), ({"name": "c2a"}, {}), ({"name": "ffalora"}, {}),
          ({"name": "rolora"}, KEEP), ({"name": "fedexlora"}, {}), (FLEX, KEEP), ({"name": "lorafair"}, {}),
+         ({**FLEX, "name": "flora"}, KEEP),
          ({"name": "fedlr"}, SERVER_LAYERS),
          ({"name": "fedmcp"}, SCAFFOLD)]  # fmt: skip
 #: methods whose clients receive a join message once (FeDeRA's initial A, B; FFA-LoRA's frozen A)

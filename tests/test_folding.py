@@ -19,9 +19,9 @@ from fedpeft.methods.cohort import predict_cohort
 from fedpeft.methods.folding import ClientAxis, fold, fold_refusal
 from fedpeft.models.causal import SCORED
 from tests.test_causal_lm import lm_config
-from tests.test_cohort import _jobs, assert_cohort_equals_alone
+from tests.test_cohort import MIXED_RANKS, _jobs, assert_cohort_equals_alone
 
-FOLDS = ["fedlr", "federa", "fedbf", "fedap", "fdlora", "local", "centralized"]
+FOLDS = ["fedlr", "federa", "fedbf", "fedap", "fdlora", "local", "centralized", "flexlora", "lorafair"]
 
 
 def test_a_stacked_linear_and_layer_norm_run_each_clients_rows_with_its_tensors():
@@ -60,9 +60,9 @@ def test_folding_offsets_each_clients_scored_positions_and_keeps_padding():
 def test_a_folded_cohort_equals_one_at_a_time(tiny_config, name):
     """Clients of different step counts, folded: each gets its round alone; a client that
     finishes early stays put."""
-    cfg = tiny_config(method={"name": name}, **{"train.local_steps": None, "train.local_epochs": 1,
-                                                 "train.optimizer_state": "keep",
-                                                 "train.cohort_mode": "folded"})  # fmt: skip
+    cfg = tiny_config(method={"name": name, **MIXED_RANKS.get(name, {})},
+                      **{"train.local_steps": None, "train.local_epochs": 1, "train.optimizer_state": "keep",
+                         "train.cohort_mode": "folded"})  # fmt: skip
     setup = build(cfg)
     assert fold_refusal(setup.method, setup.model) == ""
     cids = list(range(len(setup.clients)))

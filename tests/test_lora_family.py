@@ -76,12 +76,15 @@ def test_ffalora_aggregate_is_the_weighted_mean_of_the_clients_updates(tiny_conf
 
 @pytest.mark.slow  # a run and two loads; every method's export loads in test_export_load (slow) too
 @pytest.mark.parametrize(
-    "method", [{"name": "ffalora"}, FLEX, {"name": "lorafair"}], ids=["ffalora", "flexlora", "lorafair"]
+    "method",
+    [{"name": "ffalora"}, FLEX, {"name": "lorafair"}, {**FLEX, "name": "flora"}],
+    ids=["ffalora", "flexlora", "lorafair", "flora"],
 )
 def test_a_plain_lora_export_loads_with_peft(tiny_config, tmp_path, method):
     """FFA-LoRA's export is one HF PEFT LoRA adapter (A frozen, B trained), FlexLoRA's the
     server's rank-r_max approximation of the mean update (clients of mixed ranks),
-    LoRA-FAIR's the averaged A with the corrected B: loaded
+    LoRA-FAIR's the averaged A with the corrected B, FLoRA's the merged updates as one
+    full-rank term: loaded
     onto the pretrained backbone with ``PeftModel.from_pretrained`` each is the trained
     model."""
     from peft import PeftModel
@@ -347,6 +350,19 @@ def test_the_rank_setting_is_one_for_hetlora_and_flexlora(tiny_config):
     ]
 
 
+def objective_and_gradient(delta, b_bar, a_bar, target, lam) -> tuple[float, float]:
+    """LoRA-FAIR's cosine objective at ``delta`` and the norm of its gradient there."""
+    from fedpeft.methods.lorafair import cosine_objective
+
+    delta = delta.clone().requires_grad_(True)
+    loss = cosine_objective(delta, b_bar, a_bar, target, lam)
+    return float(loss), float(torch.autograd.grad(loss, delta)[0].norm())
+
+
+def cosine(x: torch.Tensor, y: torch.Tensor) -> float:
+    return float((x * y).sum() / (x.norm() * y.norm()))
+
+
 @pytest.mark.parametrize("similarity", ["frobenius", "cosine"])
 def test_lorafair_corrects_b_towards_the_mean_update(tiny_config, similarity):
     """LoRA-FAIR (Bian et al., 2025): ``A`` and the head are FedAvg's, ``B`` is ``B_bar + dB``
@@ -356,8 +372,6 @@ def test_lorafair_corrects_b_towards_the_mean_update(tiny_config, similarity):
     beats ``dB = 0``. Either way the corrected product is nearer the mean update than
     ``B_bar A_bar``."""
     import numpy as np
-
-    from fedpeft.methods.lorafair import cosine_objective
 
     lam = 0.01
     cfg = tiny_config(
@@ -389,16 +403,12 @@ def test_lorafair_corrects_b_towards_the_mean_update(tiny_config, similarity):
             np.testing.assert_allclose(delta.numpy(), want, rtol=1e-4, atol=1e-9)
             assert float((got @ a_bar - target).norm()) < float((b_bar @ a_bar - target).norm())
         else:
-            def at(x: torch.Tensor) -> tuple[float, float]:
-                x = x.clone().requires_grad_(True)
-                loss = cosine_objective(x, b_bar, a_bar, target, lam)
-                return float(loss), float(torch.autograd.grad(loss, x)[0].norm())
-
-            (loss, grad), (start_loss, start_grad) = at(delta), at(torch.zeros_like(delta))
+            (loss, grad), (start_loss, start_grad) = (
+                objective_and_gradient(x, b_bar, a_bar, target, lam) for x in (delta, torch.zeros_like(delta))
+            )
             assert loss < start_loss
             assert grad < 1e-3 * start_grad  # stationary, up to B's float32 rounding
-            cos = lambda m: float((m * target).sum() / (m.norm() * target.norm()))  # noqa: E731
-            assert cos(got @ a_bar) > cos(b_bar @ a_bar)
+            assert cosine(got @ a_bar, target) > cosine(b_bar @ a_bar, target)
 
 
 def test_lorafair_sends_what_fedlr_sends_and_refuses_other_rules(tiny_config):
@@ -408,3 +418,62 @@ def test_lorafair_sends_what_fedlr_sends_and_refuses_other_rules(tiny_config):
     assert fair.shared_names == lr.shared_names and fair.personal_names == lr.personal_names
     with pytest.raises(ConfigError, match="server.aggregation"):
         build(tiny_config(method={"name": "lorafair"}, **{"server.aggregation": "median"}))
+
+
+FLORA = {**FLEX, "name": "flora"}
+
+
+def test_flora_merges_the_stacked_update_exactly_and_sends_each_client_what_it_lacks(tiny_config):
+    """FLoRA (Wang et al., 2024): clients send ``A_k, B_k`` at their own ranks; the server's
+    frozen weights move by exactly ``sum_k p_k s B_k A_k`` (the stacks' product); the
+    next downlink to a client that trained carries that round's stack (``sum_k r_k (d_in +
+    d_out)`` numbers per module, growing with the clients) and the head, and merging it
+    gives the client the server's weights; a client that never trained gets the merged
+    weights themselves once its stacks would outweigh them."""
+    setup = build(tiny_config(method=FLORA, **{"train.local_steps": 3}))
+    method, model = setup.method, setup.model
+    server = method.init_server(model)
+    results = method.fit_cohort(model, _jobs(setup, [0, 1, 2]))
+    for cid, r in enumerate(results):
+        r.cid = cid  # as the engine sets it
+    for r, rank in zip(results, [1, 4, 2], strict=True):
+        assert {t.shape[0] for n, t in r.uplink.items() if ".lora_A." in n} == {rank}
+        assert not any(n.startswith(("own.", "base_layer")) or ".base_layer." in n for n in r.uplink)
+    weights = torch.tensor([float(r.num_examples) for r in results], dtype=torch.float64)
+    weights /= weights.sum()
+    new = method.aggregate(server, results, 1)
+    for w, a, b, scale in method.modules.values():
+        mean = sum(
+            p * scale * r.uplink[b].double() @ r.uplink[a].double()
+            for p, r in zip(weights, results, strict=True)
+        )
+        assert float(mean.abs().max()) > 0
+        torch.testing.assert_close(
+            new.tensors[w].double(), server.tensors[w].double() + mean, rtol=1e-6, atol=1e-6
+        )
+
+    down = method.downlink(new, 0)
+    stacks = {n: t for n, t in down.items() if n.startswith("stack.")}
+    assert stacks and all(n.startswith("stack.1.") for n in stacks)
+    per_module = (1 + 4 + 2) * sum(s for s in next(iter(method.pretrained.values())).shape)
+    assert sum(t.numel() for t in stacks.values()) == per_module * len(method.modules)
+    assert set(down) == set(stacks) | {n for n in method.shared_names if n.startswith("head.")}
+    merged, done = method.frozen_weights(down, results[0].personal)
+    assert done == 1
+    for w, t in merged.items():
+        torch.testing.assert_close(t, new.tensors[w], rtol=1e-6, atol=1e-6)
+
+    late = len(setup.clients) - 1
+    assert late > 2  # has never trained
+    far = new
+    for rnd in range(2, 40):  # rounds of three clients, until a newcomer's stacks outweigh the weights
+        far = method.aggregate(far, results, rnd)
+        if "merged.round" in method.downlink(far, late):
+            break
+    down = method.downlink(far, late)
+    assert float(down["merged.round"]) == rnd and not any(n.startswith("stack.") for n in down)
+    personal = method.init_client(model, setup.initial, setup.clients[late])
+    merged, done = method.frozen_weights(down, personal)
+    assert done == rnd and all(torch.equal(t, far.tensors[w]) for w, t in merged.items())
+    kept = {n for n in far.extras if n.startswith("stack.")}
+    assert kept and len(kept) < 2 * len(method.modules) * rnd  # the old stacks are dropped

@@ -48,6 +48,7 @@ CLAIMS = {
     "fedexlora": lambda n: "lora_" in n or n.startswith("head."),
     "flexlora": lambda n: "lora_" in n or n.startswith("head."),
     "lorafair": lambda n: "lora_" in n or n.startswith("head."),
+    "flora": lambda n: "lora_" in n or n.startswith("head."),
 }
 
 

@@ -25,6 +25,7 @@ from fedpeft.methods.fedrod import FedRoD
 from fedpeft.methods.fedsalora import FedSALoRA
 from fedpeft.methods.ffalora import FFALoRA
 from fedpeft.methods.flexlora import FlexLoRA
+from fedpeft.methods.flora import FLoRA
 from fedpeft.methods.hetlora import HETLoRA
 from fedpeft.methods.local import LocalOnly
 from fedpeft.methods.lorafair import LoRAFAIR
@@ -68,6 +69,7 @@ REGISTRY: dict[str, type[Method]] = {
         FedExLoRA,
         FlexLoRA,
         LoRAFAIR,
+        FLoRA,
     )
 }
 

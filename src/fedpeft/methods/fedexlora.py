@@ -29,7 +29,7 @@ from fedpeft.methods.base import FitResult, MethodConfig, ServerState, Tensors, 
 from fedpeft.methods.cohort import GradientFn, group_backprop
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.peft import LoraSpec
-from fedpeft.peft.lora import LoraTerm, lora_layers
+from fedpeft.peft.lora import LoraTerm, full_rank_terms, lora_layers
 
 
 class FedExLoRAConfig(MethodConfig):
@@ -98,18 +98,11 @@ class FedExLoRA(FedAvgPeft):
         for all modules (PEFT's adapter has one rank): on the pretrained backbone, the
         trained model."""
         terms = super().lora_terms(model, tensors)
-        folded = {}
-        for name, (frozen, _) in self.modules.items():
-            u, s, vh = torch.linalg.svd(
-                tensors[frozen].double() - self.pretrained[frozen].double(), full_matrices=False
-            )
-            folded[name] = ((u * s).float(), vh.float())
-        rank = max(vh.shape[0] for _, vh in folded.values())
-        for name, (us, vh) in folded.items():
-            pad = rank - vh.shape[0]
-            a = torch.cat([vh, vh.new_zeros(pad, vh.shape[1])])
-            b = torch.cat([us, us.new_zeros(us.shape[0], pad)], dim=1)
-            terms[name].append((1.0, a, b))
+        folded = {
+            name: tensors[w].double() - self.pretrained[w].double() for name, (w, _) in self.modules.items()
+        }
+        for name, term in full_rank_terms(folded).items():
+            terms[name].append(term)
         return terms
 
     def server_frozen_names(self) -> list[str]:

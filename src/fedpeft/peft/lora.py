@@ -154,6 +154,24 @@ def dora_magnitudes(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[
     return out
 
 
+def full_rank_terms(updates: dict[str, torch.Tensor]) -> dict[str, LoraTerm]:
+    """Per module, a dense update ``dW`` as one LoRA term ``(1, V^T, U S)`` of rank
+    ``min(d_out, d_in)`` (its SVD), zero-padded to one rank for all modules (a PEFT adapter
+    has one rank): the frozen-weight changes of FedEx-LoRA and FLoRA, exported on ``W0``."""
+    factors = {}
+    for name, update in updates.items():
+        u, s, vh = torch.linalg.svd(update.double(), full_matrices=False)
+        factors[name] = ((u * s).float(), vh.float())
+    rank = max(vh.shape[0] for _, vh in factors.values())
+    out = {}
+    for name, (us, vh) in factors.items():
+        pad = rank - vh.shape[0]
+        a = torch.cat([vh, vh.new_zeros(pad, vh.shape[1])])
+        b = torch.cat([us, us.new_zeros(us.shape[0], pad)], dim=1)
+        out[name] = (1.0, a, b)
+    return out
+
+
 def lora_terms(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, list[LoraTerm]]:
     """The ``(scale, A, B)`` terms of every LoRA-adapted module for the adapters whose
     tensors are in ``tensors`` (PEFT parameter names), in the layer's adapter order."""
