@@ -71,13 +71,16 @@ SCAFFOLD = {"train.correction": "scaffold", "train.optimizer": "sgd", "train.lr"
 CASES = [({"name": "fedlr"}, {}), (PF2, {}), ({"name": "federa"}, {}), (HET, KEEP), ({"name": "fedmcp"}, {}),
          (FDLORA, {}), ({"name": "c2a"}, {}), ({"name": "ffalora"}, {}),
          ({"name": "rolora"}, KEEP), ({"name": "fedexlora"}, {}), (FLEX, KEEP), ({"name": "lorafair"}, {}),
-         ({**FLEX, "name": "flora"}, KEEP),
-         ({"name": "fedlr"}, SERVER_LAYERS),
+         ({**FLEX, "name": "flora"}, KEEP), ({"name": "fedlr"}, SERVER_LAYERS),
          ({"name": "fedmcp"}, SCAFFOLD)]  # fmt: skip
 #: methods whose clients receive a join message once (FeDeRA's initial A, B; FFA-LoRA's frozen A)
 JOINING = ("federa", "ffalora")
 PERSONAL_CASES = [(PF2, {}), (PF2, KEEP), ({"name": "fedsalora"}, {}), (HET, KEEP), ({"name": "fedmcp"}, {}),
                   (FDLORA, {}), ({"name": "fedmcp"}, SCAFFOLD)]  # fmt: skip
+
+
+#: cases in the slow tier (CI runs them; the default tier stays under its 10 minutes)
+SLOW_CASES = ("flexlora", "lorafair", "flora")
 
 
 def case_ids(cases) -> list[str]:
@@ -86,7 +89,14 @@ def case_ids(cases) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize(("method", "over"), CASES, ids=case_ids(CASES))
+def case_params(cases) -> list:
+    return [
+        pytest.param(m, over, id=name, marks=[pytest.mark.slow] if m["name"] in SLOW_CASES else [])
+        for (m, over), name in zip(cases, case_ids(cases), strict=True)
+    ]
+
+
+@pytest.mark.parametrize(("method", "over"), case_params(CASES))
 def test_same_metrics_as_in_process(tiny_config, tmp_path, method, over):
     """HETLoRA: client ranks below r_max pass the server's update check; with ``keep`` each
     node's optimizer state carries over its rounds as in-process."""

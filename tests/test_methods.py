@@ -195,7 +195,10 @@ def test_centralized_has_one_shared_head(tiny_config):
         tiny_config(**{"method": {"name": "centralized", "head": "personal"}})
 
 
-@pytest.mark.parametrize("name", ["local", "pf2lora", "fedlr", "hetlora", "perfedavg"])
+@pytest.mark.parametrize(
+    "name",
+    ["local", "pf2lora", "fedlr", "hetlora", "perfedavg", pytest.param("flora", marks=pytest.mark.slow)],
+)
 def test_every_client_is_scored_trained_or_not(name, tiny_config):
     """4 clients, 1 per round, 2 rounds: at most 2 train, all 4 are scored, each with its
     own model or, never having trained, the global model and its initial personal state."""

@@ -35,6 +35,7 @@ def _scores(records):
         "ditto",
         "fedmcp",
         "fdlora",
+        pytest.param("flora", marks=pytest.mark.slow),
         "fedlr+fedadam",
         "fedlr+scaffold",
     ],  # fmt: skip
