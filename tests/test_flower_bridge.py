@@ -60,6 +60,7 @@ def serve(grid: FakeGrid, resume: bool = False) -> None:
 
 HET = {"name": "hetlora", "lora": {"r": 4}, "r_min": 1}
 FLEX = {"name": "flexlora", "lora": {"r": 4}, "ranks": [1, 4, 2]}
+FEDSB = {"name": "fedsb", "lora": {"r": 4, "alpha": 4}, "init_samples": 12}
 KEEP = {"train.optimizer_state": "keep"}
 
 
@@ -71,7 +72,7 @@ SCAFFOLD = {"train.correction": "scaffold", "train.optimizer": "sgd", "train.lr"
 CASES = [({"name": "fedlr"}, {}), (PF2, {}), ({"name": "federa"}, {}), (HET, KEEP), ({"name": "fedmcp"}, {}),
          (FDLORA, {}), ({"name": "c2a"}, {}), ({"name": "ffalora"}, {}),
          ({"name": "rolora"}, KEEP), ({"name": "fedexlora"}, {}), (FLEX, KEEP), ({"name": "lorafair"}, {}),
-         ({**FLEX, "name": "flora"}, KEEP), ({"name": "fedlr"}, SERVER_LAYERS),
+         ({**FLEX, "name": "flora"}, KEEP), (FEDSB, KEEP), ({"name": "fedlr"}, SERVER_LAYERS),
          ({"name": "fedmcp"}, SCAFFOLD)]  # fmt: skip
 #: methods whose clients receive a join message once (FeDeRA's initial A, B; FFA-LoRA's frozen A)
 JOINING = ("federa", "ffalora")
@@ -80,7 +81,7 @@ PERSONAL_CASES = [(PF2, {}), (PF2, KEEP), ({"name": "fedsalora"}, {}), (HET, KEE
 
 
 #: cases in the slow tier (CI runs them; the default tier stays under its 10 minutes)
-SLOW_CASES = ("flexlora", "lorafair", "flora")
+SLOW_CASES = ("flexlora", "lorafair", "flora", "fedsb")
 
 
 def case_ids(cases) -> list[str]:

@@ -17,6 +17,8 @@ from tests.test_cohort import _jobs
 
 #: FlexLoRA with clients of ranks 1, 4 and 2 (repeated over the clients) inside r_max = 4
 FLEX = {"name": "flexlora", "lora": {"r": 4}, "ranks": [1, 4, 2]}
+#: Fed-SB at rank 4 (s = 1, as the authors' alpha = r), its setup over 12 examples a round
+FEDSB = {"name": "fedsb", "lora": {"r": 4, "alpha": 4}, "init_samples": 12}
 
 
 def module_updates(model, tensors: dict) -> dict[str, torch.Tensor]:
@@ -77,14 +79,14 @@ def test_ffalora_aggregate_is_the_weighted_mean_of_the_clients_updates(tiny_conf
 @pytest.mark.slow  # a run and two loads; every method's export loads in test_export_load (slow) too
 @pytest.mark.parametrize(
     "method",
-    [{"name": "ffalora"}, FLEX, {"name": "lorafair"}, {**FLEX, "name": "flora"}],
-    ids=["ffalora", "flexlora", "lorafair", "flora"],
+    [{"name": "ffalora"}, FLEX, {"name": "lorafair"}, {**FLEX, "name": "flora"}, FEDSB],
+    ids=["ffalora", "flexlora", "lorafair", "flora", "fedsb"],
 )
 def test_a_plain_lora_export_loads_with_peft(tiny_config, tmp_path, method):
     """FFA-LoRA's export is one HF PEFT LoRA adapter (A frozen, B trained), FlexLoRA's the
     server's rank-r_max approximation of the mean update (clients of mixed ranks),
     LoRA-FAIR's the averaged A with the corrected B, FLoRA's the merged updates as one
-    full-rank term: loaded
+    full-rank term, Fed-SB's its fixed A with B R: loaded
     onto the pretrained backbone with ``PeftModel.from_pretrained`` each is the trained
     model."""
     from peft import PeftModel
@@ -477,3 +479,98 @@ def test_flora_merges_the_stacked_update_exactly_and_sends_each_client_what_it_l
     assert done == rnd and all(torch.equal(t, far.tensors[w]) for w, t in merged.items())
     kept = {n for n in far.extras if n.startswith("stack.")}
     assert kept and len(kept) < 2 * len(method.modules) * rnd  # the old stacks are dropped
+
+
+def test_fedsb_sets_up_from_the_clients_gradients_then_averages_r_exactly(tiny_config):
+    """Fed-SB (Singhal et al., 2025): round 1 is the setup, each client sending the sum of its
+    per-example gradients of the full weights (and nothing trained); the server's start is
+    LoRA-SB's, ``B = U_r``, ``A = V_r^T``, ``R = diag(S_r) / s`` of ``-lr0 sign(sum_k G_k)``
+    (checked against an SVD by hand), so ``s B R A`` is that update's best rank-r
+    approximation; then only ``R`` (``r x r``) and the head travel up, ``B`` and ``A`` go
+    down once per client, and FedAvg of ``R`` is the exact mean of the clients' updates."""
+    import numpy as np
+
+    setup = build(tiny_config(method=FEDSB, **{"train.local_steps": 3, "train.lr": 0.01}))
+    method, model = setup.method, setup.model
+    assert {n for n in method.shared_names if "lora" in n} == {m[3] for m in method.modules.values()}
+    server = method.init_server(model)
+    jobs = _jobs(setup, [0, 1, 2])
+    assert all(set(j.received) == {"setup.samples"} for j in jobs)
+    grads = method.fit_cohort(model, jobs)
+    for cid, r in enumerate(grads):
+        r.cid = cid
+        assert set(r.uplink) == {"grad." + w for w in method.frozen}
+        per_client = -(-12 // setup.cfg.train.clients_per_round)  # ceil(init_samples / clients a round)
+        assert r.num_examples == min(per_client, len(setup.clients[cid].train))
+    started = method.aggregate(server, grads, 1)
+    for w, a, b, latent, scale in method.modules.values():
+        total = sum(r.uplink["grad." + w].double().numpy() for r in grads)
+        u, s, vt = np.linalg.svd(-0.01 * np.sign(total))
+        want = (u[:, :4] * s[:4]) @ vt[:4]
+        got = (
+            scale
+            * started.tensors[b].double()
+            @ started.tensors[latent].double()
+            @ started.tensors[a].double()
+        )
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-6)
+
+    down = method.downlink(started, 0)
+    assert set(method.fixed) <= set(down)
+    results = method.fit_cohort(model, _jobs_from(setup, started, [0, 1, 2]))
+    for cid, r in enumerate(results):
+        r.cid = cid
+        assert set(r.uplink) == set(method.shared_names)
+        assert all(r.uplink[m[3]].shape == (4, 4) for m in method.modules.values())
+    weights = torch.tensor([float(r.num_examples) for r in results], dtype=torch.float64)
+    weights /= weights.sum()
+    after = method.aggregate(started, results, 2)
+    assert not set(method.fixed) & set(method.downlink(after, 1))  # B and A went down once
+    assert set(method.fixed) <= set(method.downlink(after, 3))  # not yet to a client that did not train
+    for _, a, b, latent, scale in method.modules.values():
+        fixed_b, fixed_a = started.tensors[b].double(), started.tensors[a].double()
+        mean = sum(
+            p * scale * fixed_b @ r.uplink[latent].double() @ fixed_a
+            for p, r in zip(weights, results, strict=True)
+        )
+        got = scale * fixed_b @ after.tensors[latent].double() @ fixed_a
+        torch.testing.assert_close(got, mean, rtol=1e-6, atol=1e-9)
+
+
+def _jobs_from(setup, server, cids):
+    from fedpeft.engines.inprocess import derive_seed
+    from fedpeft.methods.cohort import Job
+
+    method = setup.method
+    return [
+        Job(method.downlink(server, c), method.init_client(setup.model, setup.initial, setup.clients[c]),
+            setup.clients[c], derive_seed(3, 2, c), 2)
+        for c in cids
+    ]  # fmt: skip
+
+
+def test_fedsb_refuses_privacy_and_what_would_break_its_start(tiny_config):
+    from fedpeft.config import ConfigError
+
+    for over, says in (
+        ({"privacy": {"mode": "sample", "noise_multiplier": 1.0}}, "gradient sums unclipped"),
+        ({"server.optimizer": "fedadam", "server.lr": 0.1}, "server.optimizer"),
+    ):
+        with pytest.raises(ConfigError, match=says):
+            build(tiny_config(method=FEDSB, **over))
+
+
+def test_fedsb_after_its_setup_a_cohort_equals_one_at_a_time(tiny_config):
+    """Round 2 (the first that trains R) of clients of different step counts, as one cohort
+    and one at a time: the same rounds (test_cohort's tolerances)."""
+    from tests.test_cohort import assert_cohort_equals_alone
+
+    cfg = tiny_config(method=FEDSB, **{"train.local_steps": None, "train.local_epochs": 1,
+                                       "train.optimizer_state": "keep"})  # fmt: skip
+    setup = build(cfg)
+    method, cids = setup.method, list(range(len(setup.clients)))
+    grads = method.fit_cohort(setup.model, _jobs(setup, cids))
+    for cid, r in zip(cids, grads, strict=True):
+        r.cid = cid
+    started = method.aggregate(method.init_server(setup.model), grads, 1)
+    assert_cohort_equals_alone(setup, cids, "fedsb", jobs=_jobs_from(setup, started, cids))

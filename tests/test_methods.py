@@ -49,6 +49,7 @@ CLAIMS = {
     "flexlora": lambda n: "lora_" in n or n.startswith("head."),
     "lorafair": lambda n: "lora_" in n or n.startswith("head."),
     "flora": lambda n: "lora_" in n or n.startswith("head."),
+    "fedsb": lambda n: n.endswith(".lora_B.default.latent.weight") or n.startswith("head."),  # R only
 }
 
 

@@ -36,6 +36,7 @@ def _scores(records):
         "fedmcp",
         "fdlora",
         pytest.param("flora", marks=pytest.mark.slow),
+        pytest.param("fedsb", marks=pytest.mark.slow),  # its setup round, then R
         "fedlr+fedadam",
         "fedlr+scaffold",
     ],  # fmt: skip

@@ -65,6 +65,8 @@ def check_composes(cfg: ExperimentConfig, method: Method) -> None:
     p = cfg.privacy
     if p.mode == "none":
         return
+    if why := method.privacy_refusal():
+        raise ConfigError(f"privacy.mode {p.mode}: method {method.name}: {why}")
     if p.mode == "sample":  # the records are protected inside training: the server may do anything
         from fedpeft.methods.base import Method as Base
 

@@ -388,7 +388,7 @@ class FlowerServer:
 
     def round_uplink_like(self, rnd: int) -> Tensors:
         """The names, shapes and dtypes of a client's update in round ``rnd``."""
-        return {n: self.uplink_like[n] for n in self.method.uplink_names(rnd)}
+        return self.method.uplink_like(rnd, self.uplink_like)
 
     def evaluate(self, server: ServerState, rnd: int, peers: dict[int, Peer]) -> dict:
         """Global-test scores of the global model (or the clients' mean when there is

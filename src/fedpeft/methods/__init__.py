@@ -23,6 +23,7 @@ from fedpeft.methods.fedmcp import FedMCP
 from fedpeft.methods.fedrep import FedRep
 from fedpeft.methods.fedrod import FedRoD
 from fedpeft.methods.fedsalora import FedSALoRA
+from fedpeft.methods.fedsb import FedSB
 from fedpeft.methods.ffalora import FFALoRA
 from fedpeft.methods.flexlora import FlexLoRA
 from fedpeft.methods.flora import FLoRA
@@ -70,6 +71,7 @@ REGISTRY: dict[str, type[Method]] = {
         FlexLoRA,
         LoRAFAIR,
         FLoRA,
+        FedSB,
     )
 }
 

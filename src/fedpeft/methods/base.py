@@ -287,6 +287,11 @@ class Method:
         aggregate calls :attr:`mean`)."""
         return self.server_step_refusal()
 
+    def privacy_refusal(self) -> str:
+        """Why no ``privacy.mode`` can protect this method's clients (something it sends is
+        outside every mode's clip and noise); "" when nothing is."""
+        return ""
+
     def server_frozen_names(self) -> list[str]:
         """Frozen tensors of the model that the server holds and hands to clients with the
         shared ones, and that change over a run (FedEx-LoRA's frozen weights, into which it
@@ -303,6 +308,12 @@ class Method:
         """The shared tensors a client's update of round ``rnd`` carries (what a networked
         server checks it against; RoLoRA's rounds send half of them). Default: all."""
         return list(self.shared_names)
+
+    def uplink_like(self, rnd: int, shared: Tensors) -> Tensors:
+        """The names, shapes and dtypes of a client's update of round ``rnd`` (what a
+        networked server checks it against), given the shared tensors' (``shared``).
+        Default: :meth:`uplink_names`' of ``shared``; Fed-SB's setup round sends others."""
+        return {n: shared[n] for n in self.uplink_names(rnd)}
 
     def uplink_as_shared(self, uplink: Tensors) -> Tensors:
         """A client's update in the names and shapes of the shared state, which a networked

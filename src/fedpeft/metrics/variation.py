@@ -31,9 +31,14 @@ def variation(w1: torch.Tensor, w2: torch.Tensor) -> tuple[float, float]:
 
 
 def short_name(name: str) -> str:
-    """``...encoder.layer.3.attention.self.query.lora_A.default.weight`` -> ``3.query.A``."""
-    match = re.search(r"layers?\.(\d+)\..*?(\w+)\.lora_([AB])\.", name)
-    return ".".join(match.groups()) if match else name
+    """``...encoder.layer.3.attention.self.query.lora_A.default.weight`` -> ``3.query.A``;
+    Fed-SB's ``...lora_B.default.latent.weight`` -> ``3.query.R`` and its fixed
+    ``...lora_B.default.base.weight`` -> ``3.query.B``."""
+    match = re.search(r"layers?\.(\d+)\..*?(\w+)\.lora_([AB])\.[^.]+\.(latent\.)?", name)
+    if not match:
+        return name
+    layer, module, factor, latent = match.groups()
+    return f"{layer}.{module}.{'R' if latent else factor}"
 
 
 def lora_variations(prev: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> dict[str, list[float]]:

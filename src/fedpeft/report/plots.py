@@ -79,15 +79,22 @@ def plot_variation(runs: dict[str, list[dict]], out_dir: Path) -> Path | None:
                 continue
             for row, metric in enumerate(("magnitude", "direction")):
                 ax = axes[row][col]
+                # a matrix missing from a round (Fed-SB's fixed factors before its setup) is NaN there
                 curves = np.array(
                     [
-                        [r["update_variation"][n][row] for r in records if "update_variation" in r]
+                        [
+                            r["update_variation"].get(n, [np.nan, np.nan])[row]
+                            for r in records
+                            if "update_variation" in r
+                        ]
                         for n in names
                     ]
                 )
                 for curve in curves:
                     ax.plot(rounds, curve, color=colour, alpha=0.25, linewidth=0.8)
-                ax.plot(rounds, curves.mean(0), color=colour, linewidth=2, label=label if col == 0 else None)
+                present = (~np.isnan(curves)).sum(0)
+                mean = np.where(present > 0, np.nansum(curves, 0) / np.maximum(present, 1), np.nan)
+                ax.plot(rounds, mean, color=colour, linewidth=2, label=label if col == 0 else None)
                 ax.set_yscale("log")
                 ax.set_title(f"{kind}: {metric}", fontsize=9)
                 if row == 1:
