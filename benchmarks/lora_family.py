@@ -16,8 +16,9 @@ for every row (the same examples each round). Two rank settings:
 Each row's rate (and optimizer state) is tuned per method and rank setting on seed 3
 (which the table does not use) at Dirichlet 0.1, by the clients' mean validation accuracy
 (20 % of each client's data held out) after the last round; the grid grows past a best
-rate at its end (``tuning.tune_method``). Fed-SB is not built yet (docs/lora_family.md)
-and has no row.
+rate at its end (``tuning.tune_method``). Fed-SB runs at the table's rank too (its own
+default is 64: ``R`` costs ``r^2`` a module), alpha = r as its authors set it, and its
+first round is its setup round (gradient sums up, nothing trained).
 
     .venv/bin/python benchmarks/lora_family.py --tune [--methods ...] [--ranks equal,hetero] [--jobs 2]
     .venv/bin/python benchmarks/lora_family.py [--seeds 0,1,2] [--jobs 2]
@@ -51,6 +52,7 @@ METHODS = {  # key: (row label, takes heterogeneous ranks)
     "flexlora": ("FlexLoRA", True),
     "flora": ("FLoRA", True),
     "lorafair": ("LoRA-FAIR", False),
+    "fedsb": ("Fed-SB", False),
 }
 RANKS = {
     "equal": ("every client at rank 8", {"r": 8, "alpha": 16}, None),
@@ -82,14 +84,19 @@ CLAIMS = [
      "and heterogeneous (Wang et al., NeurIPS 2024)"),
     ("lorafair", ("equal",), ("fedlr", "ffalora", "flora", "flexlora"), "LoRA-FAIR beats FedIT, FFA-LoRA, "
      "FLoRA and FlexLoRA (Bian et al., ICCV 2025)"),
+    ("fedsb", ("equal",), ("fedlr", "ffalora", "fedexlora"), "Fed-SB beats FedIT, FFA-LoRA and FedEx-LoRA "
+     "at a fraction of their uplink (Singhal et al., 2025)"),
 ]  # fmt: skip
 
 
 def method_config(method: str, ranks: str) -> dict:
     """``method``'s config in rank setting ``ranks``."""
     _, lora, per_client = RANKS[ranks]
-    if per_client is None:
+    if per_client is None and method != "fedsb":
         return {"name": method, "lora": dict(lora)}
+    if method == "fedsb":  # the authors' alpha = r (s = 1)
+        r = lora["r"] if per_client is None else min(per_client)
+        return {"name": method, "lora": {"r": r, "alpha": r}}
     if METHODS[method][1]:
         extra = {"r_min": min(per_client)} if method == "hetlora" else {}
         return {"name": method, "lora": dict(lora), "ranks": list(per_client), **extra}
