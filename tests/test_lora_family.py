@@ -490,7 +490,7 @@ def test_fedsb_sets_up_from_the_clients_gradients_then_averages_r_exactly(tiny_c
     down once per client, and FedAvg of ``R`` is the exact mean of the clients' updates."""
     import numpy as np
 
-    setup = build(tiny_config(method=FEDSB, **{"train.local_steps": 3, "train.lr": 0.01}))
+    setup = build(tiny_config(method={**FEDSB, "init_lr": 0.01}, **{"train.local_steps": 3}))
     method, model = setup.method, setup.model
     assert {n for n in method.shared_names if "lora" in n} == {m[3] for m in method.modules.values()}
     server = method.init_server(model)

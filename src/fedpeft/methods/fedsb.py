@@ -91,11 +91,11 @@ class FedSBConfig(MethodConfig):
     init_samples: int = Field(
         170, ge=1, description="Examples the setup round sums gradients over, all its clients together."
     )
-    init_lr: float | None = Field(
-        None,
+    init_lr: float = Field(
+        1e-4,
         gt=0,
-        description="lr0 of the approximated first step -lr0 sign(G); default train.lr (the authors: "
-        "their schedule's first-step rate).",
+        description="lr0 of the approximated first step -lr0 sign(G) (Adam's first step is lr sign(g)): a "
+        "full fine-tuning rate, not R's (the authors: their schedule's first-step rate).",
     )
 
 
@@ -132,9 +132,6 @@ class FedSB(FedAvgPeft):
         }
         #: the shared tensors as the model starts (R = 0), the state before the setup
         self.start = read_tensors(model, self.shared_names)
-
-    def lr0(self) -> float:
-        return self.cfg.init_lr if self.cfg.init_lr is not None else self.train.lr
 
     def per_client_samples(self) -> int:
         return math.ceil(self.cfg.init_samples / max(self.train.clients_per_round, 1))
@@ -193,7 +190,7 @@ class FedSB(FedAvgPeft):
         tensors, r = dict(server.tensors), self.cfg.lora.r
         for w, a, b, latent, scale in self.modules.values():
             total = sum(res.uplink[GRAD + w].double() for res in results)
-            u, s, vh = torch.linalg.svd(-self.lr0() * torch.sign(total), full_matrices=False)
+            u, s, vh = torch.linalg.svd(-self.cfg.init_lr * torch.sign(total), full_matrices=False)
             k = min(r, s.numel())  # a rank above min(d_out, d_in): the rest stays zero
             tensors[b], tensors[a], tensors[latent] = (
                 torch.zeros(u.shape[0], r), torch.zeros(r, vh.shape[1]), torch.zeros(r, r)
