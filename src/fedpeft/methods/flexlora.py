@@ -24,42 +24,29 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import Field, model_validator
 
-from fedpeft.methods.base import FitResult, Job, MethodConfig, ServerState, Tensors, local_steps
+from fedpeft.methods.base import FitResult, Job, ServerState, Tensors, local_steps
 from fedpeft.methods.cohort import OPT, Start, optimizer_state
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.methods.ranks import (
-    Ranks,
-    check_ranks,
+    RankedLoraConfig,
     client_rank,
     is_a,
     is_b,
     mask_components,
     pad,
+    padded_uplink,
     rank_of,
     truncate,
 )
-from fedpeft.peft import LoraSpec
 from fedpeft.peft.lora import lora_layers
 
 
-class FlexLoRAConfig(MethodConfig):
+class FlexLoRAConfig(RankedLoraConfig):
     """Clients of any rank, the server's SVD of their mean update. Paper: FlexLoRA (Bai et
     al., NeurIPS 2024)."""
 
     name: Literal["flexlora"] = "flexlora"
-    lora: LoraSpec = Field(default_factory=LoraSpec, description="lora.r is r_max, the server's rank.")
-    ranks: Ranks = Field(
-        None,
-        description="The clients' ranks (a list repeated over the clients, or {uniform: [lo, hi]} / "
-        "{choice: [...]} drawn per client); default: every client at lora.r.",
-    )
-
-    @model_validator(mode="after")
-    def _ranks(self) -> FlexLoRAConfig:
-        check_ranks(self.ranks, self.lora.r)
-        return self
 
 
 def best_factors(update: torch.Tensor, rank: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,15 +106,7 @@ class FlexLoRA(FedAvgPeft):
         return ServerState(tensors, server.extras)
 
     def uplink_as_shared(self, uplink: Tensors) -> Tensors:
-        """A client's factors zero-padded to ``r_max`` (a malformed update comes back as it
-        is, for the server's check to refuse)."""
-        lora = [(n, t) for n, t in uplink.items() if is_a(n) or is_b(n)]
-        if not lora or any(t.dim() != 2 for _, t in lora):
-            return uplink
-        ranks = {t.shape[0] if is_a(n) else t.shape[1] for n, t in lora}
-        if len(ranks) != 1 or ranks.pop() > self.cfg.lora.r:
-            return uplink
-        return pad(uplink, self.cfg.lora.r)
+        return padded_uplink(uplink, self.cfg.lora.r)
 
     # ----- client: its rank masked inside r_max (the padded components get no gradient)
     def cohort_start(self, model, job: Job) -> Start:

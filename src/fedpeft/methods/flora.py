@@ -36,13 +36,11 @@ import math
 from typing import Literal
 
 import torch
-from pydantic import Field, model_validator
 
 from fedpeft.methods.base import (
     ClientData,
     FitResult,
     Job,
-    MethodConfig,
     ServerState,
     Tensors,
     local_steps,
@@ -50,8 +48,7 @@ from fedpeft.methods.base import (
 )
 from fedpeft.methods.cohort import OPT, OWN, GradientFn, Start, group_backprop, optimizer_state
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.methods.ranks import Ranks, check_ranks, client_rank, is_a, is_b, pad, truncate
-from fedpeft.peft import LoraSpec
+from fedpeft.methods.ranks import RankedLoraConfig, client_rank, is_a, is_b, pad, padded_uplink, truncate
 from fedpeft.peft.lora import LoraTerm, full_rank_terms, lora_layers
 
 STACK, MERGED = "stack.", "merged."
@@ -64,24 +61,11 @@ FROZEN_ROUND = OWN + "merged_round"
 SEEN, LAST = "seen.", "merged_round"
 
 
-class FLoRAConfig(MethodConfig):
+class FLoRAConfig(RankedLoraConfig):
     """Stacked LoRA factors merged into the frozen weights each round, clients of any rank.
     Paper: FLoRA (Wang et al., NeurIPS 2024)."""
 
     name: Literal["flora"] = "flora"
-    lora: LoraSpec = Field(
-        default_factory=LoraSpec, description="lora.r is r_max, the largest rank a client trains."
-    )
-    ranks: Ranks = Field(
-        None,
-        description="The clients' ranks (a list repeated over the clients, or {uniform: [lo, hi]} / "
-        "{choice: [...]} drawn per client); default: every client at lora.r.",
-    )
-
-    @model_validator(mode="after")
-    def _ranks(self) -> FLoRAConfig:
-        check_ranks(self.ranks, self.lora.r)
-        return self
 
 
 def stack(
@@ -255,13 +239,7 @@ class FLoRA(FedAvgPeft):
         )
 
     def uplink_as_shared(self, uplink: Tensors) -> Tensors:
-        lora = [(n, t) for n, t in uplink.items() if is_a(n) or is_b(n)]
-        if not lora or any(t.dim() != 2 for _, t in lora):
-            return uplink
-        ranks = {t.shape[0] if is_a(n) else t.shape[1] for n, t in lora}
-        if len(ranks) != 1 or ranks.pop() > self.cfg.lora.r:
-            return uplink
-        return pad(uplink, self.cfg.lora.r)
+        return padded_uplink(uplink, self.cfg.lora.r)
 
     def eval_state(self, model, received: Tensors, personal: Tensors, client: ClientData) -> Tensors:
         """The client's merged frozen weights with the head and, where ``received`` holds

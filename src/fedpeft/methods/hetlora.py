@@ -89,6 +89,7 @@ from fedpeft.methods.ranks import (
     is_b,
     mask_components,
     pad,
+    padded_uplink,
     pairs,
     rank_of,
     truncate,
@@ -277,16 +278,7 @@ class HETLoRA(FedAvgPeft):
         return pruned_rank(pairs(tensors), rank, cfg.gamma, cfg.r_min, cfg.prune_ratio, cfg.prune_rule)
 
     def uplink_as_shared(self, uplink: Tensors) -> Tensors:
-        """A client's update zero-padded to ``r_max``: the shapes of the server's state. A
-        malformed one (no or misshapen ``A``/``B``, ranks that differ or exceed ``r_max``)
-        comes back as it is, for the server's check to refuse."""
-        lora = [(n, t) for n, t in uplink.items() if is_a(n) or is_b(n)]
-        if not lora or any(t.dim() != 2 for _, t in lora):
-            return uplink
-        ranks = {t.shape[0] if is_a(n) else t.shape[1] for n, t in lora}
-        if len(ranks) != 1 or ranks.pop() > self.cfg.lora.r:  # one rank for all, at most r_max
-            return uplink
-        return pad(uplink, self.cfg.lora.r)
+        return padded_uplink(uplink, self.cfg.lora.r)
 
     def readout(self, result: FitResult) -> dict[str, float]:
         return {"rank": float(rank_of(result.uplink))}

@@ -23,8 +23,9 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from fedpeft.methods.base import Tensors
+from fedpeft.methods.base import MethodConfig, Tensors
 from fedpeft.methods.cohort import OPT
+from fedpeft.peft import LoraSpec
 
 
 class RankDraw(BaseModel):
@@ -65,6 +66,23 @@ def check_ranks(ranks: Ranks, r_max: int) -> None:
                 f"method.ranks: rank {r} (entry {i}) is outside 1..{r_max}; method.lora.r is the server's "
                 f"r_max, the largest rank a client can have: raise it to at least {max(values)}"
             )
+
+
+class RankedLoraConfig(MethodConfig):
+    """The options of a LoRA method whose clients may train different ranks (FlexLoRA,
+    FLoRA): ``lora.r`` is ``r_max`` and ``ranks`` each client's."""
+
+    lora: LoraSpec = Field(default_factory=LoraSpec, description="lora.r is r_max, the largest rank.")
+    ranks: Ranks = Field(
+        None,
+        description="The clients' ranks (a list repeated over the clients, or {uniform: [lo, hi]} / "
+        "{choice: [...]} drawn per client); default: every client at lora.r.",
+    )
+
+    @model_validator(mode="after")
+    def _ranks(self) -> RankedLoraConfig:
+        check_ranks(self.ranks, self.lora.r)
+        return self
 
 
 def client_rank(ranks: Ranks, cid: int, seed: int, r_max: int) -> int:
@@ -128,3 +146,17 @@ def mask_components(state: Tensors, rank: int) -> Tensors:
             t = torch.cat([t[:, :rank], t.new_zeros(t.shape[0], t.shape[1] - rank)], dim=1)
         out[n] = t
     return out
+
+
+def padded_uplink(uplink: Tensors, r_max: int) -> Tensors:
+    """A client's update of rank ``r_k`` zero-padded to ``r_max``: the shapes of the
+    server's state, which a networked server checks it against. A malformed one (no or
+    misshapen ``A``/``B``, ranks that differ or exceed ``r_max``) comes back as it is, for
+    that check to refuse."""
+    lora = [(n, t) for n, t in uplink.items() if is_a(n) or is_b(n)]
+    if not lora or any(t.dim() != 2 for _, t in lora):
+        return uplink
+    ranks = {t.shape[0] if is_a(n) else t.shape[1] for n, t in lora}
+    if len(ranks) != 1 or ranks.pop() > r_max:  # one rank for all, at most r_max
+        return uplink
+    return pad(uplink, r_max)
