@@ -30,6 +30,31 @@ SetOpt = Annotated[
 ]
 
 
+@app.callback()
+def options(
+    verbose: Annotated[
+        bool,
+        typer.Option("--verbose", "-v", help="Show other libraries' progress bars, logs and warnings too."),
+    ] = False,
+) -> None:
+    """fedpeft: federated, parameter-efficient fine-tuning of language models."""
+    if not verbose:
+        quiet_libraries()
+
+
+def quiet_libraries() -> None:
+    """Other libraries' progress bars ("Loading weights"), info logs and warnings off;
+    fedpeft's own warnings stay."""
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    disable_progress_bars()
+    warnings.filterwarnings("ignore")
+    warnings.filterwarnings("default", module=r"fedpeft(\.|$)")
+
+
 def _overrides(sets: list[str] | None) -> dict:
     overrides = {}
     for item in sets or []:
@@ -79,12 +104,8 @@ def run(
     set_: SetOpt = None,
 ) -> None:
     """Run a federated experiment and write its results directory."""
-    from transformers.utils import logging as hf_logging
-
     from fedpeft.experiment import run as run_experiment
     from fedpeft.report.runlog import LOG_FILE, close_log, is_expected, one_line, open_log
-
-    hf_logging.disable_progress_bar()
 
     try:
         cfg = _config(config, [*(set_ or []), *(["export.personal=true"] if export_personal else [])])
@@ -184,10 +205,19 @@ def partition(config: ConfigArg = None, set_: SetOpt = None) -> None:
     console.print(f"heatmap: {out / 'partition_heatmap.png'}")
 
 
+#: ``fedpeft methods``' short forms, with their legend under the table
+TASK_LETTERS = {"classification": "C", "causal_lm": "L", "token_classification": "N", "extractive_qa": "Q"}
+COHORT_CODES = {"vmap, folded": "v,f", "vmap": "v", "folded": "f", "one at a time": "1"}
+
+
 @app.command()
 def methods(config: ConfigArg = None, set_: SetOpt = None) -> None:
-    """List the registered methods with their parameter counts on the configured backbone."""
+    """List the registered methods with their parameter counts on the configured backbone.
+
+    One line per method (an 80-column terminal shows it whole), reasons as notes below."""
     import copy
+
+    from rich import box
 
     from fedpeft.data.sources import load_corpus
     from fedpeft.experiment import param_counts
@@ -201,35 +231,55 @@ def methods(config: ConfigArg = None, set_: SetOpt = None) -> None:
     except (ConfigError, ValueError, FileNotFoundError) as err:
         _fail(err)
     task, quantized = cfg.data.task, cfg.model.quantization != "none"
-    table = Table(
-        title=f"methods on {cfg.model.backbone}, task {task}, {num_classes} classes or domains",
-        caption="cohorts: how sampled clients train together (train.cohort_mode): vmap, folded (the frozen "
-        "backbone once on the folded batch; on a quantised backbone the only way), or one at a time",
-    )
-    for col in ("method", "trainable", "shared (sent)", "personal", "% of model", "cohorts", "fp16", "tasks"):
-        table.add_column(col)
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
+    for col, right in (("method", False), ("sent", True), ("personal", True), ("% model", True),
+                       ("cohorts", False), ("tasks", False), ("notes", False)):  # fmt: skip
+        table.add_column(col, justify="right" if right else "left", no_wrap=True)
+    notes: list[str] = []
+
+    def note(text: str) -> str:
+        notes.append(text)
+        return str(len(notes))
+
     for name, cls in REGISTRY.items():
-        tasks = ", ".join(cls.tasks) + "".join(f"; not {t}: {why}" for t, why in cls.not_for.items())
+        tasks = "".join(TASK_LETTERS[t] for t in cls.tasks)
+        reasons: dict[str, list[str]] = {}  # one note per reason, naming every task it rules out
+        for t, why in cls.not_for.items():
+            reasons.setdefault(why, []).append(t)
+        marks = [note(f"{name}: not {', '.join(ts)}: {why}") for why, ts in reasons.items()]
+        if not cls.fp16:
+            marks.append(note(f"{name}: not train.precision fp16 (it takes its own gradients): bf16 or fp32"))
         model = copy.deepcopy(base)
         options = cfg.method if cfg.method.name == name else cls.config_cls()  # the configured options
         method = build_method(options, cfg.train)
         try:
             method.prepare(model)
         except ValueError as err:  # e.g. BitFit on a decoder without biases
-            table.add_row(name, "-", "-", "-", "-", "-", "-", f"{tasks} (here: {err})")
+            marks.append(note(f"{name}: not on this backbone: {err}"))
+            table.add_row(name, "-", "-", "-", "-", tasks, ", ".join(marks))
             continue
         c = param_counts(model, method)
         table.add_row(
             name,
-            f"{c['trainable']:,}",
             f"{c['shared']:,}",
             f"{c['personal']:,}",
             f"{100 * c['trainable'] / c['total']:.2f}",
-            cohorts(method, model, quantized),
-            "yes" if cls.fp16 else "no (bf16)",
+            COHORT_CODES[cohorts(method, model, quantized)],
             tasks,
+            ", ".join(marks),
         )
+    console.print(
+        f"methods on {cfg.model.backbone}, task {task}, {num_classes} classes or domains", soft_wrap=True
+    )
     console.print(table)
+    console.print(
+        "sent: trained parameters shared with the server; personal: trained and kept on the client; "
+        "cohorts (train.cohort_mode): v vmap, f folded (the frozen backbone once on the folded batch; on a "
+        "quantised backbone the only way), 1 one at a time; tasks: C classification, L causal LM, N NER "
+        "(token classification), Q extractive QA"
+    )
+    for number, text in enumerate(notes, 1):
+        console.print(f"{number}. {text}")
 
 
 def cohorts(method, model, quantized: bool) -> str:
