@@ -122,3 +122,41 @@ def test_time_to_target_by_hand():
     assert r90["train_s"] == pytest.approx(6.0 + 7.0) and r90["simulated_train_s"] == pytest.approx(20.0)
     assert r90["total_s"] == pytest.approx(13.0 + 4.4 + 0.5)
     assert r95["round"] is None and r99["round"] is None  # 0.8075 and 0.8415 never reached
+
+
+def test_the_results_table_holds_every_number_and_name_at_80_columns(monkeypatch):
+    """Issue 35: at 80 columns no score, byte count or time is cut; a long run name folds
+    onto more lines, whole."""
+    import io
+
+    from rich.console import Console
+
+    from fedpeft import cli
+
+    buf = io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(width=80, file=buf))
+    short = {"name": "default-fedlr", "method": "fedlr", "rounds": 12, "best_round": 11,
+             "final_global": {"accuracy": 0.6581, "macro_f1": 0.3451, "mcc": 0.6361},
+             "final_local": {"accuracy_mean": 0.6212, "accuracy_std": 0.1234}, "best_global_accuracy": 0.6612,
+             "total_bytes": 87_412_345, "time_train": 275.33}  # fmt: skip
+    long = {**short, "name": "a-very-long-experiment-name-for-the-cross-silo-comparison", "method": "fedmcp",
+            "total_bytes": 1_234_567_890, "time_train": 12345.6}  # fmt: skip
+    cli._print_summaries([short, long])
+    text = buf.getvalue()
+    assert "…" not in text and all(len(line) <= 80 for line in text.splitlines())
+    for number in (
+        "0.658",
+        "0.345",
+        "0.636",
+        "0.621±0.123",
+        "0.661@11",
+        "87.41",
+        "275.3",
+        "1234.57",
+        "12345.6",
+    ):
+        assert number in text
+    rows = [line for line in text.splitlines()[4:] if line.strip()]
+    first_column = "".join(line.split()[0] for line in rows)
+    assert "default-fedlr" in first_column
+    assert "a-very-long-experiment-name-for-the-cross-silo-comparison(fedmcp)" in first_column

@@ -304,21 +304,25 @@ SCORE_COLUMNS = {
 
 
 def _print_summaries(summaries: list[dict]) -> None:
+    """The results table, whole at 80 columns: numbers never cut (a long run name folds
+    onto a second line), the method beside the run's name unless the name holds it."""
+    from rich import box
+
     name = summaries[0].get("headline", "accuracy") if summaries else "accuracy"
     columns = SCORE_COLUMNS[name]
-    table = Table(title="results")
-    for col in ("run", "method", "rounds", *(t for t, _ in columns), f"local {columns[0][0]}",
-                "best (rnd)", "MB", "train s"):  # fmt: skip
-        table.add_column(col)
+    table = Table(title="results", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True)
+    table.add_column("run", overflow="fold", min_width=10)
+    for col in ("rnds", *(t for t, _ in columns), f"local {columns[0][0]}", "best@rnd", "MB", "train s"):
+        table.add_column(col, justify="right", no_wrap=True)
     for s in summaries:
         g, loc = s.get("final_global") or {}, s.get("final_local") or {}
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         local = f"{fmt(loc.get(f'{name}_mean'))}±{fmt(loc.get(f'{name}_std'))}" if loc else "-"
         rnd = s.get("best_round")  # none without a global test set (the cross-silo setting)
-        best = "-" if rnd is None else f"{fmt(s.get(f'best_global_{name}'))} ({rnd})"
+        best = "-" if rnd is None else f"{fmt(s.get(f'best_global_{name}'))}@{rnd}"
+        run_name = s["name"] if s["method"] in s["name"] else f"{s['name']} ({s['method']})"
         table.add_row(
-            s["name"],
-            s["method"],
+            run_name,
             str(s["rounds"]),
             *(fmt(g.get(key)) for _, key in columns),
             local,
