@@ -30,6 +30,10 @@ def test_cli_run_partition_report_methods(tiny_config, tmp_path, monkeypatch):
         assert (tmp_path / "a" / name).is_file(), name
     lines = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["round"] for x in lines] == [1, 2]
+    # not a terminal (issue 35): one plain line per round, no progress bar
+    rounds = [line for line in res.output.splitlines() if line.startswith("round ")]
+    assert [line.split(" |")[0] for line in rounds] == ["round 1", "round 2"]
+    assert "setting up" not in res.output
 
     res = runner.invoke(
         app,
@@ -85,6 +89,29 @@ def test_cli_bad_config_names_the_key(tmp_path):
     res = CliRunner().invoke(app, ["run", str(path)])
     assert res.exit_code == 2
     assert "train.rounds" in res.output
+
+
+def test_an_error_inside_a_run_draws_no_progress_bar_after_it(tiny_config, tmp_path, monkeypatch):
+    """Issue 35: on a terminal, the bar drawn while a run sets up is erased when the run
+    meets an error: the error is the last thing left on the screen."""
+    import io
+
+    from rich.console import Console
+
+    from fedpeft import cli
+    from fedpeft.config import dump_config
+
+    # a config error the run meets while it builds (after the bar started), not at parsing
+    path = tmp_path / "fp16.yaml"
+    path.write_text(dump_config(tiny_config(method={"name": "pf2lora"}, **{"train.precision": "fp16"})))
+    buf = io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(file=buf, force_terminal=True, width=80))
+    res = CliRunner().invoke(app, ["run", str(path)])
+    assert res.exit_code == 2
+    text = buf.getvalue()
+    assert "setting up" in text  # the bar was drawn while the run set up
+    last_frame = text.rsplit("\x1b[2K", 1)[1]  # what the terminal shows after the bar's last erase
+    assert "setting up" not in last_frame and "train.precision: fp16" in last_frame
 
 
 def test_time_to_target_by_hand():

@@ -126,7 +126,8 @@ def run(
         TextColumn("ETA"),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=console, transient=False) as progress:
+    plain = not console.is_terminal  # a log file or a pipe: one line per round, no bar
+    with Progress(*columns, console=console, transient=False, disable=plain) as progress:
         task = progress.add_task("setting up", total=cfg.train.rounds)
 
         last_acc = ""
@@ -148,6 +149,8 @@ def run(
             line = f"round {r['round']} | {len(r['clients'])} clients{trouble} | loss {r['loss']:.3f}"
             line += f" | {last_acc}" if last_acc else ""
             progress.update(task, completed=r["round"], description=line)
+            if plain:
+                console.print(line, soft_wrap=True, highlight=False)
             log.info(line)
             for key in ("dropped", "state_resets"):
                 for cid, why in r.get(key, {}).items():
@@ -158,6 +161,7 @@ def run(
         except Exception as err:  # noqa: BLE001 -- every failure: one line here, the traceback in the log
             log.error("%s", one_line(err), exc_info=err)
             close_log(log)
+            progress.remove_task(task)  # no bar drawn after the error
             progress.stop()
             if debug:
                 console.print_exception()
