@@ -100,11 +100,11 @@ def test_instruction_formats(tmp_path):
     prompts, responses = instruction_columns(read_jsonl_messages(path), str(path))
     assert [len(p) for p in prompts] == [2, 1] and responses == ["a", "a2"]
     bad = {"messages": [[{"role": "user", "content": "u"}, {"role": "user", "content": "again"}]]}
-    with pytest.raises(DataError, match=r"chat.jsonl: data row 0 \(0-based\): the last message"):
+    with pytest.raises(DataError, match=r"chat.jsonl, line 1: the last message"):
         instruction_columns(bad, str(path))
     with pytest.raises(DataError, match="needs columns instruction and output"):
         instruction_columns({"text": ["x"]}, "t.csv")
-    with pytest.raises(DataError, match="data row 1 .* column 'output'"):
+    with pytest.raises(DataError, match=r"t.csv: row 1 \(0-based\): column 'output'"):
         instruction_columns({"instruction": ["a", "b"], "output": ["x", " "]}, "t.csv")
     (tmp_path / "broken.jsonl").write_text('{"messages": []}\nnot json\n')
     with pytest.raises(DataError, match="broken.jsonl:2: not valid JSON"):

@@ -82,7 +82,16 @@ def test_bad_row_is_named(tmp_path):
     path = tmp_path / "d.jsonl"
     rows = [{"text": "fine", "label": 1}, {"text": "   ", "label": 0}, {"text": "ok", "label": 1}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(DataError, match=r"d\.jsonl: data row 1 \(0-based\): column 'text' is empty"):
+    with pytest.raises(DataError, match=r"d\.jsonl, line 2: column 'text' is empty"):
+        load_corpus(DataConfig(source="file", path=path), 0)
+
+
+def test_a_csv_row_is_named_by_the_line_an_editor_shows(tmp_path):
+    """Issue 35: the header is line 1, a blank line is skipped as the reader skips it, and a
+    quoted text over two lines counts both: the bad row starts on line 6."""
+    path = tmp_path / "d.csv"
+    path.write_text('text,label\nfine,1\n\n"two\nlines",0\n"",1\n')
+    with pytest.raises(DataError, match=r"d\.csv, line 6: column 'text' is empty"):
         load_corpus(DataConfig(source="file", path=path), 0)
 
 
@@ -189,7 +198,7 @@ def test_test_label_unseen_in_training_names_the_file_and_row(tmp_path):
     test = _write_jsonl(tmp_path / "test.jsonl", rows)
 
     # Execute / Assert
-    with pytest.raises(DataError, match=r"test\.jsonl: data row 2 \(0-based\): label '7' never occurs"):
+    with pytest.raises(DataError, match=r"test\.jsonl, line 3: label '7' never occurs"):
         load_corpus(DataConfig(source="file", path=train, test_path=test), seed=0)
 
 
@@ -221,7 +230,7 @@ def test_test_file_rows_are_checked_like_training_rows(tmp_path):
     test = _write_jsonl(tmp_path / "test.jsonl", [{"text": "x", "label": 1}, {"text": "", "label": 0}])
 
     # Execute / Assert
-    with pytest.raises(DataError, match=r"test\.jsonl: data row 1 \(0-based\): column 'text' is empty"):
+    with pytest.raises(DataError, match=r"test\.jsonl, line 2: column 'text' is empty"):
         load_corpus(DataConfig(source="file", path=train, test_path=test), seed=0)
 
 
@@ -247,7 +256,7 @@ def test_hub_test_split_labels_map_onto_training_classes(monkeypatch):
     )
     cfg = DataConfig(source="hub", hub_id="someone/reviews", test_split="test")
 
-    with pytest.raises(DataError, match=r"someone/reviews\[test\]: data row 1 \(0-based\): label 'neutral'"):
+    with pytest.raises(DataError, match=r"someone/reviews\[test\]: row 1 \(0-based\): label 'neutral'"):
         load_corpus(cfg, 0)
     corpus = load_corpus(cfg.model_copy(update={"unseen_test_labels": "drop"}), 0)
     assert corpus.class_names == ["neg", "pos"]

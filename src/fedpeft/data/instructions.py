@@ -37,30 +37,30 @@ def alpaca_prompt(instruction: str, context: str | None) -> Messages:
     return [{"role": "user", "content": text}]
 
 
-def split_conversation(messages: object, origin: str) -> tuple[Messages, str]:
+def split_conversation(messages: object) -> tuple[Messages, str]:
     """A chat example's prompt (every message but the last) and response (the last,
-    which must be the assistant's); a malformed one fails naming ``origin``."""
+    which must be the assistant's); a malformed one is a ValueError saying what is wrong."""
     if not isinstance(messages, list) or len(messages) < 2:
-        raise ValueError(f"{origin}: 'messages' must be a list of at least two messages")
+        raise ValueError("'messages' must be a list of at least two messages")
     for k, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise ValueError(f"{origin}: message {k} needs a role ({', '.join(ROLES)}) and text content")
+            raise ValueError(f"message {k} needs a role ({', '.join(ROLES)}) and text content")
     if messages[-1]["role"] != "assistant":
-        raise ValueError(f"{origin}: the last message is the response and must be the assistant's")
+        raise ValueError("the last message is the response and must be the assistant's")
     return [dict(role=m["role"], content=m["content"]) for m in messages[:-1]], messages[-1]["content"]
 
 
 def instruction_columns(table: dict[str, list], origin: str) -> tuple[list[Messages], list[str]]:
     """Prompts and responses of a table in either format (chosen by its columns)."""
-    from fedpeft.data.sources import DataError
+    from fedpeft.data.sources import DataError, place
 
     prompts, responses = [], []
     if "messages" in table:
         for row, messages in enumerate(table["messages"]):
             try:
-                prompt, response = split_conversation(messages, f"{origin}: data row {row} (0-based)")
+                prompt, response = split_conversation(messages)
             except ValueError as err:
-                raise DataError(str(err)) from None
+                raise DataError(f"{place(origin, row)}: {err}") from None
             prompts.append(prompt)
             responses.append(response)
         return prompts, responses
@@ -74,9 +74,9 @@ def instruction_columns(table: dict[str, list], origin: str) -> tuple[list[Messa
         zip(table["instruction"], contexts, table["output"], strict=True)
     ):
         if not isinstance(instruction, str) or not instruction.strip():
-            raise DataError(f"{origin}: data row {row} (0-based): column 'instruction' is empty or not text")
+            raise DataError(f"{place(origin, row)}: column 'instruction' is empty or not text")
         if not isinstance(output, str) or not output.strip():
-            raise DataError(f"{origin}: data row {row} (0-based): column 'output' is empty or not text")
+            raise DataError(f"{place(origin, row)}: column 'output' is empty or not text")
         prompts.append(alpaca_prompt(instruction, context if isinstance(context, str) else None))
         responses.append(output)
     return prompts, responses

@@ -15,6 +15,8 @@ same batches in whatever order a file lists them.
 
 from __future__ import annotations
 
+import csv
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +118,40 @@ def load_hub(cfg: DataConfig, split: str) -> tuple[Columns, list[str] | None]:
     return ds.to_dict(), names
 
 
+def place(origin: str, row: int) -> str:
+    """Where data row ``row`` (0-based, of the table read from ``origin``) is, as an editor
+    shows it: a CSV or TSV file's line (the header is line 1; blank lines skipped as the
+    reader skips them, a quoted field over several lines counted whole), a JSON Lines
+    file's line, a JSON or Parquet file's record (1-based); elsewhere (a hub split, a
+    held-out share) its row, 0-based."""
+    path = Path(origin)
+    suffix = path.suffix.lower()
+    if path.is_file() and suffix in (".csv", ".tsv"):
+        line = _csv_record_line(path, row, "\t" if suffix == ".tsv" else ",")
+        return f"{origin}, line {line}"
+    if path.is_file() and suffix == ".jsonl":
+        lines = (n for n, text in enumerate(path.read_text().splitlines(), 1) if text.strip())
+        return f"{origin}, line {next(itertools.islice(lines, row, None), '?')}"
+    if path.is_file() and suffix in (".json", ".parquet"):
+        return f"{origin}, record {row + 1}"
+    return f"{origin}: row {row} (0-based)"
+
+
+def _csv_record_line(path: Path, row: int, delimiter: str) -> int | str:
+    """The line on which data record ``row`` (0-based, after the header) starts."""
+    with path.open(newline="") as handle:
+        reader = csv.reader(handle, delimiter=delimiter)
+        next(reader, None)  # the header
+        start, k = reader.line_num + 1, 0
+        for record in reader:
+            if record:  # a blank line is no record
+                if k == row:
+                    return start
+                k += 1
+            start = reader.line_num + 1
+    return "?"
+
+
 def _check_columns(table: Columns, origin: str, cfg: DataConfig, groups: bool = True) -> None:
     """The text, label (and, for training data, group) columns exist and every row has
     text and a label."""
@@ -127,10 +163,10 @@ def _check_columns(table: Columns, origin: str, cfg: DataConfig, groups: bool = 
     for row, (text, label) in enumerate(zip(table[cfg.text_column], table[cfg.label_column], strict=True)):
         if not isinstance(text, str) or not text.strip():
             raise DataError(
-                f"{origin}: data row {row} (0-based): column {cfg.text_column!r} is empty or not text"
+                f"{place(origin, row)}: column {cfg.text_column!r} is empty or not text"
             )
         if label is None or (isinstance(label, float) and np.isnan(label)):
-            raise DataError(f"{origin}: data row {row} (0-based): column {cfg.label_column!r} is missing")
+            raise DataError(f"{place(origin, row)}: column {cfg.label_column!r} is missing")
 
 
 def class_names_of(values: list[Any]) -> list[str]:
@@ -159,7 +195,7 @@ def _encode_labels(values: list[Any], names: list[str], origin: str, known_ids: 
         ids = np.asarray(values, dtype=np.int64)
         bad = np.flatnonzero((ids < 0) | (ids >= len(names)))
         if bad.size:
-            raise DataError(f"{origin}: row {bad[0]}: label {ids[bad[0]]} outside 0..{len(names) - 1}")
+            raise DataError(f"{place(origin, bad[0])}: label {ids[bad[0]]} outside 0..{len(names) - 1}")
         return ids
     index = {n: i for i, n in enumerate(names)}
     return np.asarray([index[_label_key(v)] for v in values], dtype=np.int64)
@@ -397,7 +433,7 @@ def _tagged_columns(table: Columns, origin: str, cfg: DataConfig, tag_names: lis
             tags = [tag_names[t] for t in tags]
         if not words or len(words) != len(tags) or not all(isinstance(x, str) for x in words + tags):
             raise DataError(
-                f"{origin}: data row {row} (0-based): {cfg.text_column!r} and {cfg.label_column!r} must be "
+                f"{place(origin, row)}: {cfg.text_column!r} and {cfg.label_column!r} must be "
                 "lists of words and of their tags, of the same length"
             )
         out["text"].append(words)
@@ -417,7 +453,7 @@ def _instruction_table(table: Columns, origin: str, cfg: DataConfig) -> Columns:
         domains = table[cfg.label_column]
         for row, d in enumerate(domains):
             if d is None or (isinstance(d, float) and np.isnan(d)):
-                raise DataError(f"{origin}: data row {row} (0-based): column {cfg.label_column!r} is missing")
+                raise DataError(f"{place(origin, row)}: column {cfg.label_column!r} is missing")
     elif explicit:
         raise DataError(f"{origin}: no column {cfg.label_column!r} (columns: {sorted(table)})")
     else:
@@ -441,7 +477,7 @@ def _known_labels_only(test: Columns, label_col: str, names: list[str], origin: 
     row = keep.index(False)
     if unseen == "error":
         raise DataError(
-            f"{origin}: data row {row} (0-based): label {_label_key(test[label_col][row])!r} never occurs in "
+            f"{place(origin, row)}: label {_label_key(test[label_col][row])!r} never occurs in "
             f"the training data ({len(names)} classes, e.g. {names[:3]}); set data.unseen_test_labels: drop "
             "to leave such rows out"
         )
@@ -483,7 +519,7 @@ def load_client_file(path: Path, cfg: DataConfig, class_names: list[str]) -> tup
         key = _label_key(value)
         if key not in index:
             raise DataError(
-                f"{path}: data row {row} (0-based): label {key!r} is not one of the federation's "
+                f"{place(str(path), row)}: label {key!r} is not one of the federation's "
                 f"{len(class_names)} classes (e.g. {class_names[:3]})"
             )
         labels.append(index[key])
