@@ -162,9 +162,7 @@ def _check_columns(table: Columns, origin: str, cfg: DataConfig, groups: bool = 
             raise DataError(f"{origin}: no column {col!r} (data.{key}; columns: {sorted(table)})")
     for row, (text, label) in enumerate(zip(table[cfg.text_column], table[cfg.label_column], strict=True)):
         if not isinstance(text, str) or not text.strip():
-            raise DataError(
-                f"{place(origin, row)}: column {cfg.text_column!r} is empty or not text"
-            )
+            raise DataError(f"{place(origin, row)}: column {cfg.text_column!r} is empty or not text")
         if label is None or (isinstance(label, float) and np.isnan(label)):
             raise DataError(f"{place(origin, row)}: column {cfg.label_column!r} is missing")
 
