@@ -307,14 +307,20 @@ SCORE_COLUMNS = {
 }
 
 
+def narrow_table(title: str) -> Table:
+    """A table with no more around its cells than a rule under the header: what an
+    80-column terminal has room for."""
+    from rich import box
+
+    return Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True)
+
+
 def _print_summaries(summaries: list[dict]) -> None:
     """The results table, whole at 80 columns: numbers never cut (a long run name folds
     onto a second line), the method beside the run's name unless the name holds it."""
-    from rich import box
-
     name = summaries[0].get("headline", "accuracy") if summaries else "accuracy"
     columns = SCORE_COLUMNS[name]
-    table = Table(title="results", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True)
+    table = narrow_table("results")
     table.add_column("run", overflow="fold", min_width=10)
     for col in ("rnds", *(t for t, _ in columns), f"local {columns[0][0]}", "best@rnd", "MB", "train s"):
         table.add_column(col, justify="right", no_wrap=True)
@@ -391,9 +397,10 @@ def report(
 
 def _print_time_to_target(records: dict, target: float, name: str, link, time_to_target) -> None:
     link_text = f"link {link.bandwidth_mbit:g} Mbit/s, {link.latency_ms:g} ms"
-    table = Table(title=f"time to target ({name} {target:.3f}; {link_text})")
-    for col in ("run", "% of target", "round", "MB", "train s", "comm s", "decomp s", "total s"):
-        table.add_column(col)
+    table = narrow_table(f"time to target ({name} {target:.3f}; {link_text})")
+    table.add_column("run", overflow="fold", min_width=10)  # a long name folds; numbers are never cut
+    for col in ("target", "round", "MB", "train s", "comm s", "decomp s", "total s"):
+        table.add_column(col, justify="right", no_wrap=True)
     for label, recs in records.items():
         for row in time_to_target(recs, target, link, metric=name):
             cells = ["-"] * 6
@@ -440,8 +447,10 @@ def _print_rounds_to_target(records: dict, methods: dict, target: float, name: s
     table = Table(
         title=f"rounds to target ({name} {target:.3f}); speed-up = rounds of {base} / rounds of the run"
     )
-    for col in ("run", "method", "rounds", "speed-up"):
-        table.add_column(col)
+    table.add_column("run", overflow="fold", min_width=10)
+    table.add_column("method", overflow="fold")
+    for col in ("rounds", "speed-up"):
+        table.add_column(col, no_wrap=True)
     for row in rounds_to_target(records, target, base, name):
         rounds = str(row["round"]) if row["round"] is not None else f"not reached (> {row['rounds_run']})"
         speedup = "-"
