@@ -103,7 +103,6 @@ class FedSB(FedAvgPeft):
     name = "fedsb"
     config_cls = FedSBConfig
     kind = "lora"
-    vectorised = True
 
     def prepare(self, model) -> None:
         if any(not p.is_floating_point() for p in model.parameters()):
