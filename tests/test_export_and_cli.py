@@ -48,14 +48,27 @@ def test_cli_run_partition_report_methods(tiny_config, tmp_path, monkeypatch):
     )
     assert res.exit_code == 0, res.output
 
-    res = runner.invoke(
-        app, ["report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "cmp")]
-    )
+    runs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    html = tmp_path / "report.html"
+    res = runner.invoke(app, ["report", *runs, "--out", str(tmp_path / "cmp"), "--html", str(html)])
     assert res.exit_code == 0, res.output
     assert "fedlr" in res.output and "fedbf" in res.output
     assert (tmp_path / "cmp" / "accuracy_vs_bytes.png").stat().st_size > 1000
     assert (tmp_path / "cmp" / "update_variation.png").stat().st_size > 1000  # fedlr has LoRA matrices
     assert "time to target" in res.output
+
+    # issue 35: the HTML page, whole in one file (its look: tests/test_report_browser.py)
+    from fedpeft.report.results import read_summary, results_table
+
+    page = html.read_text()
+    _, rows = results_table([read_summary(d) for d in runs])
+    for row in rows:
+        assert "".join(f"<td>{cell}</td>" for cell in row) in page
+    # accuracy vs rounds and vs bytes, the clients' scores, update variation, two heatmaps
+    assert page.count('src="data:image/png;base64,') == 6
+    assert "final local accuracy" in page and "Labels per client" in page
+    assert page.count("<pre>") == 2 and "name: fedbf" in page  # each run's resolved config
+    assert "<script" not in page and "http" not in page.replace(str(tmp_path), "")  # nothing fetched
 
     res = runner.invoke(app, ["partition", str(path), "--set", f"output_dir={tmp_path / 'p'}"])
     assert res.exit_code == 0, res.output
@@ -187,3 +200,37 @@ def test_the_results_table_holds_every_number_and_name_at_80_columns(monkeypatch
     first_column = "".join(line.split()[0] for line in rows)
     assert "default-fedlr" in first_column
     assert "a-very-long-experiment-name-for-the-cross-silo-comparison(fedmcp)" in first_column
+
+
+def test_the_partition_and_sweep_tables_hold_every_number_and_name_at_80_columns(tiny_config, tmp_path):
+    """Issue 35: the other tables at 80 columns: nothing cut ("…"), long names fold whole."""
+    import io
+
+    from rich.console import Console
+
+    from fedpeft import cli
+    from fedpeft.config import dump_config
+
+    buf = io.StringIO()
+    cli.console, real = Console(width=80, file=buf), cli.console
+    try:
+        path = tmp_path / "exp.yaml"
+        path.write_text(dump_config(tiny_config()))
+        res = CliRunner().invoke(app, ["partition", str(path), "--set", f"output_dir={tmp_path / 'p'}"])
+        assert res.exit_code == 0, res.output
+        rows = {"point": {"partition.alpha": 0.1, "method.lora.r": 16}, "runs": 3,
+                "trainable": 1_234_567, "bytes": 987_654_321, "accuracy_mean": 0.6581,
+                "accuracy_std": 0.0123, "macro_f1_mean": 0.3451, "macro_f1_std": 0.0456,
+                "mcc_mean": None, "mcc_std": None}  # fmt: skip
+        cli._print_sweep([rows], ("accuracy", "macro_f1", "mcc"))
+    finally:
+        cli.console = real
+    text = buf.getvalue()
+    assert "…" not in text and all(len(line) <= 80 for line in text.splitlines())
+    for cell in ("1,234,567", "987.7", "0.658±0.012", "0.345±0.046"):
+        assert cell in text
+    body = text.split("sweep (")[1].splitlines()[4:]  # after the title, a blank line, header and rule
+    folded = "".join(line.split()[0] for line in body if line.strip())
+    assert folded.startswith("partition.alpha=0.1,method.lora.r=16")
+    partition = text.split("sweep")[0]
+    assert "Jensen-Shannon" in partition and partition.count("\n") > 5

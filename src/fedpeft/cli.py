@@ -188,9 +188,10 @@ def partition(config: ConfigArg = None, set_: SetOpt = None) -> None:
     except (ConfigError, ValueError, FileNotFoundError) as err:
         _fail(err)
     hist = split.histograms(corpus.train_labels, corpus.num_classes)
-    table = Table(title=f"{cfg.partition.scheme} partition of {len(corpus.train_labels)} examples")
-    for col in ("client", "train", "test", "classes", "top labels (count)"):
-        table.add_column(col)
+    table = narrow_table(f"{cfg.partition.scheme} partition of {len(corpus.train_labels)} examples")
+    for col in ("client", "train", "test", "classes"):
+        table.add_column(col, justify="right", no_wrap=True)
+    table.add_column("top labels (count)", overflow="fold")  # long label names fold, whole
     for i, row in enumerate(hist):
         top = np.argsort(row)[::-1][:3]
         labels = ", ".join(f"{corpus.class_names[j]} ({row[j]})" for j in top if row[j])
@@ -299,14 +300,6 @@ def cohorts(method, model, quantized: bool) -> str:
 
 
 #: The summary table's score columns per headline score: (title, key of the scores).
-SCORE_COLUMNS = {
-    "accuracy": [("acc", "accuracy"), ("F1", "macro_f1"), ("MCC", "mcc")],
-    "rouge_l": [("ROUGE-L", "rouge_l"), ("BLEU", "bleu"), ("chrF", "chrf"), ("ppl", "perplexity")],
-    "entity_f1": [("entity F1", "entity_f1"), ("P", "entity_precision"), ("R", "entity_recall")],
-    "f1": [("F1", "f1"), ("EM", "exact_match")],
-}
-
-
 def narrow_table(title: str) -> Table:
     """A table with no more around its cells than a rule under the header: what an
     80-column terminal has room for."""
@@ -317,29 +310,16 @@ def narrow_table(title: str) -> Table:
 
 def _print_summaries(summaries: list[dict]) -> None:
     """The results table, whole at 80 columns: numbers never cut (a long run name folds
-    onto a second line), the method beside the run's name unless the name holds it."""
-    name = summaries[0].get("headline", "accuracy") if summaries else "accuracy"
-    columns = SCORE_COLUMNS[name]
+    onto a second line)."""
+    from fedpeft.report.results import results_table
+
+    header, rows = results_table(summaries)
     table = narrow_table("results")
-    table.add_column("run", overflow="fold", min_width=10)
-    for col in ("rnds", *(t for t, _ in columns), f"local {columns[0][0]}", "best@rnd", "MB", "train s"):
+    table.add_column(header[0], overflow="fold", min_width=10)
+    for col in header[1:]:
         table.add_column(col, justify="right", no_wrap=True)
-    for s in summaries:
-        g, loc = s.get("final_global") or {}, s.get("final_local") or {}
-        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-        local = f"{fmt(loc.get(f'{name}_mean'))}±{fmt(loc.get(f'{name}_std'))}" if loc else "-"
-        rnd = s.get("best_round")  # none without a global test set (the cross-silo setting)
-        best = "-" if rnd is None else f"{fmt(s.get(f'best_global_{name}'))}@{rnd}"
-        run_name = s["name"] if s["method"] in s["name"] else f"{s['name']} ({s['method']})"
-        table.add_row(
-            run_name,
-            str(s["rounds"]),
-            *(fmt(g.get(key)) for _, key in columns),
-            local,
-            best,
-            f"{s['total_bytes'] / 1e6:.2f}",
-            f"{s['time_train']:.1f}",
-        )
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
 
 
@@ -364,10 +344,17 @@ def report(
     ] = None,
     bandwidth: Annotated[float, typer.Option(help="Client link bandwidth, Mbit/s.")] = 25.0,
     latency: Annotated[float, typer.Option(help="Client link latency per message, ms.")] = 0.0,
+    html: Annotated[
+        Path | None,  # noqa: UP007
+        typer.Option(
+            help="Also write one self-contained HTML page here (plots inline; opens offline): the "
+            "results table, score vs rounds and bytes, the clients' scores, each run's partition and config."
+        ),
+    ] = None,
 ) -> None:
     """Compare finished runs: a results table, time to 90/95/99 % of a target, rounds to the
     target with speed-ups over a baseline (--baseline), and plots with every run on one figure
-    (accuracy vs rounds and bytes; LoRA update variation; client drift)."""
+    (accuracy vs rounds and bytes; LoRA update variation; client drift); --html: a page of it all."""
     from fedpeft.report import results as R
     from fedpeft.report.efficiency import Link, time_to_target
     from fedpeft.report.plots import plot_accuracy, plot_drift, plot_variation
@@ -393,6 +380,10 @@ def report(
     for path in [*plot_accuracy(records, out), plot_variation(records, out), plot_drift(records, out)]:
         if path is not None:
             console.print(f"plot: {path}")
+    if html is not None:
+        from fedpeft.report.html import write_report
+
+        console.print(f"report: {write_report(runs, labels, html)}")
 
 
 def _print_time_to_target(records: dict, target: float, name: str, link, time_to_target) -> None:
@@ -483,22 +474,23 @@ def sweep(
     rows = S.aggregate(done)
     out = Path(points[0][1].output_dir).parent
     S.write_summary(out, rows)
-    table = Table(title="sweep (final global scores, mean ± std over seeds)")
-    for col in ("point", "runs", "trainable", "MB", *S.METRICS):
-        table.add_column(col)
-    fmt = lambda r, m: "-" if r[f"{m}_mean"] is None else f"{r[f'{m}_mean']:.3f} ± {r[f'{m}_std']:.3f}"  # noqa: E731
-    for r in rows:
-        point = ", ".join(f"{k}={v}" for k, v in r["point"].items())
-        table.add_row(
-            point,
-            str(r["runs"]),
-            f"{r['trainable']:,}",
-            f"{r['bytes'] / 1e6:.1f}",
-            *(fmt(r, m) for m in S.METRICS),
-        )
-    console.print(table)
+    _print_sweep(rows, S.METRICS)
     for path in S.plot_sweep(rows, out):
         console.print(f"plot: {path}")
+
+
+def _print_sweep(rows: list[dict], metrics: tuple[str, ...]) -> None:
+    """The sweep's table, whole at 80 columns: a grid point's settings fold, numbers never cut."""
+    table = narrow_table("sweep (final global scores, mean±std over seeds)")
+    table.add_column("point", overflow="fold", min_width=12)
+    for col in ("runs", "trainable", "MB", *metrics):
+        table.add_column(col, justify="right", no_wrap=True)
+    fmt = lambda r, m: "-" if r[f"{m}_mean"] is None else f"{r[f'{m}_mean']:.3f}±{r[f'{m}_std']:.3f}"  # noqa: E731
+    for r in rows:
+        point = ", ".join(f"{k}={v}" for k, v in r["point"].items())
+        sizes = [str(r["runs"]), f"{r['trainable']:,}", f"{r['bytes'] / 1e6:.1f}"]
+        table.add_row(point, *sizes, *(fmt(r, m) for m in metrics))
+    console.print(table)
 
 
 # ---------------------------------------------------------------- Flower deployment

@@ -689,6 +689,38 @@ class PrivacyConfig(BaseModel):
         return self
 
 
+class LogConfig(BaseModel):
+    """Where every round's metrics go besides ``metrics.jsonl``: experiment trackers."""
+
+    model_config = Strict
+
+    to: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+        default_factory=list,
+        description="Trackers fed every completed round (scores, loss, bytes, times, epsilon, drift) and "
+        "the resolved config: tensorboard (event files under output_dir/tensorboard), mlflow, wandb. "
+        "A resumed run continues the same tracked run. Each needs its extra: pip install 'fedpeft[NAME]'.",
+    )
+    mlflow_uri: str | None = Field(
+        None,
+        description="MLflow tracking URI (a server such as http://host:5000, or a database such as "
+        "sqlite:///mlflow.db); unset: a local store, output_dir/mlflow.db.",
+    )
+    mlflow_experiment: str = Field("fedpeft", description="The MLflow experiment the runs are filed under.")
+    wandb_project: str = Field("fedpeft", description="The W&B project.")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="offline: W&B writes under output_dir/wandb and sends nothing (wandb sync uploads it "
+        "later); online: logs to the W&B server your login names.",
+    )
+
+    @field_validator("to")
+    @classmethod
+    def _once_each(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"log.to: {value} names a tracker twice")
+        return value
+
+
 class ExperimentConfig(BaseModel):
     """One federated experiment, end to end."""
 
@@ -712,6 +744,7 @@ class ExperimentConfig(BaseModel):
     export: ExportConfig = ExportConfig()
     deploy: DeployConfig = DeployConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
 
     @field_validator("checkpoint", mode="before")
     @classmethod

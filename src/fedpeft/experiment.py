@@ -39,6 +39,7 @@ from fedpeft.metrics.variation import lora_variations
 from fedpeft.models.backbone import TaskModel, build_model, enable_checkpointing, resolve_backbone
 from fedpeft.models.device import autocast_dtype, resolve_device
 from fedpeft.report import results as R
+from fedpeft.report.tracking import Tracking
 
 
 @dataclass
@@ -113,7 +114,7 @@ def group_values(cfg: ExperimentConfig, corpus: Corpus) -> np.ndarray:
 
 
 def fingerprint(cfg: ExperimentConfig) -> str:
-    """A hash of everything that determines the results (output_dir, export, checkpoint,
+    """A hash of everything that determines the results (output_dir, export, checkpoint, log,
     and train.device, train.cohort_size, train.cohort_mode, train.client_memory_mb, train.memory_check,
     train.on_corrupt_state and deploy.warm_nodes, with which a run may resume differently
     laid out):
@@ -124,6 +125,7 @@ def fingerprint(cfg: ExperimentConfig) -> str:
         "output_dir": True,
         "export": True,
         "checkpoint": True,
+        "log": True,
         "train": {
             "device",
             "cohort_size",
@@ -330,9 +332,13 @@ def cohort_size(cfg: ExperimentConfig, method: Method, model: torch.nn.Module) -
 
 
 def make_engine(
-    setup: Setup, on_round: Callable[[dict], None] | None, say: Callable[[str], None] | None = None
+    setup: Setup,
+    on_round: Callable[[dict], None] | None,
+    say: Callable[[str], None] | None = None,
+    tracking: Tracking | None = None,
 ) -> InProcessEngine:
-    """The in-process engine for ``setup``, writing ``metrics.jsonl`` as rounds complete."""
+    """The in-process engine for ``setup``, writing ``metrics.jsonl`` (and ``tracking``'s
+    trackers) as rounds complete."""
     cfg, out = setup.cfg, Path(setup.cfg.output_dir)
     clients, per_round = setup.clients, cfg.train.clients_per_round
     faulty = faulty_clients(cfg.faults, cfg.seed, len(clients))
@@ -363,8 +369,16 @@ def make_engine(
 
     def record_round(record: dict) -> None:
         R.append_record(metrics_path, record)
+        if tracking:
+            tracking.round(record)
         if on_round:
             on_round(record)
+
+    def start(done: list[dict]) -> None:
+        # metrics.jsonl restarts from the checkpoint's records (or empty): nothing lost, nothing twice
+        R.write_records(metrics_path, done)
+        if tracking:
+            tracking.start(done)
 
     return InProcessEngine(
         setup.model,
@@ -376,8 +390,7 @@ def make_engine(
         checkpoints=checkpoints(cfg, say),
         fingerprint=fingerprint(cfg),
         on_round=record_round,
-        # metrics.jsonl restarts from the checkpoint's records (or empty): nothing lost, nothing twice
-        on_start=lambda done: R.write_records(metrics_path, done),
+        on_start=start,
         analyzers=update_variation_analyzers(setup.method),
         store=client_store(cfg),
         scorer=scorer_for(cfg.data.task, setup.tokenizer, cfg.eval, setup.corpus),
@@ -481,22 +494,24 @@ def run(
     if resume and not cfg.checkpoint.enabled:
         raise ResumeError("--resume needs checkpoints, but the config sets checkpoint: false")
     t_setup = time.perf_counter()
+    tracking = Tracking(cfg, resume)  # a tracker's missing package fails before the model loads
     setup = setup or build(cfg)
     load_tensors(setup.model, setup.initial)  # a setup may serve several runs
     hist = open_output(setup)
-    engine = make_engine(setup, on_round, say)
-    t_run = time.perf_counter()
-    try:
-        records = engine.run(resume=resume, resume_from=resume_from)
-    except DivergedError as err:
-        if err.round > 1:  # the last good global model (none was trained before round 1)
-            export(setup, err.last_good.tensors, Path(cfg.output_dir))
-        raise
-    t_end = time.perf_counter()
-    device = str(next(setup.model.parameters()).device)
-    extra = {"time_setup": t_run - t_setup, "time_total": t_end - t_setup, "device": device}
-    client_models = lambda client: engine.client_model(engine.server, client)[0]  # noqa: E731
-    return finish(setup, records, engine.server, hist, extra, client_models)
+    with tracking:
+        engine = make_engine(setup, on_round, say, tracking)
+        t_run = time.perf_counter()
+        try:
+            records = engine.run(resume=resume, resume_from=resume_from)
+        except DivergedError as err:
+            if err.round > 1:  # the last good global model (none was trained before round 1)
+                export(setup, err.last_good.tensors, Path(cfg.output_dir))
+            raise
+        t_end = time.perf_counter()
+        device = str(next(setup.model.parameters()).device)
+        extra = {"time_setup": t_run - t_setup, "time_total": t_end - t_setup, "device": device}
+        client_models = lambda client: engine.client_model(engine.server, client)[0]  # noqa: E731
+        return finish(setup, records, engine.server, hist, extra, client_models)
 
 
 def open_output(setup: Setup) -> np.ndarray:

@@ -354,12 +354,14 @@ class InProcessEngine:
         self._loaded = ()
         return self.method.eval_state(self.model, received, personal, client), extra
 
-    def evaluate(self, server: ServerState) -> dict:
+    def evaluate(self, server: ServerState, final: bool = False) -> dict:
         """Global-test scores of the global model (or the clients' mean when there is none)
         and every client's scores on its local test split: all clients, so that every
         method is scored on the same ones (a client that never trained holds the global
         model and its initial personal state). Clients' own models are scored in cohorts
-        of ``cohort_size``, their forward passes vmapped."""
+        of ``cohort_size``, their forward passes vmapped. Each client's own scores are
+        kept (``local_by_client``, clients with a test split in order) in the ``final``
+        round, and in every round when the schedule asks."""
         out, size, scorer = {}, self.cohort_size, self.scorer
         has_global_test = len(self.global_test) > 0  # none in the cross-silo setting
         global_tensors = self.method.global_state(server)
@@ -394,7 +396,7 @@ class InProcessEngine:
             out["global"] = mean_scores(per_client_global)
         if per_client_local:
             out["local"] = spread(per_client_local)
-            if self.schedule.per_client_scores:
+            if self.schedule.per_client_scores or final:
                 out["local_by_client"] = per_client_local
         if per_client_val:
             out["val"] = spread(per_client_val)
@@ -543,7 +545,7 @@ class InProcessEngine:
             if self.probe is not None and results:  # timed with the evaluation
                 record["drift"] = self.drift(previous, results)
             if rnd % s.eval_every == 0 or rnd == s.rounds:
-                record.update(self.evaluate(server))
+                record.update(self.evaluate(server, final=rnd == s.rounds))
             if self.resets:  # clients whose stored state could not be read, started afresh
                 record["state_resets"] = {str(c): why for c, why in sorted(self.resets.items())}
                 self.resets = {}

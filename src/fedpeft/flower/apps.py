@@ -41,6 +41,7 @@ from fedpeft.flower.node import Node
 from fedpeft.flower.server import FlowerServer
 from fedpeft.methods.base import load_tensors
 from fedpeft.report import results as R
+from fedpeft.report.tracking import Tracking
 
 server_app = ServerApp()
 client_app = ClientApp()
@@ -59,6 +60,7 @@ def serve(grid: Grid, context: Context) -> None:
     cfg = experiment_of(context)
     resume = bool(context.run_config.get("resume", False))
     t0 = time.perf_counter()
+    tracking = Tracking(cfg, resume)
     setup = build(cfg)
     load_tensors(setup.model, setup.initial)
     hist = open_output(setup)
@@ -68,8 +70,13 @@ def serve(grid: Grid, context: Context) -> None:
     def log(line: str) -> None:
         print(f"[fedpeft] {line}", flush=True)
 
+    def on_start(done: list[dict]) -> None:
+        R.write_records(metrics_path, done)
+        tracking.start(done)
+
     def on_round(record: dict) -> None:
         R.append_record(metrics_path, record)
+        tracking.round(record)
         acc = record.get("global", {}).get("accuracy")
         returned, sampled = len(record.get("clients_returned", [])), len(record["clients"])
         score = f", global accuracy {acc:.4f}" if acc is not None else ""
@@ -81,26 +88,27 @@ def serve(grid: Grid, context: Context) -> None:
         checkpoints=checkpoints(cfg, log),
         fingerprint=fingerprint(cfg),
         on_round=on_round,
-        on_start=lambda done: R.write_records(metrics_path, done),
+        on_start=on_start,
         analyzers=update_variation_analyzers(setup.method),
         log=log,
         context=context,
     )
     t1 = time.perf_counter()
-    try:
-        records = server.run(resume=resume)
-    except DivergedError as err:
-        if err.round > 1:  # the last good global model (none was trained before round 1)
-            export(setup, err.last_good.tensors, out)
-        raise
-    t2 = time.perf_counter()
-    finish(
-        setup,
-        records,
-        server.server,
-        hist,
-        {"engine": "flower", "time_setup": t1 - t0, "time_total": t2 - t0},
-    )
+    with tracking:
+        try:
+            records = server.run(resume=resume)
+        except DivergedError as err:
+            if err.round > 1:  # the last good global model (none was trained before round 1)
+                export(setup, err.last_good.tensors, out)
+            raise
+        t2 = time.perf_counter()
+        finish(
+            setup,
+            records,
+            server.server,
+            hist,
+            {"engine": "flower", "time_setup": t1 - t0, "time_total": t2 - t0},
+        )
     log(f"done: {out}")
 
 

@@ -430,6 +430,8 @@ class FlowerServer:
             out["global"] = mean_scores(per_client_global)
         if per_client_local and self.cfg.eval.local:
             out["local"] = spread(per_client_local)
+            if rnd == self.cfg.train.rounds:  # each client's own scores, as in-process
+                out["local_by_client"] = per_client_local
             out.update({key: spread(values) for key, values in extra_local.items()})
         return out
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import matplotlib
 import matplotlib.ticker
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -152,3 +153,23 @@ def plot_drift(runs: dict[str, list[dict]], out_dir: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return save_figure(fig, out_dir / "drift_vs_round.png")
+
+
+def plot_client_scores(runs: dict[str, list[float]], metric: str, path: Path) -> Path | None:
+    """Each run's clients' final local ``metric`` (each on its own test split, with its own
+    model): a box per run and a dot per client. None when no run recorded them."""
+    runs = {label: scores for label, scores in runs.items() if scores}
+    if not runs:
+        return None
+    labels = list(runs)
+    fig, ax = plt.subplots(figsize=(7, 0.55 * len(labels) + 1.6))
+    ax.boxplot([runs[label] for label in labels], orientation="horizontal", widths=0.5, showfliers=False)
+    jitter = np.random.default_rng(0)
+    for i, label in enumerate(labels, start=1):
+        ys = i + jitter.uniform(-0.18, 0.18, len(runs[label]))
+        ax.scatter(runs[label], ys, s=9, alpha=0.5, color="tab:blue")
+    ax.set_yticks(range(1, len(labels) + 1), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"client's local test {metric} (final round)")
+    ax.grid(alpha=0.3, axis="x")
+    return save_figure(fig, path)

@@ -102,3 +102,34 @@ def summarize(records: list[dict], extra: dict) -> dict:
         "time_eval": sum(r["time_eval"] for r in records),
         "setup": records[0].get("setup", {}),  # one-off server set-up (e.g. time_decompose)
     }
+
+
+#: The results table's score columns per headline score: (column title, score key).
+SCORE_COLUMNS = {
+    "accuracy": [("acc", "accuracy"), ("F1", "macro_f1"), ("MCC", "mcc")],
+    "rouge_l": [("ROUGE-L", "rouge_l"), ("BLEU", "bleu"), ("chrF", "chrf"), ("ppl", "perplexity")],
+    "entity_f1": [("entity F1", "entity_f1"), ("P", "entity_precision"), ("R", "entity_recall")],
+    "f1": [("F1", "f1"), ("EM", "exact_match")],
+}
+
+
+def results_table(summaries: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """The results table of finished runs as text cells, (header, rows): per run its
+    rounds, final global scores, mean ± std of the clients' local headline score, best
+    global headline score @ its round, MB sent and training seconds; the method beside
+    the run's name unless the name holds it."""
+    name = summaries[0].get("headline", "accuracy") if summaries else "accuracy"
+    columns = SCORE_COLUMNS[name]
+    header = ["run", "rnds", *(t for t, _ in columns), f"local {columns[0][0]}", "best@rnd", "MB", "train s"]
+    fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+    rows = []
+    for s in summaries:
+        g, loc = s.get("final_global") or {}, s.get("final_local") or {}
+        local = f"{fmt(loc.get(f'{name}_mean'))}±{fmt(loc.get(f'{name}_std'))}" if loc else "-"
+        rnd = s.get("best_round")  # none without a global test set (the cross-silo setting)
+        best = "-" if rnd is None else f"{fmt(s.get(f'best_global_{name}'))}@{rnd}"
+        run_name = s["name"] if s["method"] in s["name"] else f"{s['name']} ({s['method']})"
+        scores = [fmt(g.get(key)) for _, key in columns]
+        sent, trained = f"{s['total_bytes'] / 1e6:.2f}", f"{s['time_train']:.1f}"
+        rows.append([run_name, str(s["rounds"]), *scores, local, best, sent, trained])
+    return header, rows
