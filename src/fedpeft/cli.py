@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import Annotated
@@ -51,6 +52,8 @@ def quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     disable_progress_bars()
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # read when mlflow is imported (log.to)
+    os.environ.setdefault("WANDB_SILENT", "true")
     warnings.filterwarnings("ignore")
     warnings.filterwarnings("default", module=r"fedpeft(\.|$)")
 

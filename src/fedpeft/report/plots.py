@@ -96,7 +96,8 @@ def plot_variation(runs: dict[str, list[dict]], out_dir: Path) -> Path | None:
                 present = (~np.isnan(curves)).sum(0)
                 mean = np.where(present > 0, np.nansum(curves, 0) / np.maximum(present, 1), np.nan)
                 ax.plot(rounds, mean, color=colour, linewidth=2, label=label if col == 0 else None)
-                ax.set_yscale("log")
+                if np.nanmax(curves, initial=0.0) > 0:  # a log axis needs a positive value
+                    ax.set_yscale("log")
                 ax.set_title(f"{kind}: {metric}", fontsize=9)
                 if row == 1:
                     ax.set_xlabel("round")
