@@ -234,3 +234,37 @@ def test_the_partition_and_sweep_tables_hold_every_number_and_name_at_80_columns
     assert folded.startswith("partition.alpha=0.1,method.lora.r=16")
     partition = text.split("sweep")[0]
     assert "Jensen-Shannon" in partition and partition.count("\n") > 5
+
+
+def test_the_report_tables_hold_every_number_and_name_at_80_columns(monkeypatch):
+    """Issue 35: `fedpeft report`'s time-to-target and rounds-to-target tables at 80 columns."""
+    import io
+
+    from rich.console import Console
+
+    from fedpeft import cli
+    from fedpeft.report.efficiency import Link, time_to_target
+
+    buf = io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(width=80, file=buf))
+    long = "a-very-long-experiment-name-for-the-cross-silo-comparison (fedmcp-beta0.1-seed2)"
+
+    def records(accuracies):
+        return [{"round": i, "clients": [0, 1], "bytes_down": 123_456_789, "bytes_up": 123_456_789,
+                 "time_train": 1234.5, "cum_bytes": 2 * 123_456_789 * i, "global": {"accuracy": a}}
+                for i, a in enumerate(accuracies, start=1)]  # fmt: skip
+
+    runs = {long: records([0.2, 0.5, 0.7]), "fedap (fedap-seed0)": records([0.1, 0.3, 0.5, 0.6, 0.7])}
+    cli._print_time_to_target(runs, 0.7, "accuracy", Link(25.0, 0.0), time_to_target)
+    methods = {long: "fedmcp", "fedap (fedap-seed0)": "fedap"}
+    cli._print_rounds_to_target(runs, methods, 0.7, "accuracy", "fedap (fedap-seed0)")
+    text = buf.getvalue()
+    assert "…" not in text and all(len(line) <= 80 for line in text.splitlines())
+    for cell in ("740.74", "1234.57", "3703.5", "3822.0", "6370.0", "×1.67", "fedap-seed0"):
+        assert cell in text, cell
+    first = text.split("rounds to target")[0].splitlines()
+    timed = first[next(i for i, line in enumerate(first) if "──" in line) + 1 :]  # rows under the rule
+    assert long.replace(" ", "") in "".join(line.split()[0] for line in timed if line.strip())
+    boxed = text.split("rounds to target")[1]
+    names = "".join(line.split("│")[1].strip() for line in boxed.splitlines() if "│" in line)
+    assert long.replace(" ", "") in names.replace(" ", "")
