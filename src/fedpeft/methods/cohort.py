@@ -149,13 +149,29 @@ def optimizer_step(
             new_params[name] = p - lr * (g + wd * p)
             continue
         step = state[f"step.{name}"] + 1
-        m = state[f"exp_avg.{name}"].lerp(g, 1 - BETAS[0])
-        v = state[f"exp_avg_sq.{name}"] * BETAS[1] + (1 - BETAS[1]) * g * g
+        m0, v0 = state[f"exp_avg.{name}"], state[f"exp_avg_sq.{name}"]
         bias1, bias2 = 1 - BETAS[0] ** step, 1 - BETAS[1] ** step
-        denom = v.sqrt() / bias2.sqrt() + EPS
-        new_params[name] = p * (1 - lr * wd) - (lr / bias1) * m / denom
+        # torch's own AdamW arithmetic, in its order; outside vmap and autograd the later
+        # operations run in place on the tensors just made (the same values, half the
+        # full-size temporaries: what a full fine-tune's step on a CPU pays for most)
+        then = _in_place if _plain(p, g, m0, v0) else getattr
+        m = m0.lerp(g, 1 - BETAS[0])
+        v = then(v0.mul(BETAS[1]), "addcmul")(g, g, value=1 - BETAS[1])
+        denom = then(then(v.sqrt(), "div")(bias2.sqrt()), "add")(EPS)
+        new_params[name] = then(p.mul(1 - lr * wd), "sub")(then(m.div(denom), "mul")(lr / bias1))
         new_state.update({f"step.{name}": step, f"exp_avg.{name}": m, f"exp_avg_sq.{name}": v})
     return new_params, new_state
+
+
+def _in_place(tensor: torch.Tensor, op: str) -> Callable:
+    return getattr(tensor, op + "_")
+
+
+def _plain(*tensors: torch.Tensor) -> bool:
+    """Tensors that no functorch transform (vmap, grad) wraps and autograd does not track:
+    new tensors made from them may be updated in place."""
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return not any(wrapped(t) or t.requires_grad for t in tensors)
 
 
 # ---------------------------------------------------------------- losses and gradients
@@ -617,7 +633,8 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
         step = vmap(local_step(method, model), randomness="different" if dropout else "error")
     noises = dp_noise(method, jobs, params, device)
     model.train(dropout)  # eval mode when no dropout is active: the same function, no RNG calls
-    steps = torch.tensor([s.steps for s in starts], device=device)
+    step_counts = [s.steps for s in starts]  # on the CPU: no device sync to ask who is still training
+    steps = torch.tensor(step_counts, device=device)
     losses = torch.zeros(len(jobs), device=device)
     tokens = torch.zeros(len(jobs), dtype=torch.long, device=device)  # real tokens each client trained on
     start = time.perf_counter()
@@ -629,8 +646,11 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
             new_params, new_opt, loss = step(params, opt, consts, stacked, anchor, correction, noise)
             tokens += sum(b["attention_mask"].flatten(1).sum(1) for b in stacked)
             active = k < steps  # (C,): a finished client's tensors do not move
-            params = {n: _where(active, new_params[n], t) for n, t in params.items()}
-            opt = {n: _where(active, new_opt[n], t) for n, t in opt.items()}
+            if k < min(step_counts):  # every client still training: take the step whole
+                params, opt = {n: new_params[n] for n in params}, {n: new_opt[n] for n in opt}
+            else:
+                params = {n: _where(active, new_params[n], t) for n, t in params.items()}
+                opt = {n: _where(active, new_opt[n], t) for n, t in opt.items()}
             losses += torch.where(active, loss.detach().float(), 0.0)
     time_step = (time.perf_counter() - start) / len(batches)
     results = []
