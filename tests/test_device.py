@@ -78,7 +78,13 @@ def _interrupt_then_resume(tiny_config, tmp_path, first: str, second: str, metho
             assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-4)
 
 
-@pytest.mark.parametrize("method", [{"name": "fedlr"}, {"name": "pf2lora", "lora": {"r": 4, "alpha": 8}}])
+@pytest.mark.parametrize(
+    "method",
+    [
+        {"name": "fedlr"},
+        pytest.param({"name": "pf2lora", "lora": {"r": 4, "alpha": 8}}, marks=pytest.mark.slow),
+    ],
+)  # PF2LoRA (~9 s) in the slow tier: the default tier's 10 minutes
 def test_checkpoint_is_device_independent_and_resumes_under_another_setting(tiny_config, tmp_path, method):
     _interrupt_then_resume(tiny_config, tmp_path, "cpu", "auto", method)
 

@@ -483,7 +483,7 @@ def _task_config(task, tiny_config, tiny_decoder, tmp_path, out, **over):
 @pytest.mark.parametrize(
     "task",
     [
-        "causal_lm",
+        pytest.param("causal_lm", marks=pytest.mark.slow),  # ~11 s; the slow tier deploys it for real too
         "token_classification",
         pytest.param("extractive_qa", marks=pytest.mark.slow),
     ],  # QA: 25-40 s

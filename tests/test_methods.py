@@ -234,7 +234,9 @@ def test_a_setup_runs_twice_from_the_same_start(tiny_config, tmp_path):
     assert first["final_global"] == second["final_global"]
 
 
-@pytest.mark.parametrize("name", ["local", "fedlr", "pf2lora", "perfedavg", "hetlora"])
+@pytest.mark.parametrize(
+    "name", ["local", "fedlr", "pf2lora", pytest.param("perfedavg", marks=pytest.mark.slow), "hetlora"]
+)  # Per-FedAvg (~8 s) in the slow tier: the default tier's 10 minutes
 def test_kept_optimizer_state_carries_over_rounds(name, tiny_config, tmp_path):
     """``train.optimizer_state: keep``: each client's Adam state lives on in its personal
     state (never sent) and resumes where it stopped: after 2 rounds of 2 steps its step

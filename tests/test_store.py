@@ -96,7 +96,8 @@ def test_missing_store_file_is_a_clear_resume_error(tiny_config):
         C.load_checkpoint(cfg.output_dir / "checkpoint.pt", fingerprint(cfg))
 
 
-@pytest.mark.parametrize("budget_mb", [0.001, None])
+# the spilling budget (~13 s) in the slow tier: the default tier's 10 minutes (CI runs both)
+@pytest.mark.parametrize("budget_mb", [pytest.param(0.001, marks=pytest.mark.slow), None])
 def test_interrupted_run_with_a_spilling_store_resumes_exactly(tiny_config, tmp_path, budget_mb):
     """PF2LoRA's personal adapters and kept Adam state through a store far smaller than
     one client's state (every state spills) or without a budget; the run is killed in
