@@ -188,7 +188,7 @@ class Tracking:
         self.path = Path(cfg.output_dir) / STATE_FILE
         self.open: list = []
         for name in cfg.log.to:  # fail now, not after the first round, on a missing package
-            _package({"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}[name], name)
+            _package(name, name)  # each tracker's package is named as the tracker
 
     def start(self, done: list[dict]) -> None:
         """Open (or, resuming, reopen) the trackers; ``done``: the records kept from before."""
