@@ -253,6 +253,7 @@ def test_a_corrupt_newest_checkpoint_resumes_from_the_previous_one(tiny_config, 
     assert a["final_global"] == b["final_global"] and a["final_local"] == b["final_local"]
 
 
+@pytest.mark.slow  # ~10 s: the default tier's 10 minutes (the corrupt-newest case keeps kept rounds there)
 def test_resume_from_a_kept_round(tiny_config, tmp_path):
     """--resume-from 3 after a finished 4-round run redoes round 4 from round 3's kept
     checkpoint (its clients' files kept for it) and ends where the run ended."""

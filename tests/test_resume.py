@@ -34,7 +34,7 @@ def _scores(records):
         pytest.param("moon", marks=pytest.mark.slow),
         pytest.param("ditto", marks=pytest.mark.slow),
         "fedmcp",
-        "fdlora",
+        pytest.param("fdlora", marks=pytest.mark.slow),  # ~11 s, its three stages
         pytest.param("flora", marks=pytest.mark.slow),
         pytest.param("fedsb", marks=pytest.mark.slow),  # its setup round, then R
         "fedlr+fedadam",
