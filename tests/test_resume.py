@@ -16,6 +16,21 @@ class Killed(Exception):
     pass
 
 
+def die_on_fit(setup, fit: int = 2 * 2 + 2) -> None:
+    """Make ``setup``'s method raise :class:`Killed` on its ``fit``-th client fit (cohorts of
+    one client). The default, with two clients a round: round 3's second client, after
+    rounds 1-2 were checkpointed."""
+    real, calls = setup.method.fit_cohort, []
+
+    def dying(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == fit:
+            raise Killed
+        return real(*args, **kwargs)
+
+    setup.method.fit_cohort = dying
+
+
 def _scores(records):
     return [
         (r["round"], r["clients"], r["loss"], r.get("global"), r.get("local"), r["cum_bytes"])
@@ -55,15 +70,7 @@ def test_resume_equals_uninterrupted(tiny_config, tmp_path, method):
 
     # Kill the second run in the middle of round 3 (after rounds 1-2 were checkpointed).
     setup = build(broken)
-    real_fit_cohort, calls = setup.method.fit_cohort, []
-
-    def dying_fit_cohort(*args, **kwargs):  # a cohort of one client (train.cohort_size 1)
-        calls.append(1)
-        if len(calls) == 2 * 2 + 2:  # rounds 1-2 = 4 fits; die on round 3's second client
-            raise Killed
-        return real_fit_cohort(*args, **kwargs)
-
-    setup.method.fit_cohort = dying_fit_cohort
+    die_on_fit(setup)  # rounds 1-2 = 4 fits; die on round 3's second client
     with pytest.raises(Killed):
         run(broken, setup=setup)
     assert [r["round"] for r in read_records(broken.output_dir)] == [1, 2]

@@ -12,7 +12,7 @@ from fedpeft.engines import checkpoint as C
 from fedpeft.engines.store import ClientStore, StoreError
 from fedpeft.experiment import build, fingerprint, run
 from fedpeft.report.results import read_records
-from tests.test_resume import Killed, _scores
+from tests.test_resume import Killed, _scores, die_on_fit
 
 
 def _state(cid: int, floats: int = 1000) -> dict[str, torch.Tensor]:
@@ -112,15 +112,7 @@ def test_interrupted_run_with_a_spilling_store_resumes_exactly(tiny_config, tmp_
     broken = tiny_config(**common, output_dir=str(tmp_path / "broken"))
     run(straight)
     setup = build(broken)
-    real, calls = setup.method.fit_cohort, []
-
-    def dying(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2 * 2 + 2:
-            raise Killed
-        return real(*args, **kwargs)
-
-    setup.method.fit_cohort = dying
+    die_on_fit(setup)
     with pytest.raises(Killed):
         run(broken, setup=setup)
     run(broken, resume=True)

@@ -14,6 +14,7 @@ from fedpeft.config import ConfigError
 from fedpeft.experiment import build, run
 from fedpeft.report.results import read_records
 from fedpeft.report.tracking import Tracking, flat_config, scalars
+from tests.test_resume import Killed, die_on_fit
 
 
 def tensorboard_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
@@ -60,24 +61,12 @@ def test_scalars_take_every_number_a_round_has_and_no_per_client_values():
     }
 
 
-class Killed(Exception):
-    pass
-
-
 def test_a_run_and_its_resume_log_every_round_once_to_tensorboard_and_mlflow(tiny_config):
     """Killed in round 3, then resumed: one tracked run holds rounds 1-4 once each, the
     numbers of metrics.jsonl, and the config as params."""
     cfg = tiny_config(**{"train.rounds": 4, "log.to": ["tensorboard", "mlflow"]})
     setup = build(cfg)
-    real_fit, calls = setup.method.fit_cohort, []
-
-    def dying_fit(*args, **kwargs):  # one client a cohort, 2 a round: die in round 3
-        calls.append(1)
-        if len(calls) == 2 * 2 + 2:
-            raise Killed
-        return real_fit(*args, **kwargs)
-
-    setup.method.fit_cohort = dying_fit
+    die_on_fit(setup)  # in round 3
     with pytest.raises(Killed):
         run(cfg, setup=setup)
     client, first = mlflow_run(cfg.output_dir)
