@@ -8,6 +8,7 @@ import sys
 
 import mlflow
 import pytest
+import wandb
 from tensorboard.backend.event_processing import event_accumulator
 
 from fedpeft.config import ConfigError
@@ -164,7 +165,13 @@ def test_wandb_logs_offline_and_a_resume_continues_its_run(tiny_config):
         tracking.start([{"round": 1}])  # round 2 is repeated: W&B holds it already
         tracking.round({"round": 2, "loss": 0.5, "global": {"accuracy": 0.6}})
         tracking.round({"round": 3, "loss": 0.25, "global": {"accuracy": 0.7}})
-    files = sorted((cfg.output_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    # ``finish`` returns before W&B's service has surely written the run's last records
+    # (a CI run once read a file without round 3); ``teardown`` waits for the service.
+    wandb.teardown()
+    # oldest first: by name, a second run in the same second ("...-<id>-1") sorts first
+    files = sorted(
+        (cfg.output_dir / "wandb").glob("offline-run-*/run-*.wandb"), key=lambda f: f.stat().st_mtime_ns
+    )
     assert [f.name for f in files] == [f"run-{run_id}.wandb"] * 2  # one W&B run, resumed
     rows = [row for f in files for row in wandb_history(f)]
     assert [(r["_step"], r["loss"], r["global/accuracy"]) for r in rows] == [
