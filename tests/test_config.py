@@ -16,6 +16,14 @@ def test_builtin_default_config_is_the_documented_experiment():
     assert cfg.partition.num_clients >= 10
 
 
+def test_the_default_with_another_method_is_named_and_kept_apart():
+    cfg = load_config(None, {"method.name": "federa"})
+    assert (cfg.name, str(cfg.output_dir)) == ("default-federa", "runs/default-federa")
+    cfg = load_config(None, {"method.name": "federa", "name": "mine", "output_dir": "runs/x"})
+    assert (cfg.name, str(cfg.output_dir)) == ("mine", "runs/x")
+    assert load_config(None, {"method.name": "fedlr"}).name == "default-fedlr"
+
+
 @pytest.mark.parametrize(
     ("data", "fragment"),
     [

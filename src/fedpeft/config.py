@@ -912,8 +912,17 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"{origin}: not valid YAML: {err}") from None
-    for key, value in (overrides or {}).items():
+    overrides = overrides or {}
+    for key, value in overrides.items():
         set_dotted(data, key, value)
+    if path is None and "method.name" in overrides:
+        # the built-in default with another method: its own name and directory (unless
+        # given), so that it neither reads as FedLR nor replaces the default run's records
+        method = data.get("method", {}).get("name")
+        if "name" not in overrides:
+            data["name"] = f"default-{method}"
+        if "output_dir" not in overrides:
+            data["output_dir"] = f"runs/default-{method}"
     return parse_config(data, origin)
 
 
