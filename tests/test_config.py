@@ -21,6 +21,7 @@ def test_the_default_with_another_method_is_named_and_kept_apart():
     assert (cfg.name, str(cfg.output_dir)) == ("default-federa", "runs/default-federa")
     cfg = load_config(None, {"method.name": "federa", "name": "mine", "output_dir": "runs/x"})
     assert (cfg.name, str(cfg.output_dir)) == ("mine", "runs/x")
+    assert load_config(None, {"method": {"name": "federa"}}).name == "default-federa"
     assert load_config(None, {"method.name": "fedlr"}).name == "default-fedlr"
 
 

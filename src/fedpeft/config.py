@@ -913,12 +913,13 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     except yaml.YAMLError as err:
         raise ConfigError(f"{origin}: not valid YAML: {err}") from None
     overrides = overrides or {}
+    default_method = data.get("method", {}).get("name")
     for key, value in overrides.items():
         set_dotted(data, key, value)
-    if path is None and "method.name" in overrides:
+    method = data.get("method", {}).get("name")
+    if path is None and method != default_method:
         # the built-in default with another method: its own name and directory (unless
         # given), so that it neither reads as FedLR nor replaces the default run's records
-        method = data.get("method", {}).get("name")
         if "name" not in overrides:
             data["name"] = f"default-{method}"
         if "output_dir" not in overrides:
