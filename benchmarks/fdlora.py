@@ -27,6 +27,7 @@ their clients' mean validation loss.
 
     .venv/bin/python benchmarks/fdlora.py --tune [--methods ...] [--lm]
     .venv/bin/python benchmarks/fdlora.py [--alphas 0.1,0.5,1.0] [--seeds 0,1] [--lm]
+    .venv/bin/python benchmarks/fdlora.py --methods "" --lm [--tune]   # the causal-LM rows alone
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def main() -> None:
     ap.add_argument("--tuned-file", type=Path, default=TUNED_FILE)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/fdlora"))
     args = ap.parse_args()
-    names = args.methods.split(",")
+    names = [n for n in args.methods.split(",") if n]  # --methods "" --lm: the causal-LM rows alone
     if args.tune:
         for name in names:
 
@@ -156,6 +157,14 @@ def main() -> None:
             tune_lm(args)
         return
     seeds, alphas = [int(s) for s in args.seeds.split(",")], [float(a) for a in args.alphas.split(",")]
+    if names:
+        table(names, seeds, alphas, args)
+    if args.lm:
+        lm_table(args, seeds[0])
+
+
+def table(names: list[str], seeds: list[int], alphas: list[float], args: argparse.Namespace) -> None:
+    """The classification table, FDLoRA's fusions and the paper's claims."""
     tuned = read_tuned(args.tuned_file, names)
     print(f"\nMiniLM, WordNet topics, {args.clients} clients (all every round), {args.rounds} rounds x "
           f"{args.steps} steps x 16 examples; seeds {seeds}; personalised accuracy on the clients' local "
@@ -193,8 +202,6 @@ def main() -> None:
             print(f"| {fusion} | " + " | ".join(cells) + " |")
         fusion_verdict(fusion_rows, alphas)
     verdict(means, alphas)
-    if args.lm:
-        lm_table(args, seeds[0])
 
 
 BASELINES = ("local", "fedavg", "fedrep", "fedrod", "fedamp", "fedkd", "ditto")
