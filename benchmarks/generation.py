@@ -5,8 +5,9 @@ The bundled SmolLM2 (GGUF, dequantised to float32), a handful of clients split o
 lexicographer domains (Dirichlet, alpha 0.1: each client mostly a few domains), LoRA
 r = 8 on q/v for every method (PF2LoRA: common r = 8 plus client r = 2), the same rounds,
 local steps and batches. Each method's learning rate is tuned with ``--tune`` on seed 3,
-which the table does not use, by the held-out response NLL after the last round (global
-test set; Local-only: its clients' local test splits), which needs no generation. Scores: BLEU, chrF,
+which the table does not use, by the response NLL after the last round on a validation
+split (``VAL_FRACTION`` of each client's data, held out in tuning runs only; the clients'
+mean, each scored with its own model), which needs no generation. Scores: BLEU, chrF,
 ROUGE-L of greedy generations (the first ``--samples`` examples of each test set) and
 the response perplexity over all of it, of the global model on the global test set and
 of each client's own model on its local test split (mean over clients).
@@ -41,15 +42,17 @@ METHODS = {
     "local": {"name": "local", "lora": {"r": 8, "alpha": 16}},
 }
 TABLE = ["fedlr", "federa", "pf2lora", "local"]
-PERSONAL = ("local",)  # tuned by their clients' own models (local test splits)
 GRID = [5e-4, 1e-3, 2e-3]
 TUNING_SEED = 3
 TUNED_FILE = TUNED_DIR / "generation.json"
+VAL_FRACTION = 0.2  # of each client's data, held out in tuning runs
 
 
 def config(name: str, seed: int, out: Path, args: argparse.Namespace, train: dict, tuning: bool = False):
-    """A run's config; a tuning run scores perplexity only (one token generated)."""
+    """A run's config; a tuning run holds out a validation split and scores perplexity
+    only (one token generated)."""
     scored = {"samples": 1, "max_new_tokens": 1} if tuning else {"samples": args.samples}
+    partition = {"val_fraction": VAL_FRACTION} if tuning else {}
     return load_config(
         None,
         {
@@ -66,7 +69,13 @@ def config(name: str, seed: int, out: Path, args: argparse.Namespace, train: dic
                 "max_length": 64,
                 "system_prompt": "Answer with one short line.",
             },
-            "partition": {"scheme": "dirichlet", "num_clients": args.clients, "alpha": 0.1, "min_size": 20},
+            "partition": {
+                "scheme": "dirichlet",
+                "num_clients": args.clients,
+                "alpha": 0.1,
+                "min_size": 20,
+                **partition,
+            },
             "train": {
                 "rounds": args.rounds,
                 "clients_per_round": args.clients,
@@ -77,7 +86,7 @@ def config(name: str, seed: int, out: Path, args: argparse.Namespace, train: dic
             },
             "eval": {
                 "every": args.rounds,
-                "local": name in PERSONAL or not tuning,
+                "local": True,  # the clients' local test splits, and validation splits when tuning
                 "batch_size": args.eval_batch,
                 "generation": {"max_new_tokens": 32, **scored},
             },
@@ -125,10 +134,9 @@ def main() -> None:
 
         def score(name: str):
             def run_with(train: dict) -> float:
-                out = args.out / "tune" / f"{name}-{train['lr']:g}-{train['optimizer_state']}"
+                out = args.out / "tune-val" / f"{name}-{train['lr']:g}-{train['optimizer_state']}"
                 run_or_reuse(config(name, TUNING_SEED, out, args, train, tuning=True))
-                last = read_records(out)[-1]
-                return -(last["global"]["nll"] if name not in PERSONAL else last["local"]["nll_mean"])
+                return -read_records(out)[-1]["val"]["nll_mean"]
 
             return run_with
 
