@@ -154,6 +154,13 @@ def wandb_history(path) -> list[dict]:
     return rows
 
 
+def started(run_file) -> tuple[str, int]:
+    """Order W&B run files by their run's start: ``offline-run-<time>-<id>``, and a
+    second run of the same id in the same second ``...-<id>-1`` (which sorts first by name)."""
+    _, _, time, _, *again = run_file.parent.name.split("-")
+    return time, int(again[0]) if again else 0
+
+
 def test_wandb_logs_offline_and_a_resume_continues_its_run(tiny_config):
     cfg = tiny_config(**{"log.to": ["wandb"]})
     with Tracking(cfg, resume=False) as tracking:
@@ -168,10 +175,7 @@ def test_wandb_logs_offline_and_a_resume_continues_its_run(tiny_config):
     # ``finish`` returns before W&B's service has surely written the run's last records
     # (a CI run once read a file without round 3); ``teardown`` waits for the service.
     wandb.teardown()
-    # oldest first: by name, a second run in the same second ("...-<id>-1") sorts first
-    files = sorted(
-        (cfg.output_dir / "wandb").glob("offline-run-*/run-*.wandb"), key=lambda f: f.stat().st_mtime_ns
-    )
+    files = sorted((cfg.output_dir / "wandb").glob("offline-run-*/run-*.wandb"), key=started)
     assert [f.name for f in files] == [f"run-{run_id}.wandb"] * 2  # one W&B run, resumed
     rows = [row for f in files for row in wandb_history(f)]
     assert [(r["_step"], r["loss"], r["global/accuracy"]) for r in rows] == [
