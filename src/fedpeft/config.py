@@ -913,10 +913,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     except yaml.YAMLError as err:
         raise ConfigError(f"{origin}: not valid YAML: {err}") from None
     overrides = overrides or {}
-    default_method = data.get("method", {}).get("name")
+    default_method = _method_name(data)
     for key, value in overrides.items():
         set_dotted(data, key, value)
-    method = data.get("method", {}).get("name")
+    method = _method_name(data)
     if path is None and method != default_method:
         # the built-in default with another method: its own name and directory (unless
         # given), so that it neither reads as FedLR nor replaces the default run's records
@@ -925,6 +925,13 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         if "output_dir" not in overrides:
             data["output_dir"] = f"runs/default-{method}"
     return parse_config(data, origin)
+
+
+def _method_name(data: Any) -> Any:
+    """``data['method']['name']`` where the config has one (None otherwise: a malformed
+    config is left for ``parse_config`` to name)."""
+    method = data.get("method") if isinstance(data, dict) else None
+    return method.get("name") if isinstance(method, dict) else None
 
 
 def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
