@@ -560,6 +560,19 @@ def test_fedsb_refuses_privacy_and_what_would_break_its_start(tiny_config):
             build(tiny_config(method=FEDSB, **over))
 
 
+@pytest.mark.parametrize("method", ["flora", "fedsb"])
+def test_methods_whose_clients_keep_what_they_receive_refuse_a_lossy_downlink(tiny_config, method):
+    """FLoRA's clients merge the stacks into their frozen weights, Fed-SB's keep ``B`` and
+    ``A``: a rounded copy would stay, so a lossy downlink is refused, naming why; a
+    lossless one, and a lossy one for FedLR (a fresh copy each round), build."""
+    from fedpeft.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"comm.downlink int8: method {method}: each client"):
+        build(tiny_config(method={"name": method}, **{"comm.downlink.codec": "int8"}))
+    build(tiny_config(method={"name": method}, **{"comm.downlink.codec": "none"}))
+    build(tiny_config(method={"name": "fedlr"}, **{"comm.downlink.codec": "int8"}))
+
+
 def test_fedsb_after_its_setup_a_cohort_equals_one_at_a_time(tiny_config):
     """Round 2 (the first that trains R) of clients of different step counts, as one cohort
     and one at a time: the same rounds (test_cohort's tolerances)."""

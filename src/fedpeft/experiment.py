@@ -23,7 +23,7 @@ from fedpeft.data import partition as P
 from fedpeft.data.silos import load_silos
 from fedpeft.data.sources import Corpus, load_corpus
 from fedpeft.data.task import Encoded, encode_corpus
-from fedpeft.engines import privacy, scaffold
+from fedpeft.engines import compress, privacy, scaffold
 from fedpeft.engines.checkpoint import STORE_DIR, Checkpoints, ResumeError
 from fedpeft.engines.faults import faulty_clients, flip_labels
 from fedpeft.engines.guard import DivergedError, nonfinite_tensor
@@ -182,6 +182,7 @@ def build(cfg: ExperimentConfig, model: TaskModel | None = None, tokenizer=None)
     check_composes(cfg, method)
     scaffold.check_composes(cfg, method)
     privacy.check_composes(cfg, method)
+    compress.check_composes(cfg, method)
     method.mean = combiner(cfg.server)
     device = place(model, cfg.train)
     if cfg.model.gradient_checkpointing:

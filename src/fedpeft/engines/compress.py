@@ -44,8 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fedpeft.config import CodecConfig
-from fedpeft.methods.base import Tensors
+from fedpeft.config import CodecConfig, ConfigError, ExperimentConfig
+from fedpeft.methods.base import Method, Tensors
 from fedpeft.methods.cohort import derive_seed
 
 SEP = "#"
@@ -70,6 +70,13 @@ def message_seed(round_seed: int) -> int:
 
 def lossless(cfg: CodecConfig) -> bool:
     return cfg.codec == "none"
+
+
+def check_composes(cfg: ExperimentConfig, method: Method) -> None:
+    """A :class:`ConfigError` naming why, when ``method`` cannot take the configured lossy
+    downlink (:meth:`Method.lossy_downlink_refusal`)."""
+    if not lossless(cfg.comm.downlink) and (why := method.lossy_downlink_refusal()):
+        raise ConfigError(f"comm.downlink {cfg.comm.downlink.codec}: method {method.name}: {why}")
 
 
 def error_feedback(cfg: CodecConfig) -> bool:

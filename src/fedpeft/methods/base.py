@@ -287,6 +287,14 @@ class Method:
         aggregate calls :attr:`mean`)."""
         return self.server_step_refusal()
 
+    def lossy_downlink_refusal(self) -> str:
+        """Why a lossy ``comm.downlink`` codec (fp16, bf16, int8, nf4) would break this method:
+        its clients keep what they receive beyond the round (fold it into their frozen
+        weights, or hold it for the rest of the run), so the rounding would stay and add up
+        where the method claims exactness; "" when what a client receives only starts its
+        round, as a fresh copy of the server's tensors."""
+        return ""
+
     def privacy_refusal(self) -> str:
         """Why no ``privacy.mode`` can protect this method's clients (something it sends is
         outside every mode's clip and noise); "" when nothing is."""

@@ -142,6 +142,13 @@ class FedSB(FedAvgPeft):
     def robust_refusal(self) -> str:
         return "its setup round sums the clients' gradients; another rule would not give LoRA-SB's start"
 
+    def lossy_downlink_refusal(self) -> str:
+        return (
+            "each client keeps the fixed B and A it receives once for the rest of the run, so a rounded copy "
+            "would differ from the server's for good and the global update B mean(R_k) A would no longer be "
+            "the mean of the clients' updates"
+        )
+
     def privacy_refusal(self) -> str:
         return (
             "its setup round sends each client's gradient sums unclipped and unnoised (the authors compute "

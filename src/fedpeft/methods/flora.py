@@ -113,6 +113,12 @@ class FLoRA(FedAvgPeft):
     def server_step_refusal(self) -> str:
         return "its clients restart LoRA every round from the merged weights; there are no factors to step"
 
+    def lossy_downlink_refusal(self) -> str:
+        return (
+            "each client merges the stacks it receives into its own frozen weights for the rest of the run, "
+            "so the rounding would add up round after round and the client's model would leave the server's"
+        )
+
     def robust_refusal(self) -> str:
         return "its server stacks every client's factors into the merged weights, not a mean of them"
 
