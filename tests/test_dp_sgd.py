@@ -11,7 +11,7 @@ import torch
 from fedpeft.config import ConfigError
 from fedpeft.data.task import Draw
 from fedpeft.engines import privacy as DP
-from fedpeft.experiment import build, run
+from fedpeft.experiment import build, make_engine, run
 from fedpeft.flower.deploy import check_deployable
 from fedpeft.methods.base import read_tensors
 from fedpeft.methods.cohort import Job, SampleDP, dp_noise, eager_attention, private_gradients
@@ -121,6 +121,25 @@ def test_a_dp_sgd_run_records_the_most_any_client_spent(tiny_config):
     worst = DP.dp_sgd_epsilon(min(sizes.values()), 8, sigma, 3 * 2, 1e-5)
     assert 19.0 < worst <= 20.0
     assert read_summary(cfg.output_dir)["privacy"]["mode"] == "sample"
+
+
+@pytest.mark.parametrize("method", ["fedrep", "fdlora"])
+def test_every_phase_of_a_round_is_charged(tiny_config, method):
+    """FedRep's head steps precede its body's, FDLoRA's personal LoRA trains in a client's
+    first round on top of stage 2: DP-SGD's accountant charges them all (a client of
+    ``n`` rows, ``k`` rounds trained)."""
+    from fedpeft.methods.base import local_steps
+
+    over = {"method": {"name": method, "head_steps": 3} if method == "fedrep" else {"name": method,
+            "personal_steps": 4}}  # fmt: skip
+    setup = build(tiny_config(**{"privacy": {"mode": "sample", "noise_multiplier": 1.0}}, **over))
+    engine = make_engine(setup, None)
+    n = len(setup.clients[0].train)
+    k = local_steps(n, setup.method.train)
+    every, once = (3 + k, 0) if method == "fedrep" else (k, 4)
+    assert engine.dp.steps_over(0, 1) == every + once and engine.dp.steps_over(0, 5) == 5 * every + once
+    by_hand = DP.dp_sgd_epsilon(n, 8, 1.0, 2 * every + once, 1e-5)
+    assert engine.dp.spent({0: 2}, 1e-5) == pytest.approx(by_hand)
 
 
 @pytest.mark.parametrize(

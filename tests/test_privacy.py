@@ -57,7 +57,7 @@ def test_the_noise_has_std_sigma_c_on_the_sum_and_sigma_c_locally():
     mean = torch.stack([r.uplink["w"] for r in restated]).mean(0)
     assert float(mean.std()) * per_round == pytest.approx(sigma * clip, rel=0.01)
     assert abs(float(mean.mean())) < 5 * sigma * clip / per_round / math.sqrt(200_000)
-    assert record == {"clip": clip, "clipped": 0}
+    assert record == {"clip": clip, "clipped": 0, "reclipped": 0}
     # local mode: each client adds N(0, (sigma C)^2) to its own (clipped) update
     local = PrivacyConfig(mode="local", noise_multiplier=sigma, clip=clip)
     out = DP.privatise(local, x, {"w": torch.zeros(200_000)}, clip, sigma, seed=5, method="m")
@@ -68,6 +68,52 @@ def test_the_noise_has_std_sigma_c_on_the_sum_and_sigma_c_locally():
     assert torch.equal(out.uplink["w"], again.uplink["w"]) and not torch.equal(
         out.uplink["w"], other.uplink["w"]
     )
+
+
+def test_the_server_clips_a_decoded_update_beyond_the_bound_again():
+    """What a lossy uplink decodes to can exceed C (rounding, error feedback's residual):
+    the server cuts it back to C in its own direction before the noise, and leaves an
+    update within C as it is (user mode; sigma 0 so that the mean shows the updates)."""
+    clip = 0.5
+    p = PrivacyConfig(mode="user", noise_multiplier=0.0, clip=clip)
+    x = state(0)
+    over = {n: t + 2 * d for (n, t), d in zip(x.items(), state(1, 0.3).values(), strict=True)}
+    within = {n: t + d for (n, t), d in zip(x.items(), state(2, 1e-3).values(), strict=True)}
+    raw = DP.update_of(over, x, "m")
+    assert DP.norm(raw) > clip
+    restated, record, _ = DP.server_side(p, [FitResult(over, {}, 1), FitResult(within, {}, 1)], [x, x],
+                                         [True, True], clip, 2, 0.0, seed=0)  # fmt: skip
+    cut = DP.update_of(restated[0].uplink, x, "m")
+    assert DP.norm(cut) == pytest.approx(clip, rel=1e-5)
+    for name in raw:  # the direction kept
+        torch.testing.assert_close(cut[name], raw[name] * clip / DP.norm(raw), rtol=1e-5, atol=1e-6)
+    assert restated[1].uplink is within and record["reclipped"] == 1
+
+
+def test_a_private_run_with_top_k_and_error_feedback_stays_within_the_bound(tiny_config):
+    """User mode with a top-k uplink and its error feedback: the residual makes a client
+    send more than it clipped, and the server's second clip keeps every noised sum's
+    inputs within C (its records count the cuts)."""
+    cfg = tiny_config(**{"train.rounds": 4, "partition.num_clients": 2,
+                         "privacy": {"mode": "user", "noise_multiplier": 0.0, "clip": 1e-3},
+                         "comm.uplink": {"codec": "topk", "fraction": 0.05}})  # fmt: skip
+    run(cfg)
+    records = read_records(cfg.output_dir)
+    assert sum(r["privacy"]["reclipped"] for r in records) > 0
+    assert all(r["privacy"]["reclipped"] <= len(r["clients"]) for r in records)
+
+
+def test_adaptive_clippings_count_is_centred_as_the_papers():
+    """Each client counts ``b - 1/2`` (one added or removed moves the sum by 1/2): three of
+    four asked returned, two within the bound: share (1/2 - 1/2 + 1/2) / 4 + 1/2 = 0.625,
+    and the bound moves by exp(-clip_lr (0.625 - target))."""
+    p = PrivacyConfig(mode="user", noise_multiplier=0.0, clip=1.0, adaptive_clip=True, clip_lr=0.2,
+                      target_quantile=0.5)  # fmt: skip
+    x = {"w": torch.zeros(3)}
+    results = [FitResult({"w": torch.zeros(3)}, {}, 1, cid=i) for i in range(3)]
+    _, record, next_clip = DP.server_side(p, results, [x] * 3, [True, False, True], 1.0, 4, 0.0, seed=0)
+    assert record["fitted_share"] == pytest.approx(0.625)
+    assert next_clip == pytest.approx(math.exp(-0.2 * 0.125))
 
 
 def test_a_dropped_client_keeps_the_denominator_at_s():
@@ -174,7 +220,7 @@ def test_a_run_that_would_exceed_its_budget_is_refused_before_it_trains(tiny_con
     "overrides, match",
     [
         ({"server.aggregation": "median"}, "server.aggregation median reads the individual updates"),
-        ({"method": {"name": "fedamp"}}, "method fedamp"),
+        ({"method": {"name": "fedamp"}}, "method fedamp: its server weighs .* noises only the sum"),
         ({"train.correction": "scaffold", "train.optimizer": "sgd"}, "train.correction scaffold"),
         ({"privacy.adaptive_clip": True, "privacy.mode": "local"}, "user mode only"),
     ],
@@ -186,6 +232,39 @@ def test_what_cannot_go_with_a_privacy_mode_is_refused_naming_it(tiny_config, ov
 
     with pytest.raises((ConfigError, ValueError), match=match):
         build(private(**overrides))  # the method checks run where the method is built
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        "fedamp",
+        *(pytest.param(m, marks=pytest.mark.slow) for m in ("hetlora", "flexlora", "lorafair", "fedexlora")),
+    ],
+)
+def test_local_dp_goes_with_a_server_that_reads_each_update(tiny_config, method):
+    """Local DP noises each update before it leaves, so a server that reads them one by one
+    (FedAMP's similarities, HETLoRA's norms, FlexLoRA's products, ...) only post-processes
+    them: the run trains and spends epsilon; user mode, whose noise is on the sum, is
+    refused for the same method."""
+    local = {"mode": "local", "noise_multiplier": 1.0, "clip": 0.1}
+    cfg = tiny_config(method={"name": method}, privacy=local)
+    run(cfg)
+    records = read_records(cfg.output_dir)
+    assert 0 < records[0]["privacy"]["epsilon"] < records[-1]["privacy"]["epsilon"]
+    with pytest.raises(ConfigError, match=f"privacy.mode user: method {method}"):
+        build(tiny_config(method={"name": method}, privacy={"mode": "user", "noise_multiplier": 1.0}))
+
+
+@pytest.mark.parametrize(
+    "method, says",
+    [
+        ("flora", "its clients send a fresh LoRA's factors"),
+        ("fdlora", "round 1 uploads each client's personal LoRA"),
+    ],
+)
+def test_local_dp_refuses_an_uplink_that_is_not_an_update(tiny_config, method, says):
+    with pytest.raises(ConfigError, match=f"privacy.mode local: method {method}: {says}"):
+        build(tiny_config(method={"name": method}, privacy={"mode": "local", "noise_multiplier": 1.0}))
 
 
 @pytest.mark.slow  # two runs, one killed and resumed

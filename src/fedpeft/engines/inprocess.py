@@ -40,7 +40,6 @@ from fedpeft.methods.base import (
     ServerState,
     Tensors,
     load_tensors,
-    local_steps,
     read_tensors,
     restrict_heads,
     tensor_bytes,
@@ -164,9 +163,16 @@ class InProcessEngine:
         self.dp: privacy.Accountant | privacy.SampleAccountant | None = None
         if self.privacy.mode == "sample":  # DP-SGD inside every client's steps
             sizes = {c.cid: len(c.train) for c in clients}
-            steps = {cid: local_steps(n, method.train) for cid, n in sizes.items()}
+            steps = {cid: method.private_steps(n) for cid, n in sizes.items()}
             batch = method.train.batch_size
-            self.dp = privacy.sample_accountant(self.privacy, sizes, steps, batch, schedule.rounds)
+            self.dp = privacy.sample_accountant(
+                self.privacy,
+                sizes,
+                {c: k for c, (k, _) in steps.items()},
+                batch,
+                schedule.rounds,
+                first={c: k for c, (_, k) in steps.items()},
+            )
             method.sample_dp = SampleDP(self.privacy.clip, self.dp.sigma, batch)
         elif self.privacy.mode != "none":
             n, s = len(clients), min(schedule.clients_per_round, len(clients))

@@ -76,8 +76,14 @@ def check_composes(cfg: ExperimentConfig, method: Method) -> None:
                 "phases), and DP-SGD's accountant needs one batch a step drawn without replacement"
             )
         return
-    if why := method.robust_refusal():  # its server does not take the mean of the uplinks
-        raise ConfigError(f"privacy.mode {p.mode}: method {method.name}: {why}")
+    if p.mode == "user" and (why := method.robust_refusal()):  # its server reads each uplink
+        raise ConfigError(
+            f"privacy.mode user: method {method.name}: {why}; user-level DP noises only the sum of the "
+            "updates, which this server does not take (privacy.mode local noises each update before it "
+            "leaves)"
+        )
+    if p.mode == "local" and (why := method.local_dp_refusal()):
+        raise ConfigError(f"privacy.mode local: method {method.name}: {why}")
     if p.mode == "user" and cfg.server.aggregation != "mean":
         raise ConfigError(
             f"privacy.mode user: server.aggregation {cfg.server.aggregation} reads the individual "
@@ -318,29 +324,50 @@ def server_side(
     (weights 1) is ``x + (sum of updates + N(0, (sigma_u C)^2)) / S``, each update taken
     from ``references`` (what each client received: ``x``); the round's record; and the
     next round's clip bound under adaptive clipping (else None). ``seed``: the round's;
-    ``count``: the clients behind the results (SecAgg+ returns one result, their mean)."""
+    ``count``: the clients behind the results (SecAgg+ returns one result, their mean).
+
+    Each update is clipped to ``C`` again as decoded (:func:`bounded`): the noise covers a
+    sum of updates within ``C``, and a lossy uplink codec (its rounding, error feedback's
+    residual) can send more than the client clipped. Within ``C`` it is left as it is."""
     record = {"clip": clip, "clipped": sum(not f for f in fitted)}
     if p.mode != "user":
         return results, record, None
     sigma_u = update_noise_multiplier(p, sigma, per_round)
     noise = gaussian(results[0].uplink, sigma_u * clip, seed, SERVER_STREAM) if sigma_u > 0 else None
     scale = (count or len(results)) / per_round  # 1 unless clients dropped out: the denominator stays S
-    restated = []
+    restated, reclipped = [], 0
     for r, x in zip(results, references, strict=True):
-        uplink = r.uplink
-        if scale != 1 or noise is not None:
+        uplink, factor = r.uplink, 1.0
+        if count is None:  # each update on its own (SecAgg+ hands over their clipped mean only)
+            factor = bounded(r.uplink, x, clip)
+            reclipped += factor < 1.0
+        if scale != 1 or noise is not None or factor < 1.0:
             uplink = {}
             for name, u in r.uplink.items():
-                value = x[name].float() + scale * (u.float() - x[name].float())
+                value = x[name].float() + scale * factor * (u.float() - x[name].float())
                 uplink[name] = (value + noise[name] / per_round if noise is not None else value).to(u.dtype)
         restated.append(FitResult(uplink, r.personal, 1, r.metrics, r.cid, r.control))
+    record["reclipped"] = reclipped
     if not p.adaptive_clip:
         return restated, record, None
     generator = torch.Generator().manual_seed((seed * 0x9E3779B1 + SERVER_STREAM + 1) % 2**63)
     sigma_b = count_noise(p, per_round) if sigma > 0 else 0.0
-    noisy = sum(fitted) + sigma_b * float(torch.randn((), generator=generator, dtype=torch.float64))
-    record["fitted_share"] = noisy / per_round
-    return restated, record, clip * math.exp(-p.clip_lr * (noisy / per_round - p.target_quantile))
+    # each client counts b - 1/2 (Andrew et al.'s Algorithm 1, as TensorFlow Privacy's quantile
+    # query): adding or removing one moves the sum by 1/2, the sensitivity Theorem 1's
+    # (2 sigma_b)^-2 assumes under Poisson sampling (replacing one moves it by 1, as a raw count)
+    draw = float(torch.randn((), generator=generator, dtype=torch.float64))
+    noisy = sum(f - 0.5 for f in fitted) + sigma_b * draw
+    share = noisy / per_round + 0.5
+    record["fitted_share"] = share
+    return restated, record, clip * math.exp(-p.clip_lr * (share - p.target_quantile))
+
+
+def bounded(uplink: Tensors, received: Tensors, clip: float) -> float:
+    """The factor that brings the update ``uplink - received`` within L2 norm ``clip``: 1
+    when it is within already (a client's clipped update, sent uncompressed, is, but for
+    float32's rounding of ``received + update``)."""
+    size = norm({n: u.double() - received[n].double() for n, u in uplink.items()})
+    return clip / size if size > clip else 1.0
 
 
 def with_clip(server: ServerState, clip: float) -> ServerState:
@@ -409,12 +436,17 @@ class SampleAccountant:
     batch: int
     sigma: float
     mode: str = "sample"
+    first: dict[int, int] | None = None  # client -> its steps on top in its first round (phases)
+
+    def steps_over(self, c: int, rounds: int) -> int:
+        """Client ``c``'s steps over the ``rounds`` rounds it trained in."""
+        return rounds * self.steps[c] + ((self.first or {}).get(c, 0) if rounds else 0)
 
     def spent(self, rounds_in: dict[int, int], delta: float) -> float:
         """The most epsilon any client has spent, ``rounds_in[c]`` rounds trained by client ``c``."""
         return max(
             (
-                dp_sgd_epsilon(self.sizes[c], self.batch, self.sigma, k * self.steps[c], delta)
+                dp_sgd_epsilon(self.sizes[c], self.batch, self.sigma, self.steps_over(c, k), delta)
                 for c, k in rounds_in.items()
             ),
             default=0.0,
@@ -423,17 +455,24 @@ class SampleAccountant:
     def epsilon(self, rounds: int, delta: float) -> float:
         """The worst case after ``rounds`` rounds: the fewest rows, the most steps, every round."""
         worst = min(self.sizes.values())
-        return dp_sgd_epsilon(worst, self.batch, self.sigma, rounds * max(self.steps.values()), delta)
+        most = max(self.steps_over(c, rounds) for c in self.sizes)
+        return dp_sgd_epsilon(worst, self.batch, self.sigma, most, delta)
 
 
 def sample_accountant(
-    p: PrivacyConfig, sizes: dict[int, int], steps: dict[int, int], batch: int, rounds: int
+    p: PrivacyConfig,
+    sizes: dict[int, int],
+    steps: dict[int, int],
+    batch: int,
+    rounds: int,
+    first: dict[int, int] | None = None,
 ):
     """DP-SGD's accountant, its noise multiplier given or calibrated (bisection on the
-    worst case) so that no client can spend more than ``target_epsilon`` in ``rounds``."""
+    worst case) so that no client can spend more than ``target_epsilon`` in ``rounds``
+    (``steps``: each client's a round; ``first``: its steps on top in its first round)."""
     sigma = p.noise_multiplier
     if sigma is None:
-        worst = lambda s: SampleAccountant(sizes, steps, batch, s).epsilon(rounds, p.delta)  # noqa: E731
+        worst = lambda s: SampleAccountant(sizes, steps, batch, s, first=first).epsilon(rounds, p.delta)  # noqa: E731
         low, high = 1e-2, 1.0
         while worst(high) > p.target_epsilon:
             low, high = high, high * 2
@@ -445,7 +484,7 @@ def sample_accountant(
             mid = (low + high) / 2
             low, high = (mid, high) if worst(mid) > p.target_epsilon else (low, mid)
         sigma = high
-    accountant = SampleAccountant(sizes, steps, batch, sigma)
+    accountant = SampleAccountant(sizes, steps, batch, sigma, first=first)
     check_plan(p, accountant, rounds)
     return accountant
 

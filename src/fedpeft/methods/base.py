@@ -295,6 +295,12 @@ class Method:
         round, as a fresh copy of the server's tensors."""
         return ""
 
+    def local_dp_refusal(self) -> str:
+        """Why ``privacy.mode local`` cannot protect this method's uplink (its clients send
+        something other than updates of tensors they received, which local DP clips); ""
+        when it can."""
+        return ""
+
     def privacy_refusal(self) -> str:
         """Why no ``privacy.mode`` can protect this method's clients (something it sends is
         outside every mode's clip and noise); "" when nothing is."""
@@ -379,6 +385,13 @@ class Method:
     def optimised_names(self) -> list[str]:
         """The tensors ``train.optimizer`` steps (default: every trainable one)."""
         return [*self.shared_names, *self.personal_names]
+
+    def private_steps(self, n: int) -> tuple[int, int]:
+        """``(every round, once more)``: the most local steps a client of ``n`` training rows
+        takes in each round it trains in, every phase counted, and the steps it takes on top
+        in its first one (what sample-level DP-SGD's accountant charges it). Default:
+        ``train``'s local steps, nothing on top."""
+        return local_steps(n, self.train), 0
 
     def step_draws(
         self, client: ClientData, steps: int, generator: torch.Generator

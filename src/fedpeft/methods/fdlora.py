@@ -189,6 +189,11 @@ class FDLoRA(FedAvgPeft):
     def server_step_refusal(self) -> str:
         return "its server takes an outer optimiser step of its own (method.outer_lr, method.outer_momentum)"
 
+    def local_dp_refusal(self) -> str:
+        if self.cfg.global_init == "personal_mean":
+            return "round 1 uploads each client's personal LoRA, not an update of a tensor it received"
+        return ""
+
     def aggregate(self, server: ServerState, results: list[FitResult], rnd: int) -> ServerState:
         """Round 1 (``personal_mean``): ``theta_s^0`` = the mean of the uploaded personal
         modules. Then the outer step on ``Delta = mean_i (theta_s - theta_s^i)``."""
@@ -225,6 +230,13 @@ class FDLoRA(FedAvgPeft):
         if h == "never" or t < 1:
             return False
         return t % (self.outer_steps() if h == "rounds" else h) == 0
+
+    def private_steps(self, n: int) -> tuple[int, int]:
+        """Stage 2's steps every round, and stage 1's (``theta_p``, which round 1 uploads
+        under ``personal_mean`` and which later stage 2s start beside) once more in a client's
+        first round (counted on top of stage 2's even in round 1, where stage 2 does not
+        run: an upper bound)."""
+        return local_steps(n, self.train), self.cfg.personal_steps or local_steps(n, self.train)
 
     def fit_cohort(self, model, jobs: list[Job]) -> list[FitResult]:
         """Stage 1 for the clients that have no personal module yet, then stage 2 for all

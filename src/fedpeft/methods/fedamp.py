@@ -199,6 +199,9 @@ class FedAMP(FedAvgPeft):
     def server_step_refusal(self) -> str:
         return "its server sends each client a personalised cloud model, not one global model to step"
 
+    def robust_refusal(self) -> str:
+        return "its server weighs each client's upload by its similarity to every other's, one by one"
+
     def aggregate(self, server: ServerState, results: list[FitResult], rnd: int) -> ServerState:
         """Keep each client's upload (replacing its previous one) and form the cloud models
         (an error where a self-weight is negative); the server's tensors become the mean of

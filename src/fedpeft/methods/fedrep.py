@@ -108,6 +108,10 @@ class FedRep(FedAvgPeft):
     def head_steps(self, n: int) -> int:
         return self.cfg.head_steps or self.cfg.head_epochs * math.ceil(n / self.train.batch_size)
 
+    def private_steps(self, n: int) -> tuple[int, int]:
+        """Both phases' steps every round: the head's DP-SGD steps shape the body's too."""
+        return self.head_steps(n) + local_steps(n, self.train), 0
+
     # ----- the local round: two phases of the vectorised cohort loop
     def fit_cohort(self, model, jobs: list[Job]) -> list[FitResult]:
         """Head phase, then body phase, each a :func:`run_cohort` over the whole cohort."""

@@ -119,6 +119,9 @@ class FLoRA(FedAvgPeft):
             "so the rounding would add up round after round and the client's model would leave the server's"
         )
 
+    def local_dp_refusal(self) -> str:
+        return "its clients send a fresh LoRA's factors each round, not updates of tensors they received"
+
     def robust_refusal(self) -> str:
         return "its server stacks every client's factors into the merged weights, not a mean of them"
 
