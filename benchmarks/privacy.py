@@ -2,8 +2,9 @@
 epsilon 1, 3 and 8 against the non-private run, on the bundled MiniLM.
 
 The issue's rows are FedLR, FFA-LoRA and Fed-SB (whose papers claim robustness under DP)
-and PF2LoRA; FFA-LoRA and Fed-SB are issue 33's methods, so ``--methods`` takes them once
-they are registered (an unknown name is an error naming the registry).
+and PF2LoRA. Fed-SB is out of the default ``--methods``: every privacy mode refuses it,
+since its setup round sends each client's gradient sums unclipped and unnoised (the
+authors compute that start without DP as well), and a DP setup round is not built.
 
 The population is the built-in WordNet glosses (45 topic classes, ``--examples`` of
 them) over 100 clients, Dirichlet(1.0) label skew, 20 a round on average: every row draws
@@ -12,8 +13,11 @@ non-private row too, so rows differ in the mechanism only:
 
 - ``none``: no clipping, no noise (epsilon infinite), uniform weights as user-level DP has;
 - ``user-E``: user-level DP-FedAvg (``privacy.mode: user``), adaptive clipping at the
-  median update norm (Andrew et al. 2021), the noise multiplier calibrated to spend
-  epsilon E in the run's rounds at delta 1e-5 (add/remove-one, Poisson);
+  median update norm (Andrew et al. 2021), the noise multiplier ``sigma`` calibrated to
+  spend epsilon E in the run's rounds at delta 1e-5 (add/remove-one, Poisson); the count's
+  noise ``sigma_b`` is the paper's S / 20 = 1 or ``sigma``, whichever is larger (Theorem 1
+  needs ``2 sigma_b > sigma``; at ``sigma_b = sigma`` the updates' own noise is
+  ``2 / sqrt(3)`` times ``sigma``, the count paying for the rest);
 - ``sample-E``: DP-SGD in every local step (``privacy.mode: sample``), each example's
   gradient clipped to 1.0, the noise calibrated so that no client spends more than E.
 
@@ -28,7 +32,7 @@ epsilon each run recorded and the noise multiplier it ran at.
 
 Runs are picked up from ``--out`` when finished (``tuning.run_or_reuse``); tuned settings
 live in ``--tuned-file`` (``benchmarks/tuned/privacy.json``, keyed ``<method>/<row>``).
-Cost: 2 methods x 7 rows x (about 4 tuning runs + 3 seeds), some 100 runs; a GPU session
+Cost: 3 methods x 7 rows x (about 4 tuning runs + 3 seeds), some 150 runs; a GPU session
 runs them in minutes (``scripts/device/README.md``). Set ``OMP_NUM_THREADS`` for the CPU threads.
 """
 
@@ -40,7 +44,8 @@ from pathlib import Path
 import numpy as np
 from tuning import LR_GRID, TUNED_DIR, mean_std, read_tuned, run_all, run_or_reuse, tune_method, write_tuned
 
-from fedpeft.config import ExperimentConfig, load_config
+from fedpeft.config import ExperimentConfig, PrivacyConfig, load_config
+from fedpeft.engines.privacy import noise_multiplier
 from fedpeft.methods import REGISTRY
 from fedpeft.report.results import read_records, read_summary
 
@@ -88,10 +93,21 @@ def config(
                       "local_steps": args.steps, "batch_size": 16, "lr": setting["lr"],
                       "optimizer_state": setting["optimizer_state"]},
             "server": {"weighting": "uniform"},
-            "privacy": ROWS[row][1],
+            "privacy": private(ROWS[row][1], args.rounds),
             "eval": scored,
         },
     )  # fmt: skip
+
+
+def private(settings: dict, rounds: int) -> dict:
+    """A row's ``privacy`` settings, with adaptive clipping's count noise ``max(S / 20, sigma)``
+    (``sigma``: the multiplier calibrated to the row's epsilon)."""
+    if not settings.get("adaptive_clip"):
+        return settings
+    sigma = noise_multiplier(
+        PrivacyConfig(**settings), PARTITION["num_clients"], PER_ROUND, rounds, poisson=True
+    )
+    return {**settings, "count_noise": max(PER_ROUND / 20, sigma)}
 
 
 def key(method: str, row: str) -> str:
@@ -145,7 +161,7 @@ def table(args, methods: list[str], rows: list[str], seeds: list[int]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tune", action="store_true", help=f"tune each row's client rate (seed {TUNING_SEED})")
-    ap.add_argument("--methods", default="fedlr,pf2lora")
+    ap.add_argument("--methods", default="fedlr,ffalora,pf2lora")
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--rounds", type=int, default=30)
