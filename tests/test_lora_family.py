@@ -79,14 +79,16 @@ def test_ffalora_aggregate_is_the_weighted_mean_of_the_clients_updates(tiny_conf
 @pytest.mark.slow  # a run and two loads; every method's export loads in test_export_load (slow) too
 @pytest.mark.parametrize(
     "method",
-    [{"name": "ffalora"}, FLEX, {"name": "lorafair"}, {**FLEX, "name": "flora"}, FEDSB],
-    ids=["ffalora", "flexlora", "lorafair", "flora", "fedsb"],
-)
+    [{"name": "ffalora"}, FLEX, {"name": "lorafair"}, {**FLEX, "name": "flora"}, FEDSB, {"name": "rolora"},
+     {"name": "fedsalora"}],
+    ids=["ffalora", "flexlora", "lorafair", "flora", "fedsb", "rolora", "fedsalora-client"],
+)  # fmt: skip
 def test_a_plain_lora_export_loads_with_peft(tiny_config, tmp_path, method):
     """FFA-LoRA's export is one HF PEFT LoRA adapter (A frozen, B trained), FlexLoRA's the
     server's rank-r_max approximation of the mean update (clients of mixed ranks),
     LoRA-FAIR's the averaged A with the corrected B, FLoRA's the merged updates as one
-    full-rank term, Fed-SB's its fixed A with B R: loaded
+    full-rank term, Fed-SB's its fixed A with B R, RoLoRA's the averaged A and B, and a
+    FedSA-LoRA client's the averaged A with its own B (``export.personal``): loaded
     onto the pretrained backbone with ``PeftModel.from_pretrained`` each is the trained
     model."""
     from peft import PeftModel
@@ -94,9 +96,10 @@ def test_a_plain_lora_export_loads_with_peft(tiny_config, tmp_path, method):
 
     import fedpeft
 
-    cfg = tiny_config(method=method, **{"train.rounds": 2})
+    personal = method["name"] == "fedsalora"  # its B lives on the clients: a client's export
+    cfg = tiny_config(method=method, **{"train.rounds": 2, "export.personal": personal})
     run(cfg)
-    adapter = cfg.output_dir / "adapter"
+    adapter = cfg.output_dir / "adapter" / ("clients/0" if personal else "")
     loaded = fedpeft.load_export(adapter)
     texts = ["a small dog", "to run quickly"]
     base = AutoModel.from_pretrained(cfg.model.backbone)
