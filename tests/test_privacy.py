@@ -334,6 +334,19 @@ def test_poisson_sampling_draws_each_client_with_probability_q():
     assert sample_clients(0, 1, list(range(50)), 10, 0.2) == draws[0]  # ids or a count alike
 
 
+@pytest.mark.parametrize("n, s, sigma, rounds", [(40, 10, 1.0, 25), (100, 20, 1.5, 30), (50, 5, 0.8, 10)])
+def test_poisson_user_level_epsilon_agrees_with_opacus(n, s, sigma, rounds):
+    """An independent implementation: Opacus's RDP accountant, stepped once a round at
+    sample rate S / N, gives the same epsilon to 1 % (its own Renyi orders)."""
+    from opacus.accountants import RDPAccountant
+
+    theirs = RDPAccountant()
+    for _ in range(rounds):
+        theirs.step(noise_multiplier=sigma, sample_rate=s / n)
+    ours = DP.Accountant("user", n, s, sigma, poisson=True).epsilon(rounds, 1e-5)
+    assert ours == pytest.approx(theirs.get_epsilon(1e-5), rel=1e-2)
+
+
 def test_user_level_dp_under_poisson_sampling_is_accounted_add_or_remove(tiny_config):
     """q = S / N, the Gaussian of multiplier sigma on a sum that one client moves by C:
     dp-accounting's own Poisson event; a round that draws no client changes nothing."""
