@@ -484,6 +484,26 @@ def test_flora_merges_the_stacked_update_exactly_and_sends_each_client_what_it_l
     assert kept and len(kept) < 2 * len(method.modules) * rnd  # the old stacks are dropped
 
 
+def test_flora_sends_the_stacks_across_a_round_that_drew_no_client(tiny_config):
+    """Poisson sampling may draw no client in a round, which then leaves no stack: a
+    client that last merged before it still gets the later rounds' stacks (not the dense
+    merged weights), and merging them gives the server's weights."""
+    setup = build(tiny_config(method=FLORA, **{"train.local_steps": 1}))
+    method, model = setup.method, setup.model
+    results = method.fit_cohort(model, _jobs(setup, [0, 1]))
+    for cid, r in enumerate(results):
+        r.cid = cid
+    server = method.aggregate(method.init_server(model), results, 1)  # client 0 has seen nothing
+    server = method.aggregate(server, results[1:], 3)  # round 2 drew nobody
+    down = method.downlink(server, 0)
+    assert not any(n.startswith("merged.") for n in down)
+    assert {n.split(".")[1] for n in down if n.startswith("stack.")} == {"1", "3"}
+    merged, done = method.frozen_weights(down, method.init_client(model, setup.initial, setup.clients[0]))
+    assert done == 3
+    for w, t in merged.items():
+        torch.testing.assert_close(t, server.tensors[w], rtol=1e-6, atol=1e-6)
+
+
 def test_fedsb_sets_up_from_the_clients_gradients_then_averages_r_exactly(tiny_config):
     """Fed-SB (Singhal et al., 2025): round 1 is the setup, each client sending the sum of its
     per-example gradients of the full weights (and nothing trained); the server's start is

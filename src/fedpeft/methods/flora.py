@@ -59,6 +59,7 @@ FROZEN_ROUND = OWN + "merged_round"
 #: the server's extras: the last round whose stack client ``<cid>`` has merged, and the
 #: last round merged into the server's weights
 SEEN, LAST = "seen.", "merged_round"
+PRUNED = "pruned_round"  # the newest round whose stack the server no longer keeps (0: none)
 
 
 class FLoRAConfig(RankedLoraConfig):
@@ -141,6 +142,11 @@ class FLoRA(FedAvgPeft):
         uplinks = [pad(r.uplink, self.cfg.lora.r) for r in results]
         rest = [{n: t for n, t in u.items() if not (is_a(n) or is_b(n))} for u in uplinks]
         tensors, extras = dict(server.tensors), dict(server.extras)
+        if PRUNED not in extras:  # the first aggregate: none; a checkpoint from before the
+            # mark: every round before its oldest stack, as far as it can tell
+            extras[PRUNED] = torch.tensor(
+                [float(min(stack_rounds(extras), default=1) - 1 if LAST in extras else 0)]
+            )
         if rest[0]:
             tensors.update(self.mean(rest, [r.num_examples for r in results]))
         for w, a, b, scale in self.modules.values():
@@ -165,11 +171,11 @@ class FLoRA(FedAvgPeft):
         seen = int(server.extras[f"{SEEN}{cid}"]) if f"{SEEN}{cid}" in server.extras else 0
         last = int(server.extras[LAST]) if LAST in server.extras else 0
         stacks = {n: t for n, t in server.extras.items() if n.startswith(STACK) and round_of(n) > seen}
-        kept = {round_of(n) for n in stacks}
-        if (
-            kept == set(range(seen + 1, last + 1))
-            and sum(t.numel() * 4 for t in stacks.values()) <= self.dense_bytes()
-        ):
+        if PRUNED in server.extras:  # pruning drops the oldest stacks: none it dropped is missed
+            complete = int(server.extras[PRUNED]) <= seen
+        else:  # a checkpoint from before the mark: every round since `seen` left a stack
+            complete = {round_of(n) for n in stacks} == set(range(seen + 1, last + 1))
+        if complete and sum(t.numel() * 4 for t in stacks.values()) <= self.dense_bytes():
             return {**head, **stacks}
         merged = {MERGED + w: server.tensors[w] for w, *_ in self.modules.values()}
         return {**head, **merged, f"{MERGED}round": torch.tensor([float(last)])}
@@ -287,7 +293,8 @@ def stack_rounds(extras: Tensors) -> list[int]:
 def prune_stacks(extras: Tensors, dense: int) -> Tensors:
     """``extras`` without the stacks no client would be sent: keeping the newest rounds
     while their stacks together stay within ``dense`` bytes (a client lacking more gets
-    the merged weights)."""
+    the merged weights); :data:`PRUNED` marks the newest round dropped (a round that drew
+    no client leaves no stack, and is not a gap)."""
     kept, total = set(), 0
     for rnd in reversed(stack_rounds(extras)):
         size = sum(t.numel() * 4 for n, t in extras.items() if n.startswith(STACK) and round_of(n) == rnd)
@@ -295,4 +302,6 @@ def prune_stacks(extras: Tensors, dense: int) -> Tensors:
             break
         kept.add(rnd)
         total += size
-    return {n: t for n, t in extras.items() if not n.startswith(STACK) or round_of(n) in kept}
+    pruned = max([int(extras[PRUNED]) if PRUNED in extras else 0, *(set(stack_rounds(extras)) - kept)])
+    out = {n: t for n, t in extras.items() if not n.startswith(STACK) or round_of(n) in kept}
+    return {**out, PRUNED: torch.tensor([float(pruned)])}
