@@ -202,6 +202,10 @@ def test_robust_rules_refuse_what_they_cannot_read(tiny_config):
         build(tiny_config(**{"method": {"name": "hetlora"}, "server.aggregation": "median"}))
     with pytest.raises(ValueError, match="server.aggregation krum: deploy.secure_aggregation hides"):
         tiny_config(**{"server.aggregation": "krum", "deploy.secure_aggregation": True})
+    # Krum needs more than 2f + 2 updates a round: refused before anything is built
+    with pytest.raises(ValueError, match=r"server.byzantine 1 needs more than 2f \+ 2 = 4 updates .* asks 4"):
+        tiny_config(**{"server.aggregation": "multi_krum", "train.clients_per_round": 4})
+    tiny_config(**{"server.aggregation": "krum", "train.clients_per_round": 4, "server.byzantine": 0})
 
 
 # ---------------------------------------------------------------- faulty clients
@@ -265,6 +269,13 @@ def test_label_flipping_clients_train_on_flipped_labels(tiny_config, tmp_path):
     for cid, labels in enumerate(before):
         want = classes - 1 - labels if cid in bad else labels
         assert torch.equal(engine.clients[cid].train.labels, want)
+    # the setup's own clients keep their labels: a second engine on it flips them again, once
+    assert all(torch.equal(c.train.labels, b) for c, b in zip(setup.clients, before, strict=True))
+    again = make_engine(setup, None)
+    assert all(
+        torch.equal(a.train.labels, e.train.labels)
+        for a, e in zip(again.clients, engine.clients, strict=True)
+    )
 
 
 def test_a_model_attack_needs_an_uplink_of_received_tensors(tiny_config, tmp_path):

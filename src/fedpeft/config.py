@@ -803,6 +803,14 @@ class ExperimentConfig(BaseModel):
                 f"server.aggregation {self.server.aggregation}: deploy.secure_aggregation hides the "
                 "individual updates a robust rule reads; use one or the other"
             )
+        per_round = min(self.train.clients_per_round, self.partition.num_clients)
+        if self.server.aggregation in ("krum", "multi_krum") and per_round <= 2 * self.server.byzantine + 2:
+            raise ValueError(
+                f"server.aggregation {self.server.aggregation}: server.byzantine {self.server.byzantine} "
+                f"needs more than 2f + 2 = {2 * self.server.byzantine + 2} updates a round (Blanchard et al. "
+                f"2017), and a round asks {per_round} clients; lower server.byzantine or raise "
+                "train.clients_per_round"
+            )
         return self
 
     @model_validator(mode="before")

@@ -12,7 +12,7 @@ import math
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -348,8 +348,10 @@ def make_engine(
             f"faults.byzantine_clients: method {setup.method.name} pools the data; no client sends"
         )
     if cfg.faults.attack == "label_flip":  # the faulty clients train on flipped labels from the start
-        for cid in faulty:
-            clients[cid].train = flip_labels(clients[cid].train, setup.corpus.num_classes)
+        clients = [  # copies: the setup's own clients stay as they are (it may serve another run)
+            replace(c, train=flip_labels(c.train, setup.corpus.num_classes)) if c.cid in faulty else c
+            for c in clients
+        ]
     if setup.method.pooled:
         clients, steps = pooled_schedule(setup)
         setup.method.train = cfg.train.model_copy(update={"local_steps": steps})

@@ -14,8 +14,8 @@ ICLR 2021, Algorithm 2; Hsu et al. 2019 for FedAvgM):
 
 ``m`` starts at 0 and the adaptive ``v`` at ``tau^2`` (the paper's ``v_{-1} >= tau^2``);
 FedAvgM's ``v`` at 0. No bias correction, as in the paper. Arithmetic in float64, state
-kept in each tensor's dtype in the server's extras (``server_opt.m.<name>``,
-``server_opt.v.<name>``): checkpointed with the server, resumed exactly, never sent
+kept in each tensor's dtype (float32 for a half-precision one) in the server's extras
+(``server_opt.m.<name>``, ``server_opt.v.<name>``): checkpointed with the server, resumed exactly, never sent
 (a downlink carries the server's tensors, not its extras). The engines (in-process and
 Flower) call :func:`server_step` after ``Method.aggregate``, the same function, and hand
 the method its results through :func:`as_weighted` (``server.weighting``).
@@ -80,7 +80,8 @@ def server_step(cfg: ServerConfig, previous: ServerState, aggregated: ServerStat
             cfg, new.double() - x, {k: None if v is None else v.double() for k, v in state.items()}
         )
         tensors[name] = (x + cfg.rate * step).to(new.dtype)
-        extras.update({f"{PREFIX}{k}.{name}": v.to(new.dtype) for k, v in state.items()})
+        kept = torch.promote_types(new.dtype, torch.float32)  # a half-precision model's state in float32
+        extras.update({f"{PREFIX}{k}.{name}": v.to(kept) for k, v in state.items()})
     return ServerState(tensors, extras)
 
 
