@@ -14,10 +14,14 @@ does not use), by the clients' mean validation accuracy (20 % of each client's d
 out) after the last round:
 
 - FedAvg: the client rate (AdamW, reset or kept state);
-- FedAvgM, FedAdam, FedYogi, FedAdagrad: the server rate, at FedAvg's tuned client setting;
-- FedProx: mu, at FedAvg's tuned client setting;
+- FedAvgM, FedAdam, FedYogi, FedAdagrad: the server rate, at FedAvg's tuned client setting,
+  then the client rate (FedAvg's halved, as it is, doubled, and further past a best one at
+  an end) at that server rate: client and server rates tuned per row, one after the other
+  (Reddi et al. search both on a grid; coordinate-wise costs a third of that);
+- FedProx: mu, at FedAvg's tuned client setting, then the client rate as above;
 - FedAvg (SGD) and SCAFFOLD: the client rate, under plain SGD (SCAFFOLD's control is the
-  mean gradient only under SGD steps): FedAvg (SGD) is the row SCAFFOLD corrects.
+  mean gradient only under SGD steps): FedAvg (SGD) is the row SCAFFOLD corrects. SCAFFOLD's
+  global rate stays 1, as in the paper's experiments.
 
 The grid grows past a best value at its end (``tuning.tune_method``). The table: global
 test accuracy after the last round (mean ± sample std over seeds), rounds to a target
@@ -40,6 +44,7 @@ live in ``--tuned-file`` (``benchmarks/tuned/server_opt.json``, keyed
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import numpy as np
@@ -94,7 +99,8 @@ TUNED_FILE = TUNED_DIR / "server_opt.json"
 
 def layer(row: str, setting: dict, base: dict) -> tuple[dict, dict]:
     """``(train overrides, server overrides)`` of ``row`` with its knob at ``setting["lr"]``
-    (``base``: FedAvg's tuned client setting, for the rows that tune a server knob or mu)."""
+    (``base``: FedAvg's tuned client setting, for the rows that tune a server knob or mu;
+    their client rate is ``setting["client_lr"]`` once tuned, else FedAvg's)."""
     value, knob = setting["lr"], ROWS[row][1]
     if row == "fedavg":
         return {"lr": value, "optimizer_state": setting["optimizer_state"]}, {}
@@ -104,7 +110,7 @@ def layer(row: str, setting: dict, base: dict) -> tuple[dict, dict]:
             "lr": value,
             **({"correction": "scaffold"} if row == "scaffold" else {}),
         }, {}
-    client = {"lr": base["lr"], "optimizer_state": base["optimizer_state"]}
+    client = {"lr": setting.get("client_lr", base["lr"]), "optimizer_state": base["optimizer_state"]}
     if knob == "mu":
         return {**client, "prox_mu": value}, {}
     return client, {"optimizer": row, "lr": value}
@@ -146,16 +152,35 @@ def key(method: str, split: str, row: str) -> str:
 
 def tuning_score(args: argparse.Namespace, method: str, split: str, row: str, base: dict | None):
     """``score(setting)`` for ``tune_method``: ``row`` run on the tuning seed with its knob at
-    ``setting["lr"]``; the clients' mean validation accuracy after the last round."""
+    ``setting["lr"]`` (and the client rate at ``setting["client_lr"]``, if given); the
+    clients' mean validation accuracy after the last round."""
 
     def score(setting: dict) -> float:
         train, server = layer(row, setting, base or {})
         tag = f"{setting['lr']:g}" + ("-keep" if setting["optimizer_state"] == "keep" else "")
+        if "client_lr" in setting:  # FedAvg's client rate is the knob's own run
+            tag += f"-client{setting['client_lr']:g}"
         out = args.out / "tune-val" / f"{method}-{split}-{row}-{tag}"
         run_or_reuse(config(method, split, TUNING_SEED, out, args, train, server, tuning=True))
         return read_records(out)[-1]["val"]["accuracy_mean"]
 
     return score
+
+
+def tune_client_rate(args, method: str, split: str, row: str, base: dict, knob: dict) -> tuple[dict, str]:
+    """The client rate of ``row`` at its tuned knob ``knob``: FedAvg's (``base``) halved, as
+    it is and doubled (the grid grows past a best rate at an end), ``base``'s optimizer state."""
+    knob_score = tuning_score(args, method, split, row, base)
+
+    def score(setting: dict) -> float:
+        at = {"lr": knob["lr"], "optimizer_state": base["optimizer_state"]}
+        if not math.isclose(setting["lr"], base["lr"], rel_tol=1e-9):
+            at["client_lr"] = setting["lr"]
+        return knob_score(at)
+
+    grid = [base["lr"] / 2, base["lr"], base["lr"] * 2]
+    best, report = tune_method(score, grid, extend=args.extend, keep=False)
+    return {**knob, "client_lr": best["lr"], "client_grid": best["grid"]}, report
 
 
 def tune(args: argparse.Namespace, methods: list[str], splits: list[str], rows: list[str]) -> None:
@@ -169,6 +194,11 @@ def tune(args: argparse.Namespace, methods: list[str], splits: list[str], rows: 
                 score = tuning_score(args, method, split, row, base)
                 best, report = tune_method(score, grid, extend=args.extend, keep=row == "fedavg")
                 print(f"  {method} {split} {row}: {report}", flush=True)
+                if knob in ("server", "mu"):  # then the client rate, at the knob's best value
+                    best, report = tune_client_rate(args, method, split, row, base, best)
+                    print(
+                        f"  {method} {split} {row} client rate at {knob} {best['lr']:g}: {report}", flush=True
+                    )
                 write_tuned(args.tuned_file, {key(method, split, row): {**best, "knob": knob}})
                 if row == "fedavg":
                     base = best
@@ -223,6 +253,8 @@ def print_tables(runs, args, methods, splits, rows, seeds) -> None:
                 setting = tuned[key(method, split, row)]
                 knob = {"client": "lr", "server": "server lr", "mu": "mu"}[ROWS[row][1]]
                 state = f", {setting['optimizer_state']}" if row == "fedavg" else ""
+                if "client_lr" in setting:
+                    state = f", client lr {setting['client_lr']:g}"
                 reached = [
                     first_round_reaching(read_records(o), t) for o, t in zip(outs, targets, strict=True)
                 ]
