@@ -148,7 +148,7 @@ def test_personal_state_stays_on_the_nodes(tiny_config, tmp_path, method, over):
     # each trained node keeps its own snapshots on its own disk
     saved = torch.load(tmp_path / "node0" / "client-0-personal.pt", weights_only=True)["value"]
     kept = set(next(iter(saved.values())))
-    assert {n for n in kept if not n.startswith(("opt.", "own.", "control."))} == personal
+    assert {n for n in kept if not n.startswith(("opt.", "own.", "control.", "control_pending"))} == personal
     if over == KEEP:
         assert any(n.startswith("opt.") for n in kept)
     scaffold = over == SCAFFOLD

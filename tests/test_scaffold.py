@@ -134,3 +134,66 @@ def test_scaffold_refuses_what_it_cannot_correct(tiny_config):
         cfg = tiny_config(**{"train.correction": "scaffold", "train.optimizer": "sgd", "method.name": name})
         with pytest.raises(ConfigError, match=f"method {name}: .*{why}"):
             build(cfg)
+
+
+def test_a_node_holds_its_new_control_until_the_server_applied_it():
+    """On a node, the new ``c_i`` waits as pending; the next training message says which
+    round's control update the server applied: that one's pending control is taken in,
+    any other dropped (the control the round started from stays)."""
+    from fedpeft.engines import scaffold
+
+    before = {"w": torch.ones(2), CONTROL + "w": torch.full((2,), 0.5)}
+    after = {"w": torch.full((2,), 2.0), CONTROL + "w": torch.full((2,), 0.75)}
+    kept = scaffold.held(before, after, 3)
+    assert torch.equal(kept[CONTROL + "w"], before[CONTROL + "w"]) and torch.equal(kept["w"], after["w"])
+    assert torch.equal(scaffold.confirmed(kept, 3)[CONTROL + "w"], after[CONTROL + "w"])  # applied
+    assert torch.equal(scaffold.confirmed(kept, 2)[CONTROL + "w"], before[CONTROL + "w"])  # lost
+    assert set(scaffold.confirmed(kept, 2)) == set(before)
+    first = scaffold.held({"w": torch.ones(2)}, after, 1)  # no control yet: c_i = 0 until confirmed
+    assert torch.equal(first[CONTROL + "w"], torch.zeros(2))
+
+
+def test_on_flower_the_servers_control_stays_the_mean_of_the_clients_when_a_reply_is_lost(
+    tiny_config, tmp_path
+):
+    """Client 0 trains in round 1 (and keeps its state) but its reply is refused: the server
+    never adds its ``dc_0``. After three rounds the server's ``c`` is still ``(1/N) sum c_i``
+    over the controls the nodes will train with (SCAFFOLD's invariant)."""
+    from fedpeft.engines import scaffold
+    from fedpeft.engines.checkpoint import load_checkpoint
+    from fedpeft.experiment import fingerprint
+    from fedpeft.flower import codec
+    from fedpeft.report.results import read_records
+    from tests.test_flower_bridge import SCAFFOLD, deploy, serve, wrapped_handler
+
+    cfg = tiny_config(**SCAFFOLD, **{"train.rounds": 3, "train.clients_per_round": 4})
+    grid = deploy(cfg, tmp_path)
+
+    def losing(real_train, message, context):
+        reply = real_train(message, context)
+        if context.node_config["partition-id"] == 0 and message.content["config"]["round"] == 1:
+            control = codec.from_record(reply.content["control"])
+            del control[next(iter(control))]  # refused whole: the node has already kept its state
+            reply.content["control"] = codec.to_record(control)
+        return reply
+
+    with wrapped_handler("train", losing):
+        serve(grid)
+    assert list(read_records(cfg.output_dir)[0]["dropped"]) == ["0"]
+    server = load_checkpoint(cfg.output_dir / "checkpoint.pt", fingerprint(cfg)).server
+    setup = build(cfg)
+    n = cfg.partition.num_clients
+    total = {
+        name: torch.zeros_like(server.tensors[name], dtype=torch.float64)
+        for name in setup.method.shared_names
+    }
+    for cid in range(n):
+        snapshots = torch.load(tmp_path / f"node{cid}" / f"client-{cid}-personal.pt", weights_only=True)[
+            "value"
+        ]
+        personal = scaffold.confirmed(snapshots[max(snapshots)], scaffold.applied_round(server, cid))
+        for name in total:
+            total[name] += personal[CONTROL + name].double()
+    assert any(float(server.extras[PREFIX + name].abs().max()) > 0 for name in total)
+    for name, t in total.items():
+        torch.testing.assert_close(server.extras[PREFIX + name].double(), t / n, rtol=1e-5, atol=1e-7)

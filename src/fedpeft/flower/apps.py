@@ -203,7 +203,8 @@ def train(msg: Message, context: Context) -> Message:
     config = msg.content["config"]
     clip = float(config["clip"]) if "clip" in config else None  # privacy.mode: the round's bound
     lr = float(config["lr"]) if "lr" in config else None  # train.lr_schedule: the round's rate
-    result, sent = node.fit(received, int(config["round"]), control, clip, lr)
+    applied = int(config["control_applied"]) if "control_applied" in config else 0  # SCAFFOLD
+    result, sent = node.fit(received, int(config["round"]), control, clip, lr, applied)
     fit = {**result.metrics, "num_examples": result.num_examples, "time_fit": time.perf_counter() - t0}
     records = {"uplink": codec.to_record(sent), "fit": codec.to_metrics(fit)}
     if result.control:  # SCAFFOLD: the update of this client's control

@@ -28,7 +28,7 @@ from fedpeft.config import ExperimentConfig
 from fedpeft.data import partition as P
 from fedpeft.data.sources import load_client_file, load_corpus
 from fedpeft.data.task import Encoded, encode, encode_corpus
-from fedpeft.engines import compress, guard, privacy
+from fedpeft.engines import compress, guard, privacy, scaffold
 from fedpeft.engines.inprocess import derive_seed
 from fedpeft.experiment import attach_method, fingerprint, make_split, place
 from fedpeft.methods.base import ClientData, FitResult, Job, Method, Tensors, load_tensors
@@ -290,6 +290,7 @@ class Node:
         control: Tensors | None = None,
         clip: float | None = None,
         lr: float | None = None,
+        applied: int = 0,
     ) -> tuple[FitResult, Tensors]:
         """Local round ``rnd``, seeded exactly as the in-process engine seeds it (``control``:
         SCAFFOLD's server control, when the run corrects drift; the client's own control is
@@ -299,15 +300,20 @@ class Node:
         the result's own uplink stays the trained tensors). Under adaptive clipping the
         result's metrics say whether the update fitted within the bound (``fitted``: the
         report the server counts with noise; user-level DP trusts the server). ``lr``: the
-        round's rate (``train.lr_schedule``; None: ``train.lr``)."""
+        round's rate (``train.lr_schedule``; None: ``train.lr``). ``applied``: with SCAFFOLD,
+        the last round whose control update of this client the server applied (its new
+        control is held back until then: :func:`fedpeft.engines.scaffold.confirmed`)."""
         seed = derive_seed(self.cfg.seed, rnd, self.cid)
         torch.manual_seed(seed)
         self.method.train = self.cfg.train if lr is None else self.cfg.train.model_copy(update={"lr": lr})
         personal, residual = self.kept_before(rnd)
         if personal is None:
             personal = self.method.init_client(self.model, self.initial, self.client)
+        if control is not None:  # SCAFFOLD: the control the server's c counts
+            personal = scaffold.confirmed(personal, applied)
         result = self.method.fit(self.model, Job(received, personal, self.client, seed, rnd, control or {}))
         result.cid = self.cid
+        kept = result.personal if control is None else scaffold.held(personal, result.personal, rnd)
         if guard.nonfinite_reason(result) is not None:  # the server drops it; keep the last finite state
             return result, result.uplink
         uplink = result.uplink
@@ -326,7 +332,7 @@ class Node:
             uplink, received, residual, self.cfg.comm.uplink, compress.message_seed(seed)
         )
         self.snapshots = {r: t for r, t in self.snapshots.items() if r < rnd}
-        self.snapshots[rnd] = compress.with_residual(result.personal, sent.residual)
+        self.snapshots[rnd] = compress.with_residual(kept, sent.residual)
         self.snapshots = dict(sorted(self.snapshots.items())[-KEEP_SNAPSHOTS:])
         self._save("personal", self.snapshots)
         return result, sent.message

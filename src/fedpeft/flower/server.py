@@ -256,7 +256,11 @@ class FlowerServer:
         for cid in sampled:
             records, payload, held[cid] = self.downlink_records(server, cid, peers[cid], train=True)
             records["config"] = ConfigRecord(config)
-            if control:  # SCAFFOLD: the server's control, with every training message
+            if control:  # SCAFFOLD: the server's control, with every training message, and the
+                # last round whose control update of this client it applied
+                records["config"] = ConfigRecord(
+                    {**config, "control_applied": scaffold.applied_round(server, cid)}
+                )
                 records["control"] = codec.to_record(control)
                 payload += tensor_bytes(control)
             messages.append(self.message(peers[cid].node_id, TRAIN, records, self.deploy.round_timeout))
@@ -503,6 +507,7 @@ class FlowerServer:
                     updates = [r.control for r in results]
                     clients = cfg.partition.num_clients
                     server = scaffold.update_control(self.method, previous, server, updates, clients)
+                    server = scaffold.mark_applied(server, [r.cid for r in results], rnd)
                 skipped = 0
                 guard.check_aggregate(rnd, server, cfg.train.lr, previous)
                 for name, analyze in self.analyzers.items():
