@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import bitsandbytes.functional as bnb
+import numpy as np
 import pytest
 import torch
 
@@ -258,6 +259,18 @@ def test_the_flower_path_compresses_as_in_process(tiny_config, tmp_path, method,
         assert rb["local"] == pytest.approx(ra["local"], rel=1e-6)
         assert (rb["payload_bytes_up"], rb["payload_bytes_down"]) == (ra["bytes_up"], ra["bytes_down"])
         assert rb["bytes_up"] > rb["payload_bytes_up"]
+    # the recorded payload is the packed tensor bytes the messages serialise (values,
+    # indices, scales); the name index beside them and Flower's framing are the rest of
+    # bytes_up. Over every training message and reply of the run:
+    trains = [m for m in grid.sent if m.metadata.message_type == "train"]
+    replies = [m for m in grid.replies if "uplink" in m.content]
+
+    def array_bytes(messages):
+        packed = [rec[codec.PACKED] for m in messages for rec in m.content.array_records.values()]
+        return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in packed)
+
+    assert array_bytes(replies) == sum(r["payload_bytes_up"] for r in b)
+    assert array_bytes(trains) == sum(r["payload_bytes_down"] for r in b)
     node = next(iter(apps._nodes.values()))
     shared = set(node.method.shared_names)
     updates = [codec.from_record(m.content["uplink"]) for m in grid.replies if "uplink" in m.content]
