@@ -153,6 +153,7 @@ def test_a_node_holds_its_new_control_until_the_server_applied_it():
     assert torch.equal(first[CONTROL + "w"], torch.zeros(2))
 
 
+@pytest.mark.slow  # ~15 s, a Flower run: out of the default tier for its 10 minutes (CI's slow tier runs it)
 def test_on_flower_the_servers_control_stays_the_mean_of_the_clients_when_a_reply_is_lost(
     tiny_config, tmp_path
 ):
