@@ -14,7 +14,7 @@ round); rows differ in how the update crosses the network:
 - ``int8both``: int8 on the downlink too.
 
 Each row's client rate (AdamW, reset or kept state) is tuned on seed 3, which the table
-does not use, by the clients' mean validation accuracy (20 % of each client's data held
+does not use, by the accuracy on the clients' pooled validation data (20 % of each client's data held
 out) after the last round; the grid grows past a best value at its end
 (``tuning.tune_method``). The table: global test accuracy after the last round (mean ±
 sample std over seeds), the MB each client sends and receives a round as recorded (the
@@ -35,7 +35,17 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-from tuning import LR_GRID, TUNED_DIR, mean_std, read_tuned, run_all, run_or_reuse, tune_method, write_tuned
+from tuning import (
+    LR_GRID,
+    TUNED_DIR,
+    mean_std,
+    read_tuned,
+    run_all,
+    run_or_reuse,
+    tune_method,
+    validation_accuracy,
+    write_tuned,
+)
 
 from fedpeft.config import ExperimentConfig, load_config
 from fedpeft.report.results import read_records
@@ -91,16 +101,17 @@ def key(method: str, row: str) -> str:
 
 
 def tune(args, methods: list[str], rows: list[str]) -> None:
-    print(f"tuning on seed {TUNING_SEED}: the clients' mean validation accuracy ({100 * VAL_FRACTION:g} % "
+    print(f"tuning on seed {TUNING_SEED}: the accuracy on the clients' pooled validation data"
+          f" ({100 * VAL_FRACTION:g} % "
           f"of each client's data held out) after round {args.rounds}")  # fmt: skip
     for method in methods:
         for row in rows:
 
             def score(setting: dict, method: str = method, row: str = row) -> float:
                 tag = f"{setting['lr']:g}-{setting['optimizer_state']}"
-                out = args.out / "tune-val" / f"{method}-{row}-{tag}"
+                out = args.out / "tune-pooled" / f"{method}-{row}-{tag}"
                 run_or_reuse(config(method, row, TUNING_SEED, out, args, setting, tuning=True))
-                return read_records(out)[-1]["val"]["accuracy_mean"]
+                return validation_accuracy(out)
 
             best, report = tune_method(score, LR_GRID, extend=args.extend)
             print(f"  {method} {row}: {report}", flush=True)

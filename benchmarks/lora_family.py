@@ -14,7 +14,7 @@ for every row (the same examples each round). Two rank settings:
   papers compare homogeneous baselines in).
 
 Each row's rate (and optimizer state) is tuned per method and rank setting on seed 3
-(which the table does not use) at Dirichlet 0.1, by the clients' mean validation accuracy
+(which the table does not use) at Dirichlet 0.1, by the accuracy on the clients' pooled validation data
 (20 % of each client's data held out) after the last round; the grid grows past a best
 rate at its end (``tuning.tune_method``). Fed-SB runs at the table's rank too (its own
 default is 64: ``R`` costs ``r^2`` a module), alpha = r as its authors set it, and its
@@ -36,7 +36,17 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
-from tuning import LR_GRID, TUNED_DIR, mean_std, read_tuned, run_all, run_or_reuse, tune_method, write_tuned
+from tuning import (
+    LR_GRID,
+    TUNED_DIR,
+    mean_std,
+    read_tuned,
+    run_all,
+    run_or_reuse,
+    tune_method,
+    validation_accuracy,
+    write_tuned,
+)
 
 from fedpeft.config import ExperimentConfig, load_config
 from fedpeft.report.results import read_records
@@ -136,16 +146,17 @@ def key(method: str, ranks: str) -> str:
 def tune_one(method: str, ranks: str, args: argparse.Namespace) -> tuple[str, dict, str]:
     def score(setting: dict) -> float:
         tag = f"{setting['lr']:g}" + ("-keep" if setting["optimizer_state"] == "keep" else "")
-        out = args.out / "tune-val" / f"{method}-{ranks}-{tag}"
+        out = args.out / "tune-pooled" / f"{method}-{ranks}-{tag}"
         run_or_reuse(config(method, ranks, TUNING_ALPHA, TUNING_SEED, out, args, setting, tuning=True))
-        return read_records(out)[-1]["val"]["accuracy_mean"]
+        return validation_accuracy(out)
 
     best, report = tune_method(score, LR_GRID, extend=args.extend)
     return key(method, ranks), best, report
 
 
 def tune(args: argparse.Namespace, methods: list[str], rank_settings: list[str]) -> None:
-    print(f"tuning on seed {TUNING_SEED}, Dirichlet {TUNING_ALPHA:g}: the clients' mean validation accuracy "
+    print(f"tuning on seed {TUNING_SEED}, Dirichlet {TUNING_ALPHA:g}: the accuracy on the clients' pooled "
+          "validation data "
           f"({100 * VAL_FRACTION:g} % of each client's data held out) after round {args.rounds}")  # fmt: skip
     jobs = [(m, r) for m in methods for r in rank_settings]
     if args.jobs <= 1:

@@ -10,7 +10,7 @@ Two splits of the built-in WordNet glosses (45 topic classes, ``--examples`` of 
 
 Every row runs the same clients, rounds, local steps and batch (the same examples each
 round); rows differ in the layer only. What each row tunes, on seed 3 (which the table
-does not use), by the clients' mean validation accuracy (20 % of each client's data held
+does not use), by the accuracy on the clients' pooled validation data (20 % of each client's data held
 out) after the last round:
 
 - FedAvg: the client rate (AdamW, reset or kept state);
@@ -48,7 +48,17 @@ import math
 from pathlib import Path
 
 import numpy as np
-from tuning import LR_GRID, TUNED_DIR, mean_std, read_tuned, run_all, run_or_reuse, tune_method, write_tuned
+from tuning import (
+    LR_GRID,
+    TUNED_DIR,
+    mean_std,
+    read_tuned,
+    run_all,
+    run_or_reuse,
+    tune_method,
+    validation_accuracy,
+    write_tuned,
+)
 
 from fedpeft.config import ExperimentConfig, load_config
 from fedpeft.report.results import read_records
@@ -153,16 +163,16 @@ def key(method: str, split: str, row: str) -> str:
 def tuning_score(args: argparse.Namespace, method: str, split: str, row: str, base: dict | None):
     """``score(setting)`` for ``tune_method``: ``row`` run on the tuning seed with its knob at
     ``setting["lr"]`` (and the client rate at ``setting["client_lr"]``, if given); the
-    clients' mean validation accuracy after the last round."""
+    accuracy on the clients' pooled validation data after the last round."""
 
     def score(setting: dict) -> float:
         train, server = layer(row, setting, base or {})
         tag = f"{setting['lr']:g}" + ("-keep" if setting["optimizer_state"] == "keep" else "")
         if "client_lr" in setting:  # FedAvg's client rate is the knob's own run
             tag += f"-client{setting['client_lr']:g}"
-        out = args.out / "tune-val" / f"{method}-{split}-{row}-{tag}"
+        out = args.out / "tune-pooled" / f"{method}-{split}-{row}-{tag}"
         run_or_reuse(config(method, split, TUNING_SEED, out, args, train, server, tuning=True))
-        return read_records(out)[-1]["val"]["accuracy_mean"]
+        return validation_accuracy(out)
 
     return score
 
@@ -184,7 +194,8 @@ def tune_client_rate(args, method: str, split: str, row: str, base: dict, knob: 
 
 
 def tune(args: argparse.Namespace, methods: list[str], splits: list[str], rows: list[str]) -> None:
-    print(f"tuning on seed {TUNING_SEED}: the clients' mean validation accuracy ({100 * VAL_FRACTION:g} % "
+    print(f"tuning on seed {TUNING_SEED}: the accuracy on the clients' pooled validation data"
+          f" ({100 * VAL_FRACTION:g} % "
           f"of each client's data held out) after round {args.rounds}")  # fmt: skip
     for method in methods:
         for split in splits:

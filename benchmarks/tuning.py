@@ -24,7 +24,7 @@ import yaml
 
 from fedpeft.config import ExperimentConfig, parse_config
 from fedpeft.experiment import fingerprint, run
-from fedpeft.report.results import read_summary
+from fedpeft.report.results import read_records, read_summary
 
 LR_GRID = [1e-3, 2e-3, 5e-3]
 TUNED_DIR = Path(__file__).parent / "tuned"
@@ -77,6 +77,20 @@ def tune_method(
     best_lr, state = min((k for k, v in scores.items() if v == top), key=lambda k: (k[0], k[1] != "reset"))
     report = ", ".join(f"{x:g}/{st}: {acc:.3f}" for (x, st), acc in sorted(scores.items()))
     return {"lr": best_lr, "optimizer_state": state, "grid": report}, f"{report} -> lr {best_lr:g}, {state}"
+
+
+def validation_accuracy(out: Path) -> float:
+    """The tuning score of the run in ``out``: its global model's (or its clients' own
+    models') accuracy on the union of the clients' validation splits after the last round
+    (``val.accuracy_pooled``), which weighs each client by its data as the global test set
+    does; the mean over clients would weigh a client of a few examples (a natural split's
+    adverbs, one class) as much as one of thousands."""
+    val = read_records(out)[-1].get("val", {})
+    if "accuracy_pooled" not in val:
+        raise SystemExit(
+            f"{out}: its records predate the pooled validation accuracy; remove the run to re-run it"
+        )
+    return val["accuracy_pooled"]
 
 
 def write_tuned(path: Path, best: dict[str, dict]) -> None:

@@ -71,3 +71,26 @@ def test_a_fdlora_run_recorded_before_the_uniform_mean_is_not_reused(tiny_config
     (cfg.output_dir / "config.yaml").write_text(yaml.safe_dump(older))
     with pytest.raises(SystemExit, match="FDLoRA's server mean became uniform"):
         run_or_reuse(cfg)
+
+
+def test_the_tuning_score_is_the_accuracy_on_the_clients_pooled_validation_data(tiny_config, tmp_path):
+    """``val.accuracy_pooled`` (what the benchmarks tune on) is the global model's accuracy
+    on the union of the clients' validation splits: each client weighed by its examples,
+    where ``accuracy_mean`` weighs clients alike. Recomputed here on the concatenated data."""
+    from tuning import validation_accuracy
+
+    from fedpeft.data.task import Encoded
+    from fedpeft.experiment import build, make_engine
+
+    cfg = tiny_config(**{"partition.val_fraction": 0.3, "eval.local": True})
+    setup = build(cfg)
+    cfg.output_dir.mkdir(parents=True)
+    engine = make_engine(setup, None)
+    engine.run()
+    scores = engine.evaluate(engine.server)["val"]
+    engine.load(setup.method.global_state(engine.server))
+    union = Encoded.concat([c.val for c in setup.clients if c.val is not None and len(c.val)])
+    assert scores["accuracy_pooled"] == pytest.approx(engine.scorer.score(engine.model, union)["accuracy"])
+    sizes = {len(c.val) for c in setup.clients}
+    assert len(sizes) > 1  # clients of different sizes: the pooled and the mean accuracy differ in kind
+    assert validation_accuracy(cfg.output_dir) == pytest.approx(scores["accuracy_pooled"])

@@ -46,7 +46,7 @@ from fedpeft.methods.base import (
 )
 from fedpeft.methods.cohort import SampleDP, derive_seed, predict_cohort
 from fedpeft.metrics.cka import linear_cka
-from fedpeft.metrics.classification import mean_scores, spread
+from fedpeft.metrics.classification import mean_scores, pooled, spread
 from fedpeft.metrics.scorers import ClassificationScorer, Scorer
 
 
@@ -375,6 +375,7 @@ class InProcessEngine:
             self.load(global_tensors)
             out["global"] = scorer.score(self.model, self.global_test)
         per_client_global, per_client_local, per_client_val, extra_local = [], [], [], {}
+        val_sizes: list[int] = []
         for start in range(0, len(self.eval_clients), size):
             clients = self.eval_clients[start : start + size]
             models = [self.client_model(server, client) for client in clients]
@@ -389,6 +390,7 @@ class InProcessEngine:
                 per_client_val += score_all(
                     [models[i][0] for i in validated], [clients[i].val for i in validated]
                 )
+                val_sizes += [len(clients[i].val) for i in validated]
             tested = [i for i, c in enumerate(clients) if len(c.test)]
             if not tested:
                 continue
@@ -405,7 +407,7 @@ class InProcessEngine:
             if self.schedule.per_client_scores or final:
                 out["local_by_client"] = per_client_local
         if per_client_val:
-            out["val"] = spread(per_client_val)
+            out["val"] = {**spread(per_client_val), **pooled(per_client_val, val_sizes)}
         for name, values in extra_local.items():
             out[f"local_{name}"] = spread(values)
         return out

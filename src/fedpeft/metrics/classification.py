@@ -58,6 +58,17 @@ def spread(per_client: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def pooled(per_client: list[dict[str, float]], sizes: list[int]) -> dict[str, float]:
+    """``accuracy_pooled``: the share of all the clients' examples scored right (each
+    client's accuracy weighted by its examples), the accuracy on their union, which
+    weighs a client as the data does where ``*_mean`` weighs clients alike; {} without
+    accuracies."""
+    if not per_client or "accuracy" not in per_client[0] or not sum(sizes):
+        return {}
+    right = sum(c["accuracy"] * n for c, n in zip(per_client, sizes, strict=True))
+    return {"accuracy_pooled": float(right / sum(sizes))}
+
+
 def mean_scores(per_client: list[dict[str, float]]) -> dict[str, float]:
     """The mean of each score over clients."""
     return {k: float(np.nanmean([c[k] for c in per_client])) for k in per_client[0]}
