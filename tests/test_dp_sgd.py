@@ -123,6 +123,7 @@ def test_a_dp_sgd_run_records_the_most_any_client_spent(tiny_config):
     assert read_summary(cfg.output_dir)["privacy"]["mode"] == "sample"
 
 
+@pytest.mark.slow  # a few runs: out of the default tier for its 10 minutes (CI's slow tier runs it)
 @pytest.mark.parametrize("method", ["fedrep", "fdlora"])
 def test_every_phase_of_a_round_is_charged(tiny_config, method):
     """FedRep's head steps precede its body's, FDLoRA's personal LoRA trains in a client's

@@ -484,6 +484,7 @@ def test_flora_merges_the_stacked_update_exactly_and_sends_each_client_what_it_l
     assert kept and len(kept) < 2 * len(method.modules) * rnd  # the old stacks are dropped
 
 
+@pytest.mark.slow  # a few runs: out of the default tier for its 10 minutes (CI's slow tier runs it)
 def test_flora_sends_the_stacks_across_a_round_that_drew_no_client(tiny_config):
     """Poisson sampling may draw no client in a round, which then leaves no stack: a
     client that last merged before it still gets the later rounds' stacks (not the dense
@@ -583,6 +584,7 @@ def test_fedsb_refuses_privacy_and_what_would_break_its_start(tiny_config):
             build(tiny_config(method=FEDSB, **over))
 
 
+@pytest.mark.slow  # a few runs: out of the default tier for its 10 minutes (CI's slow tier runs it)
 @pytest.mark.parametrize("method", ["flora", "fedsb"])
 def test_methods_whose_clients_keep_what_they_receive_refuse_a_lossy_downlink(tiny_config, method):
     """FLoRA's clients merge the stacks into their frozen weights, Fed-SB's keep ``B`` and

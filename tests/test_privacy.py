@@ -90,6 +90,7 @@ def test_the_server_clips_a_decoded_update_beyond_the_bound_again():
     assert restated[1].uplink is within and record["reclipped"] == 1
 
 
+@pytest.mark.slow  # a few runs: out of the default tier for its 10 minutes (CI's slow tier runs it)
 def test_a_private_run_with_top_k_and_error_feedback_stays_within_the_bound(tiny_config):
     """User mode with a top-k uplink and its error feedback: the residual makes a client
     send more than it clipped, and the server's second clip keeps every noised sum's

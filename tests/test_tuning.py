@@ -73,6 +73,7 @@ def test_a_fdlora_run_recorded_before_the_uniform_mean_is_not_reused(tiny_config
         run_or_reuse(cfg)
 
 
+@pytest.mark.slow  # a few runs: out of the default tier for its 10 minutes (CI's slow tier runs it)
 def test_the_tuning_score_is_the_accuracy_on_the_clients_pooled_validation_data(tiny_config, tmp_path):
     """``val.accuracy_pooled`` (what the benchmarks tune on) is the global model's accuracy
     on the union of the clients' validation splits: each client weighed by its examples,
