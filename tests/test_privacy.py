@@ -237,7 +237,10 @@ def test_what_cannot_go_with_a_privacy_mode_is_refused_naming_it(tiny_config, ov
 
 @pytest.mark.parametrize(
     "method",
-    [pytest.param(m, marks=pytest.mark.slow) for m in ("fedamp", "hetlora", "flexlora", "lorafair", "fedexlora")],
+    [
+        pytest.param(m, marks=pytest.mark.slow)
+        for m in ("fedamp", "hetlora", "flexlora", "lorafair", "fedexlora")
+    ],
 )
 def test_local_dp_goes_with_a_server_that_reads_each_update(tiny_config, method):
     """Local DP noises each update before it leaves, so a server that reads them one by one
