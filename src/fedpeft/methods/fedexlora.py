@@ -14,8 +14,10 @@ from ``A_bar, B_bar`` on the new frozen weight.
 
 The frozen weight of each adapted module is therefore server state here (``<module>.
 base_layer.weight`` beside the factors): checkpointed, handed to clients with the
-factors every round (its bytes counted in the downlink, as the residual's are in the
-paper), entering a client's step as a constant (no gradient), never sent back.
+factors every round once a residual has been folded (its bytes counted in the downlink,
+as the residual's are in the paper; before the first aggregate every client holds the
+pretrained weights, and nothing but the factors and the head goes down), entering a
+client's step as a constant (no gradient), never sent back.
 """
 
 from __future__ import annotations
@@ -72,6 +74,12 @@ class FedExLoRA(FedAvgPeft):
     # ----- the frozen weights as server state, a constant of every client's step
     def init_server(self, model) -> ServerState:
         return ServerState({**read_tensors(model, self.shared_names), **dict(self.pretrained)})
+
+    def downlink(self, server: ServerState, cid: int) -> Tensors:
+        """The factors and the head, and each frozen weight once a residual has moved it
+        from the pretrained one that every client holds."""
+        held = {w for w, t in self.pretrained.items() if torch.equal(server.tensors[w].float(), t)}
+        return {n: t for n, t in server.tensors.items() if n not in held}
 
     def step_gradients(self, model) -> GradientFn:
         return group_backprop(model, set(self.optimised_names()))
