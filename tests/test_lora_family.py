@@ -178,27 +178,33 @@ def test_rolora_trains_and_sends_b_then_a_in_turn(tiny_config):
         "fedlr",
         pytest.param("ffalora", marks=pytest.mark.slow),
         pytest.param("federa", marks=pytest.mark.slow),
+        pytest.param("rolora", marks=pytest.mark.slow),
+        pytest.param("fedsalora", marks=pytest.mark.slow),
     ],
 )
 def test_dora_trains_its_magnitudes_cohorts_and_exports_for_peft(tiny_config, name):
-    """``lora.use_dora``: the magnitudes train and travel with the adapters, a cohort gets
-    each client's round alone, and the export (A, B and magnitudes, ``use_dora`` in its
-    config) loaded with ``PeftModel.from_pretrained`` is the trained model."""
+    """``lora.use_dora``: the magnitudes train and travel with the adapters (RoLoRA's in
+    both of its rounds), a cohort gets each client's round alone, and the export (A, B and
+    magnitudes, ``use_dora`` in its config; a FedSA-LoRA client's, whose B is its own)
+    loaded with ``PeftModel.from_pretrained`` is the trained model."""
     from peft import PeftModel
     from transformers import AutoModel
 
     import fedpeft
     from tests.test_cohort import assert_cohort_equals_alone
 
-    cfg = tiny_config(method={"name": name, "lora": {"use_dora": True}}, **{"train.rounds": 2})
+    personal = name == "fedsalora"  # its B lives on the clients: a client's export
+    over = {"train.rounds": 2, "export.personal": personal}
+    cfg = tiny_config(method={"name": name, "lora": {"use_dora": True}}, **over)
     setup = build(cfg)
     magnitudes = [n for n in setup.method.shared_names if "lora_magnitude_vector" in n]
     assert magnitudes
+    assert all(set(magnitudes) <= set(setup.method.uplink_names(rnd)) for rnd in (1, 2))
     assert_cohort_equals_alone(setup, [0, 1, 2], f"{name}+dora")
     run(cfg, setup=setup)
     trained = torch.load(cfg.output_dir / "checkpoint.pt", weights_only=True)["server"]["tensors"]
     assert any(not torch.equal(trained[n], setup.initial[n]) for n in magnitudes)
-    adapter = cfg.output_dir / "adapter"
+    adapter = cfg.output_dir / "adapter" / ("clients/0" if personal else "")
     loaded = fedpeft.load_export(adapter)
     peft_model = PeftModel.from_pretrained(AutoModel.from_pretrained(cfg.model.backbone), str(adapter)).eval()
     assert peft_model.peft_config["default"].use_dora

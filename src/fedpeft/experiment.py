@@ -241,8 +241,8 @@ def check_dora(cfg: ExperimentConfig, method: Method) -> None:
     if not getattr(method, "dora", False):
         raise ConfigError(
             f"method.lora.use_dora: not for method {method.name} (DoRA composes with fedlr, federa, "
-            "ffalora, local and centralized: its magnitude is one more tensor each trains and averages "
-            "as it is)"
+            "ffalora, fedsalora, rolora, local and centralized: its magnitude is one more tensor each "
+            "trains and averages as it is)"
         )
     from peft.tuners.lora import dora
 

@@ -40,10 +40,11 @@ class FedSALoRA(FedAvgPeft):
     name = "fedsalora"
     config_cls = FedSALoRAConfig
     kind = "lora"
+    dora = True  # DoRA's magnitudes: shared and averaged, as A is
 
     def split_trainable(self, model) -> None:
         """Every ``B`` personal, and the head with ``head: personal`` (a causal LM has none:
-        its LM head is frozen); the rest (every ``A``) shared."""
+        its LM head is frozen); the rest (every ``A``, and DoRA's magnitudes) shared."""
         names = [n for n, p in model.named_parameters() if p.requires_grad]
         own = [n for n in names if ".lora_B." in n or (self.cfg.head == "personal" and n.startswith("head."))]
         self.personal_names = own

@@ -8,7 +8,7 @@ them in a round is: with ``A`` fixed, ``mean(B_k) A = mean(B_k A)``, and likewis
 ``B`` fixed. RoLoRA alternates: odd rounds train and average ``B`` with ``A`` frozen,
 even rounds train and average ``A`` with ``B`` frozen (``B`` first: with ``B`` at its
 zero start, ``A`` would get no gradient). Each round sends the half it trained, and the
-classifier head, trained every round. The server keeps both halves; clients receive
+classifier head (and DoRA's magnitudes), trained every round. The server keeps both halves; clients receive
 both.
 """
 
@@ -41,6 +41,7 @@ class RoLoRA(FedAvgPeft):
     name = "rolora"
     config_cls = RoLoRAConfig
     kind = "lora"
+    dora = True  # DoRA's magnitudes: trained and averaged every round, as the head is
 
     def __init__(self, cfg, train, seed: int = 0):
         super().__init__(cfg, train, seed)
