@@ -5,11 +5,13 @@ clients' updates ``s B_k A_k``)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from fedpeft.experiment import build, run
-from fedpeft.methods.base import ServerState, read_tensors
+from fedpeft.methods.base import FitResult, ServerState, read_tensors
 from fedpeft.methods.ffalora import frozen_a_names
 from fedpeft.peft.lora import lora_layers
 from fedpeft.report.results import read_records
@@ -583,15 +585,115 @@ def _jobs_from(setup, server, cids):
     ]  # fmt: skip
 
 
-def test_fedsb_refuses_privacy_and_what_would_break_its_start(tiny_config):
+def test_fedsb_refuses_what_would_break_its_start(tiny_config):
     from fedpeft.config import ConfigError
 
-    for over, says in (
-        ({"privacy": {"mode": "sample", "noise_multiplier": 1.0}}, "gradient sums unclipped"),
-        ({"server.optimizer": "fedadam", "server.lr": 0.1}, "server.optimizer"),
-    ):
-        with pytest.raises(ConfigError, match=says):
-            build(tiny_config(method=FEDSB, **over))
+    with pytest.raises(ConfigError, match="server.optimizer"):
+        build(tiny_config(method=FEDSB, **{"server.optimizer": "fedadam", "server.lr": 0.1}))
+
+
+def test_fedsb_setup_round_under_user_level_dp_clips_each_gradient_sum_and_noises_their_sum(tiny_config):
+    """``privacy.mode user``: the setup round's gradient sums are messages, not updates of
+    what a client received: each is clipped whole to ``C`` (as an update from zero), the
+    server adds ``N(0, (sigma C)^2)`` to their sum, and LoRA-SB's start is taken of that
+    noised sum (the sign of ``S`` times the restated mean)."""
+    import numpy as np
+
+    from fedpeft.config import PrivacyConfig
+    from fedpeft.engines import privacy as DP
+
+    setup = build(tiny_config(method={**FEDSB, "init_lr": 0.01}))
+    method, model = setup.method, setup.model
+    assert method.uplink_messages(1) == ["grad." + w for w in method.frozen] and not method.uplink_messages(2)
+    p, clip, sigma = PrivacyConfig(mode="user", noise_multiplier=2.0, clip=0.5), 0.5, 2.0
+    jobs = _jobs(setup, [0, 1])
+    sums, sent, origins = method.fit_cohort(model, jobs), [], []
+    for cid, (job, r) in enumerate(zip(jobs, sums, strict=True)):
+        r.cid = cid
+        origin = DP.reference(method, 1, job.received, r.uplink)
+        assert all(float(origin[n].abs().max()) == 0 for n in r.uplink)
+        out = DP.privatise(p, r.uplink, origin, clip, sigma, job.seed, method.name)
+        assert DP.norm(r.uplink) > clip and DP.norm(out.uplink) == pytest.approx(clip, rel=1e-5)
+        for n, t in r.uplink.items():  # the same direction, scaled down
+            torch.testing.assert_close(out.uplink[n], t * (clip / DP.norm(r.uplink)), rtol=1e-4, atol=1e-9)
+        sent.append(FitResult(out.uplink, r.personal, r.num_examples, r.metrics, cid))
+        origins.append(origin)
+    restated, _, _ = DP.server_side(p, sent, origins, [False, False], clip, 2, sigma, seed=11)
+    noise = {n: sum(r.uplink[n] for r in restated) - sum(r.uplink[n] for r in sent) for n in sent[0].uplink}
+    values = torch.cat([t.flatten() for t in noise.values()])
+    assert float(values.std()) == pytest.approx(sigma * clip, rel=0.02)  # on their sum
+    started = method.aggregate(method.init_server(model), restated, 1)
+    for w, a, b, latent, scale in method.modules.values():
+        total = sum(r.uplink["grad." + w].double().numpy() for r in restated)
+        u, s, vt = np.linalg.svd(-0.01 * np.sign(total))
+        got = (
+            scale
+            * started.tensors[b].double()
+            @ started.tensors[latent].double()
+            @ started.tensors[a].double()
+        )
+        np.testing.assert_allclose(got.numpy(), (u[:, :4] * s[:4]) @ vt[:4], rtol=1e-4, atol=1e-6)
+
+
+def test_fedsb_setup_round_under_dp_sgd_is_one_clipped_noised_step(tiny_config):
+    """``privacy.mode sample``: a client's setup sum is one DP-SGD step's: ``train.batch_size``
+    rows, each row's full-weight gradient (all modules as one vector) clipped to ``C``
+    (checked against the rows' gradients taken one by one), plus ``N(0, (sigma C)^2)``;
+    the accountant charges it as one step more."""
+    from fedpeft.methods.cohort import SampleDP
+
+    setup = build(tiny_config(method=FEDSB, **{"train.batch_size": 4}))
+    method, model = setup.method, setup.model
+    (job,) = _jobs(setup, [0])
+    assert method.private_steps(len(job.client.train))[1] == 1
+    rows = torch.randperm(len(job.client.train), generator=job.generator())[:4]
+    per_row = [method.summed_gradients(model, job, row).uplink for row in rows.split(1)]
+    norms = [math.sqrt(sum(float(t.double().square().sum()) for t in g.values())) for g in per_row]
+    clip = sorted(norms)[1]  # some rows within the bound, some beyond
+    want = {
+        n: sum(g[n] * min(1.0, clip / size) for g, size in zip(per_row, norms, strict=True))
+        for n in per_row[0]
+    }
+    try:
+        method.sample_dp = SampleDP(clip, 0.0, 4)
+        (quiet,) = method.fit_cohort(model, [job])
+        method.sample_dp = SampleDP(clip, 3.0, 4)
+        (noisy,) = method.fit_cohort(model, [job])
+    finally:
+        method.sample_dp = None
+    assert quiet.num_examples == 4
+    for n, t in want.items():
+        torch.testing.assert_close(quiet.uplink[n], t, rtol=1e-5, atol=1e-7)
+    noise = torch.cat([(noisy.uplink[n] - quiet.uplink[n]).flatten() for n in want])
+    assert float(noise.std()) == pytest.approx(3.0 * clip, rel=0.02)
+
+
+@pytest.mark.slow  # two private runs
+@pytest.mark.parametrize("mode", ["user", "sample"])
+def test_fedsb_trains_under_dp_and_accounts_its_setup_round(tiny_config, mode):
+    """A private Fed-SB run sets up, trains ``R`` and records epsilon each round; under
+    DP-SGD the setup counts as one step more than the rounds' (the most any client spent)."""
+    from fedpeft.engines import privacy as DP
+
+    cfg = tiny_config(method=FEDSB, privacy={"mode": mode, "noise_multiplier": 1.0, "clip": 1.0})
+    setup = build(cfg)
+    run(cfg, setup=setup)
+    records = read_records(cfg.output_dir)
+    spent = [r["privacy"]["epsilon"] for r in records]
+    assert 0 < spent[0] < spent[-1] and all(math.isfinite(r["loss"]) for r in records)
+    if mode == "sample":
+        rounds_in: dict[int, int] = {}
+        for r in records:
+            for c in r["clients"]:
+                rounds_in[c] = rounds_in.get(c, 0) + 1
+        steps = {c.cid: setup.method.private_steps(len(c.train)) for c in setup.clients}
+        want = max(
+            DP.dp_sgd_epsilon(
+                len(setup.clients[c].train), cfg.train.batch_size, 1.0, k * steps[c][0] + 1, cfg.privacy.delta
+            )
+            for c, k in rounds_in.items()
+        )
+        assert spent[-1] == pytest.approx(want)
 
 
 @pytest.mark.slow  # a few runs: out of the default tier for its 10 minutes (CI's slow tier runs it)

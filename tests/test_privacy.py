@@ -17,6 +17,7 @@ from fedpeft.experiment import build, make_engine, run
 from fedpeft.methods.base import FitResult
 from fedpeft.report.results import read_records, read_summary
 from tests.test_flower_bridge import deploy, forget_nodes, serve  # noqa: F401 (forget_nodes: autouse)
+from tests.test_lora_family import FEDSB
 from tests.test_reliability import kill_in_round
 
 
@@ -294,18 +295,22 @@ def test_adaptive_clipping_moves_the_bound_and_a_resumed_run_spends_and_clips_th
 
 
 @pytest.mark.parametrize(
-    "settings",
+    "settings, method",
     [
-        {"mode": "user", "noise_multiplier": 0.7, "clip": 0.05, "adaptive_clip": True, "count_noise": 1.0},
-        pytest.param({"mode": "local", "noise_multiplier": 0.3, "clip": 0.05}, marks=pytest.mark.slow),
+        ({"mode": "user", "noise_multiplier": 0.7, "clip": 0.05, "adaptive_clip": True, "count_noise": 1.0},
+         {"name": "fedlr"}),
+        pytest.param({"mode": "local", "noise_multiplier": 0.3, "clip": 0.05}, {"name": "fedlr"},
+                     marks=pytest.mark.slow),
+        pytest.param({"mode": "user", "noise_multiplier": 0.7, "clip": 0.05}, FEDSB, marks=pytest.mark.slow),
     ],
-    ids=["user-adaptive", "local"],
-)
-def test_the_flower_path_clips_on_the_nodes_and_noises_as_in_process(tiny_config, tmp_path, settings):
+    ids=["user-adaptive", "local", "fedsb-user"],
+)  # fmt: skip
+def test_the_flower_path_clips_on_the_nodes_and_noises_as_in_process(tiny_config, tmp_path, settings, method):
     """The same private runs through Flower's ClientApp and ServerApp: the nodes clip (and,
     locally, noise) what they send, the server noises the sum, with the same seeds, so the
-    same records; the round's clip bound travels in the training message."""
-    over = {"privacy": settings, "train.rounds": 3}
+    same records (Fed-SB's: its setup round's gradient sums clipped and noised whole); the
+    round's clip bound travels in the training message."""
+    over = {"privacy": settings, "train.rounds": 3, "method": method}
     local = tiny_config(output_dir=str(tmp_path / "inproc"), **over)
     flower = tiny_config(output_dir=str(tmp_path / "flower"), **over)
     run(local)

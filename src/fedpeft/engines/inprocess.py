@@ -263,16 +263,11 @@ class InProcessEngine:
         (the update from what it received, plus its residual), decoded on the server into
         ``result.uplink``; its new residual stored with its personal state. The bytes sent."""
         if self.privacy.mode in ("user", "local"):  # clipped (local: and noised) before it is encoded
+            origin = privacy.reference(self.method, job.rnd, job.received, result.uplink)
             out = privacy.privatise(
-                self.privacy,
-                result.uplink,
-                job.received,
-                self._clip,
-                self.dp.sigma,
-                job.seed,
-                self.method.name,
+                self.privacy, result.uplink, origin, self._clip, self.dp.sigma, job.seed, self.method.name
             )
-            result.uplink, self._sent[result.cid] = out.uplink, (job.received, out.fitted)
+            result.uplink, self._sent[result.cid] = out.uplink, (origin, out.fitted)
         cfg, seed = self.comm.uplink, compress.message_seed(job.seed)
         sent = compress.send_update(result.uplink, job.received, residual, cfg, seed)
         result.uplink = compress.receive_update(sent.message, job.received, cfg, seed)

@@ -65,8 +65,6 @@ def check_composes(cfg: ExperimentConfig, method: Method) -> None:
     p = cfg.privacy
     if p.mode == "none":
         return
-    if why := method.privacy_refusal():
-        raise ConfigError(f"privacy.mode {p.mode}: method {method.name}: {why}")
     if p.mode == "sample":  # the records are protected inside training: the server may do anything
         from fedpeft.methods.base import Method as Base
 
@@ -76,7 +74,7 @@ def check_composes(cfg: ExperimentConfig, method: Method) -> None:
                 "phases), and DP-SGD's accountant needs one batch a step drawn without replacement"
             )
         return
-    if p.mode == "user" and (why := method.robust_refusal()):  # its server reads each uplink
+    if p.mode == "user" and (why := method.user_dp_refusal()):  # its server reads each uplink
         raise ConfigError(
             f"privacy.mode user: method {method.name}: {why}; user-level DP noises only the sum of the "
             "updates, which this server does not take (privacy.mode local noises each update before it "
@@ -224,6 +222,14 @@ def check_budget(p: PrivacyConfig, accountant: Accountant, rnd: int) -> float:
 
 
 # ---------------------------------------------------------------- the client's side
+
+
+def reference(method: Method, rnd: int, received: Tensors, like: Tensors) -> Tensors:
+    """What a client's uplink of round ``rnd`` is an update of: the tensors it received,
+    and zero for each of the method's messages (:meth:`~fedpeft.methods.base.Method.
+    uplink_messages`, shaped as in ``like``), which are clipped whole."""
+    zeros = {n: torch.zeros(like[n].shape) for n in method.uplink_messages(rnd) if n in like}
+    return {**received, **zeros}
 
 
 def update_of(uplink: Tensors, received: Tensors, method: str) -> Tensors:

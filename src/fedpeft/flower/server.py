@@ -294,7 +294,7 @@ class FlowerServer:
             fit_times.append(fit.pop("time_fit"))
             peers[cid].joined = True
             results.append(result)
-            self._sent[cid] = (held[cid], fitted)
+            self._sent[cid] = (privacy.reference(self.method, rnd, held[cid], uplink), fitted)
             payload_up += sent_bytes + tensor_bytes(result.control)
             if "readout" in reply.content:
                 readouts[str(cid)] = dict(reply.content["readout"])
@@ -334,7 +334,11 @@ class FlowerServer:
             join = None if peers[cid].joined else (self.method.join_message(server) or None)
             instructions[peers[cid].node_id] = (cid, secure.fit_instructions(received, join, rnd, clip, lr))
             payload_down += tensor_bytes(received) + (tensor_bytes(join) if join else 0)
-            self._sent[cid] = (received, True)  # what the mean is an update of
+            # what the mean is an update of
+            self._sent[cid] = (
+                privacy.reference(self.method, rnd, received, self.round_uplink_like(rnd)),
+                True,
+            )
         uniform = self.dp is not None and self.dp.mode == "user"  # user-level DP: weights 1
         max_weight = 1 if uniform else max(max(peers[c].num_examples for c in sampled), 1)
         outcome, counted = secure.secure_round(

@@ -295,15 +295,17 @@ class Method:
         round, as a fresh copy of the server's tensors."""
         return ""
 
+    def user_dp_refusal(self) -> str:
+        """Why ``privacy.mode user`` cannot protect this method (its server reads each
+        client's uplink, where user-level DP noises only their sum); "" when it can.
+        Default: :meth:`robust_refusal`'s reason (a server that takes no other rule than
+        the mean reads something of each update)."""
+        return self.robust_refusal()
+
     def local_dp_refusal(self) -> str:
         """Why ``privacy.mode local`` cannot protect this method's uplink (its clients send
         something other than updates of tensors they received, which local DP clips); ""
         when it can."""
-        return ""
-
-    def privacy_refusal(self) -> str:
-        """Why no ``privacy.mode`` can protect this method's clients (something it sends is
-        outside every mode's clip and noise); "" when nothing is."""
         return ""
 
     def server_frozen_names(self) -> list[str]:
@@ -328,6 +330,12 @@ class Method:
         networked server checks it against), given the shared tensors' (``shared``).
         Default: :meth:`uplink_names`' of ``shared``; Fed-SB's setup round sends others."""
         return {n: shared[n] for n in self.uplink_names(rnd)}
+
+    def uplink_messages(self, rnd: int) -> list[str]:
+        """Tensors of a client's uplink of round ``rnd`` that are messages of their own, not
+        updates of a tensor it received (Fed-SB's setup round: its gradient sums);
+        ``privacy.mode`` clips and noises each as an update from zero. Default: none."""
+        return []
 
     def uplink_as_shared(self, uplink: Tensors) -> Tensors:
         """A client's update in the names and shapes of the shared state, which a networked

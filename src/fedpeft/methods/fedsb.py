@@ -44,7 +44,17 @@ from fedpeft.methods.base import (
     local_steps,
     read_tensors,
 )
-from fedpeft.methods.cohort import OPT, OWN, GradientFn, Start, group_backprop, model_loss, optimizer_state
+from fedpeft.methods.cohort import (
+    NOISE_STREAM,
+    OPT,
+    OWN,
+    GradientFn,
+    Start,
+    derive_seed,
+    group_backprop,
+    model_loss,
+    optimizer_state,
+)
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.peft import LoraSpec
 from fedpeft.peft.lora import LoraTerm, lora_layers
@@ -149,11 +159,17 @@ class FedSB(FedAvgPeft):
             "the mean of the clients' updates"
         )
 
-    def privacy_refusal(self) -> str:
-        return (
-            "its setup round sends each client's gradient sums unclipped and unnoised (the authors compute "
-            "the initialisation without DP too), which no epsilon would cover"
-        )
+    def user_dp_refusal(self) -> str:
+        return ""  # the setup round's server sums the clients' messages: user-level DP noises that sum
+
+    # ----- privacy: the setup round's gradient sums are messages, clipped and noised whole
+    def uplink_messages(self, rnd: int) -> list[str]:
+        return [GRAD + w for w in self.frozen] if rnd == 1 else []
+
+    def private_steps(self, n: int) -> tuple[int, int]:
+        """Under DP-SGD the setup is one more step (its round's clients take no other: a
+        client is charged a round's steps and the setup's, whichever round it starts in)."""
+        return local_steps(n, self.train), 1
 
     # ----- server
     def init_server(self, model) -> ServerState:
@@ -214,9 +230,43 @@ class FedSB(FedAvgPeft):
     def gradient_sums(self, model, job: Job) -> FitResult:
         """The setup round of one client: the sum of its per-example gradients of the loss
         with respect to each adapted module's full weight, over ``received[SETUP]`` of its
-        examples (shuffled by its seed; dropout on, as the authors' ``model.train()``)."""
-        data, n = job.client.train, int(job.received[SETUP])
-        rows = torch.randperm(len(data), generator=job.generator())[: min(n, len(data))]
+        examples (shuffled by its seed; dropout on, as the authors' ``model.train()``).
+        Under DP-SGD (``privacy.mode: sample``) it is one DP-SGD step's sum instead: a batch
+        of ``train.batch_size`` rows drawn as every DP-SGD step draws one, each row's
+        gradient (all modules as one vector) clipped to ``privacy.clip``, plus
+        ``N(0, (sigma clip)^2)`` noise."""
+        data, n, dp = job.client.train, int(job.received[SETUP]), self.sample_dp
+        rows = torch.randperm(len(data), generator=job.generator())[: min(dp.batch if dp else n, len(data))]
+        if dp is not None:  # DP-SGD: one row at a time, each clipped; the sum noised below
+            return self.private_gradient_sums(model, job, rows)
+        return self.summed_gradients(model, job, rows)
+
+    def private_gradient_sums(self, model, job: Job, rows: torch.Tensor) -> FitResult:
+        """DP-SGD's setup step: per-row gradient sums clipped to ``clip``, summed, noised."""
+        dp, total, losses = self.sample_dp, {w: torch.zeros(shape) for w, shape in self.frozen.items()}, []
+        for row in rows.split(1):
+            result = self.summed_gradients(model, job, row)
+            grads = {w: result.uplink[GRAD + w] for w in self.frozen}
+            size = math.sqrt(sum(float(g.double().square().sum()) for g in grads.values()))
+            factor = min(1.0, dp.clip / size) if size > 0 else 1.0
+            for w, g in grads.items():
+                total[w] += factor * g
+            losses.append(result.metrics["loss"])
+        if dp.sigma > 0:
+            generator = torch.Generator().manual_seed(derive_seed(job.seed, NOISE_STREAM))
+            for w in sorted(total):
+                total[w] += dp.sigma * dp.clip * torch.randn(total[w].shape, generator=generator)
+        return FitResult(
+            uplink={GRAD + w: t for w, t in total.items()},
+            personal=dict(job.personal),
+            num_examples=len(rows),
+            metrics={"steps": 0.0, "loss": sum(losses) / max(len(losses), 1)},
+        )
+
+    def summed_gradients(self, model, job: Job, rows: torch.Tensor) -> FitResult:
+        """The full-weight gradients summed over ``rows`` of the client's data (in batches
+        of ``train.batch_size``), as a setup round's result."""
+        data = job.client.train
         loss = model_loss(model)
         current = {**read_tensors(model, self.shared_names), **self.params_of(job.personal)}
         weights = {
@@ -233,7 +283,7 @@ class FedSB(FedAvgPeft):
                     value = loss({**current, **weights}, make_batch(data, chunk)) * len(chunk)  # a sum
                     for w, g in zip(weights, torch.autograd.grad(value, list(weights.values())), strict=True):
                         total[w] += g.float().cpu()
-                    summed += float(value)
+                    summed += float(value.detach())
         finally:
             model.train(was_training)
         return FitResult(
