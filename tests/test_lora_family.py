@@ -604,13 +604,14 @@ def test_fedsb_setup_round_under_user_level_dp_clips_each_gradient_sum_and_noise
 
     setup = build(tiny_config(method={**FEDSB, "init_lr": 0.01}))
     method, model = setup.method, setup.model
-    assert method.uplink_messages(1) == ["grad." + w for w in method.frozen] and not method.uplink_messages(2)
+    assert method.uplink_messages({"setup.samples": torch.ones(1)}) == ["grad." + w for w in method.frozen]
+    assert not method.uplink_messages(method.start)
     p, clip, sigma = PrivacyConfig(mode="user", noise_multiplier=2.0, clip=0.5), 0.5, 2.0
     jobs = _jobs(setup, [0, 1])
     sums, sent, origins = method.fit_cohort(model, jobs), [], []
     for cid, (job, r) in enumerate(zip(jobs, sums, strict=True)):
         r.cid = cid
-        origin = DP.reference(method, 1, job.received, r.uplink)
+        origin = DP.reference(method, job.received, r.uplink)
         assert all(float(origin[n].abs().max()) == 0 for n in r.uplink)
         out = DP.privatise(p, r.uplink, origin, clip, sigma, job.seed, method.name)
         assert DP.norm(r.uplink) > clip and DP.norm(out.uplink) == pytest.approx(clip, rel=1e-5)

@@ -263,7 +263,7 @@ class InProcessEngine:
         (the update from what it received, plus its residual), decoded on the server into
         ``result.uplink``; its new residual stored with its personal state. The bytes sent."""
         if self.privacy.mode in ("user", "local"):  # clipped (local: and noised) before it is encoded
-            origin = privacy.reference(self.method, job.rnd, job.received, result.uplink)
+            origin = privacy.reference(self.method, job.received, result.uplink)
             out = privacy.privatise(
                 self.privacy, result.uplink, origin, self._clip, self.dp.sigma, job.seed, self.method.name
             )

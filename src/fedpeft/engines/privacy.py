@@ -224,11 +224,11 @@ def check_budget(p: PrivacyConfig, accountant: Accountant, rnd: int) -> float:
 # ---------------------------------------------------------------- the client's side
 
 
-def reference(method: Method, rnd: int, received: Tensors, like: Tensors) -> Tensors:
-    """What a client's uplink of round ``rnd`` is an update of: the tensors it received,
-    and zero for each of the method's messages (:meth:`~fedpeft.methods.base.Method.
-    uplink_messages`, shaped as in ``like``), which are clipped whole."""
-    zeros = {n: torch.zeros(like[n].shape) for n in method.uplink_messages(rnd) if n in like}
+def reference(method: Method, received: Tensors, like: Tensors) -> Tensors:
+    """What the uplink of a client that received ``received`` is an update of: those
+    tensors, and zero for each of the method's messages (:meth:`~fedpeft.methods.base.
+    Method.uplink_messages`, shaped as in ``like``), which are clipped whole."""
+    zeros = {n: torch.zeros(like[n].shape) for n in method.uplink_messages(received) if n in like}
     return {**received, **zeros}
 
 

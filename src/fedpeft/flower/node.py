@@ -322,7 +322,7 @@ class Node:
                 raise ValueError(
                     f"privacy.mode {dp.mode}: round {rnd}'s training message carries no clip bound"
                 )
-            origin = privacy.reference(self.method, rnd, received, uplink)
+            origin = privacy.reference(self.method, received, uplink)
             out = privacy.privatise(self.cfg.privacy, uplink, origin, clip, dp.sigma, seed, self.method.name)
             uplink = out.uplink
             if self.cfg.privacy.adaptive_clip:  # the report adaptive clipping counts (user mode)

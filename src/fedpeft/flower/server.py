@@ -294,7 +294,7 @@ class FlowerServer:
             fit_times.append(fit.pop("time_fit"))
             peers[cid].joined = True
             results.append(result)
-            self._sent[cid] = (privacy.reference(self.method, rnd, held[cid], uplink), fitted)
+            self._sent[cid] = (privacy.reference(self.method, held[cid], uplink), fitted)
             payload_up += sent_bytes + tensor_bytes(result.control)
             if "readout" in reply.content:
                 readouts[str(cid)] = dict(reply.content["readout"])
@@ -336,7 +336,7 @@ class FlowerServer:
             payload_down += tensor_bytes(received) + (tensor_bytes(join) if join else 0)
             # what the mean is an update of
             self._sent[cid] = (
-                privacy.reference(self.method, rnd, received, self.round_uplink_like(rnd)),
+                privacy.reference(self.method, received, self.round_uplink_like(rnd)),
                 True,
             )
         uniform = self.dp is not None and self.dp.mode == "user"  # user-level DP: weights 1

@@ -331,10 +331,10 @@ class Method:
         Default: :meth:`uplink_names`' of ``shared``; Fed-SB's setup round sends others."""
         return {n: shared[n] for n in self.uplink_names(rnd)}
 
-    def uplink_messages(self, rnd: int) -> list[str]:
-        """Tensors of a client's uplink of round ``rnd`` that are messages of their own, not
-        updates of a tensor it received (Fed-SB's setup round: its gradient sums);
-        ``privacy.mode`` clips and noises each as an update from zero. Default: none."""
+    def uplink_messages(self, received: Tensors) -> list[str]:
+        """Tensors of the uplink of a client that received ``received`` that are messages of
+        their own, not updates of a tensor it received (Fed-SB's setup round: its gradient
+        sums); ``privacy.mode`` clips and noises each as an update from zero. Default: none."""
         return []
 
     def uplink_as_shared(self, uplink: Tensors) -> Tensors:

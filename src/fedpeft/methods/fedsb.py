@@ -163,8 +163,8 @@ class FedSB(FedAvgPeft):
         return ""  # the setup round's server sums the clients' messages: user-level DP noises that sum
 
     # ----- privacy: the setup round's gradient sums are messages, clipped and noised whole
-    def uplink_messages(self, rnd: int) -> list[str]:
-        return [GRAD + w for w in self.frozen] if rnd == 1 else []
+    def uplink_messages(self, received: Tensors) -> list[str]:
+        return [GRAD + w for w in self.frozen] if SETUP in received else []
 
     def private_steps(self, n: int) -> tuple[int, int]:
         """Under DP-SGD the setup is one more step (its round's clients take no other: a
