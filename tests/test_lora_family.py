@@ -725,3 +725,25 @@ def test_fedsb_after_its_setup_a_cohort_equals_one_at_a_time(tiny_config):
         r.cid = cid
     started = method.aggregate(method.init_server(setup.model), grads, 1)
     assert_cohort_equals_alone(setup, cids, "fedsb", jobs=_jobs_from(setup, started, cids))
+
+
+@pytest.mark.slow  # an in-process and a deployed run
+def test_fedsb_sets_up_in_the_first_round_that_draws_a_client_on_both_engines(tiny_config, tmp_path):
+    """Poisson sampling at seed 4 draws no client in round 1: the setup falls in round 2, and
+    the deployed server takes that round's gradient sums (not ``R``) as the replies it
+    expects, so both engines give the same records."""
+    from fedpeft.engines.inprocess import sample_clients
+    from tests.test_flower_bridge import deploy, serve
+
+    assert not sample_clients(4, 1, 4, 2, 0.5) and sample_clients(4, 2, 4, 2, 0.5)
+    over = {"seed": 4, "train.client_sampling": "poisson", "train.rounds": 3, "method": FEDSB}
+    local = tiny_config(output_dir=str(tmp_path / "inproc"), **over)
+    flower = tiny_config(output_dir=str(tmp_path / "flower"), **over)
+    run(local)
+    serve(deploy(flower, tmp_path))
+    a, b = read_records(local.output_dir), read_records(flower.output_dir)
+    assert "skipped" in a[0] and "skipped" in b[0]
+    for ra, rb in zip(a[1:], b[1:], strict=True):
+        assert rb["clients_returned"] == ra["clients"] and "dropped" not in rb
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-6)
+        assert rb["global"] == pytest.approx(ra["global"], rel=1e-6)

@@ -246,7 +246,7 @@ class FlowerServer:
         )
         sampled = sample_clients(self.cfg.seed, rnd, list(peers), train.clients_per_round, rate)
         self._clip, self._sent = privacy.current_clip(self.cfg.privacy, server), {}
-        if self.deploy.secure_aggregation:
+        if self.deploy.secure_aggregation and sampled:  # none drawn (Poisson): the plain path's empty round
             return self.fit_round_secure(server, rnd, peers, sampled)
         messages, payload_down, held = [], 0, {}
         control = scaffold.server_control(server, self.method) if scaffold.enabled(self.method) else {}
@@ -285,7 +285,9 @@ class FlowerServer:
                     dropped[cid] = diverged[cid] = f"non-finite: {reason}"
                     continue
                 codec.check_tensors(
-                    self.method.uplink_as_shared(uplink), self.round_uplink_like(rnd), f"client {cid} update"
+                    self.method.uplink_as_shared(uplink),
+                    self.round_uplink_like(rnd, held[cid]),
+                    f"client {cid} update",
                 )
                 codec.check_tensors(result.control, control, f"client {cid} control update")
             except (codec.ReplyError, KeyError) as err:
@@ -336,7 +338,7 @@ class FlowerServer:
             payload_down += tensor_bytes(received) + (tensor_bytes(join) if join else 0)
             # what the mean is an update of
             self._sent[cid] = (
-                privacy.reference(self.method, received, self.round_uplink_like(rnd)),
+                privacy.reference(self.method, received, self.round_uplink_like(rnd, received)),
                 True,
             )
         uniform = self.dp is not None and self.dp.mode == "user"  # user-level DP: weights 1
@@ -346,7 +348,7 @@ class FlowerServer:
             self.context,
             rnd,
             instructions,
-            self.round_uplink_like(rnd),
+            self.round_uplink_like(rnd, received),
             max_weight,
             self.deploy.round_timeout,
         )
@@ -389,14 +391,15 @@ class FlowerServer:
             "bytes_down": counted.down,
             "bytes_up": counted.up,
             "payload_bytes_down": payload_down,
-            "payload_bytes_up": len(returned) * tensor_bytes(self.round_uplink_like(rnd)),
+            "payload_bytes_up": len(returned) * tensor_bytes(self.round_uplink_like(rnd, received)),
             "time_fit_max": max((m["time_fit"] for m in per_client), default=float("nan")),
             **({"client_readout": readouts} if any(readouts.values()) else {}),
         }
 
-    def round_uplink_like(self, rnd: int) -> Tensors:
-        """The names, shapes and dtypes of a client's update in round ``rnd``."""
-        return self.method.uplink_like(rnd, self.uplink_like)
+    def round_uplink_like(self, rnd: int, received: Tensors) -> Tensors:
+        """The names, shapes and dtypes of the update in round ``rnd`` of a client that was
+        sent ``received``."""
+        return self.method.uplink_like(rnd, self.uplink_like, received)
 
     def evaluate(self, server: ServerState, rnd: int, peers: dict[int, Peer]) -> dict:
         """Global-test scores of the global model (or the clients' mean when there is

@@ -325,10 +325,11 @@ class Method:
         server checks it against; RoLoRA's rounds send half of them). Default: all."""
         return list(self.shared_names)
 
-    def uplink_like(self, rnd: int, shared: Tensors) -> Tensors:
-        """The names, shapes and dtypes of a client's update of round ``rnd`` (what a
-        networked server checks it against), given the shared tensors' (``shared``).
-        Default: :meth:`uplink_names`' of ``shared``; Fed-SB's setup round sends others."""
+    def uplink_like(self, rnd: int, shared: Tensors, received: Tensors) -> Tensors:
+        """The names, shapes and dtypes of the update of round ``rnd`` of a client that was
+        sent ``received`` (what a networked server checks it against), given the shared
+        tensors' (``shared``). Default: :meth:`uplink_names`' of ``shared``; Fed-SB's setup
+        round (whichever round it falls in) sends others."""
         return {n: shared[n] for n in self.uplink_names(rnd)}
 
     def uplink_messages(self, received: Tensors) -> list[str]:

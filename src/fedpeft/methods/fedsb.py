@@ -185,10 +185,10 @@ class FedSB(FedAvgPeft):
     def uplink_names(self, rnd: int) -> list[str]:
         return [GRAD + w for w in self.frozen] if rnd == 1 else list(self.shared_names)
 
-    def uplink_like(self, rnd: int, shared: Tensors) -> Tensors:
-        if rnd == 1:
+    def uplink_like(self, rnd: int, shared: Tensors, received: Tensors) -> Tensors:
+        if SETUP in received:  # the setup round: round 1, or the first that drew any client
             return {GRAD + w: torch.empty(shape) for w, shape in self.frozen.items()}
-        return super().uplink_like(rnd, shared)
+        return {n: shared[n] for n in self.shared_names}
 
     def downlink(self, server: ServerState, cid: int) -> Tensors:
         """The setup's mark before the setup; then ``R`` and the head, and ``B``, ``A`` to a
