@@ -156,9 +156,46 @@ def test_what_dp_sgd_cannot_take_is_refused_naming_it(tiny_config, overrides, ma
         build(tiny_config(**{"privacy": {"mode": "sample", "noise_multiplier": 1.0}}, **overrides))
 
 
-def test_dp_sgd_is_not_deployed_yet(tiny_config):
-    with pytest.raises(ConfigError, match="privacy.mode sample: in-process runs only"):
-        check_deployable(tiny_config(**{"privacy": {"mode": "sample", "noise_multiplier": 1.0}}))
+@pytest.mark.slow  # an in-process run and two deployed ones
+@pytest.mark.parametrize("secure", [False, True], ids=["plain", "secagg"])
+def test_dp_sgd_deployed_steps_and_accounts_as_in_process(tiny_config, tmp_path, secure):
+    """``privacy.mode sample`` through Flower's ServerApp and ClientApp (and SecAgg+): the
+    server calibrates the noise multiplier on the clients' sizes from the roll call, as
+    in-process on the partition, sends it with every training message and keeps it in its
+    state; the nodes step DP-SGD with it (the same batches and noise), so the records,
+    epsilon included, are the in-process run's."""
+    from tests.test_flower_bridge import deploy, serve
+
+    over = {"train.rounds": 2, "privacy": {"mode": "sample", "target_epsilon": 5.0, "clip": 0.5}}
+    check_deployable(tiny_config(**over))
+    local = tiny_config(output_dir=str(tmp_path / "inproc"), **over)
+    flower = tiny_config(output_dir=str(tmp_path / "flower"), **over, **{"deploy.secure_aggregation": secure})
+    run(local)
+    grid = deploy(flower, tmp_path)
+    serve(grid)
+    a, b = read_records(local.output_dir), read_records(flower.output_dir)
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["clients_returned"] == ra["clients"] and "dropped" not in rb
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5)
+        assert rb["global"]["accuracy"] == pytest.approx(ra["global"]["accuracy"], abs=1e-9)
+        assert rb["privacy"] == pytest.approx(ra["privacy"], rel=1e-9)
+    sigma = a[-1]["privacy"]["noise_multiplier"]
+    assert 0 < a[-1]["privacy"]["epsilon"] <= 5.0
+    server = torch.load(flower.output_dir / "checkpoint.pt", weights_only=True)["server"]
+    assert float(server["extras"][DP.SIGMA]) == pytest.approx(sigma, rel=1e-6)  # kept for a resume
+    if not secure:
+        trains = [m for m in grid.sent if m.metadata.message_type == "train"]
+        assert [float(m.content["config"]["dp_sigma"]) for m in trains] == pytest.approx([sigma] * 4)
+
+
+def test_a_deployed_client_whose_rows_would_overspend_refuses_to_train():
+    """The server calibrates on the clients it knows; a client of fewer rows would spend
+    more at that noise, so it checks its own plan and refuses, naming its rows."""
+    p = DP.PrivacyConfig(mode="sample", target_epsilon=3.0, delta=1e-5)
+    sigma = DP.sample_accountant(p, {0: 400}, {0: 5}, 16, 10).sigma
+    DP.check_client_plan(p, 400, (5, 0), 16, sigma, 10)  # the client it was calibrated on
+    with pytest.raises(DP.PrivacyBudgetExceeded, match="this client's 40 training rows"):
+        DP.check_client_plan(p, 40, (5, 0), 16, sigma, 10)
 
 
 @pytest.mark.slow  # two runs, one of them vmapped over clients and rows

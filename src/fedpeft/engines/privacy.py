@@ -50,6 +50,7 @@ from fedpeft.config import ConfigError, ExperimentConfig, PrivacyConfig
 from fedpeft.methods.base import FitResult, Method, ServerState, Tensors
 
 CLIP = "privacy.clip"  # the server's extras: the adaptive clipping bound of the next round
+SIGMA = "privacy.sigma"  # the server's extras (deployed DP-SGD): the noise multiplier, calibrated once
 SERVER_STREAM, CLIENT_STREAM = 0x44505356, 0x44504C43  # "DPSV", "DPLC"
 
 
@@ -493,6 +494,25 @@ def sample_accountant(
     accountant = SampleAccountant(sizes, steps, batch, sigma, first=first)
     check_plan(p, accountant, rounds)
     return accountant
+
+
+def check_client_plan(
+    p: PrivacyConfig, rows: int, steps: tuple[int, int], batch: int, sigma: float, rounds: int
+) -> None:
+    """A deployed client's own check before DP-SGD: a :class:`PrivacyBudgetExceeded` when
+    training in every one of ``rounds`` rounds (``steps``: ``Method.private_steps``) at
+    ``sigma`` would spend more than ``privacy.target_epsilon`` of its ``rows`` rows (the
+    server calibrates ``sigma`` on the clients it knows; a client it did not know, of fewer
+    rows, refuses here rather than spend more)."""
+    if p.target_epsilon is None:
+        return
+    worst = dp_sgd_epsilon(rows, batch, sigma, rounds * steps[0] + steps[1], p.delta)
+    if worst > p.target_epsilon * (1 + 1e-6):
+        raise PrivacyBudgetExceeded(
+            f"privacy.target_epsilon {p.target_epsilon:g}: this client's {rows} training rows at noise "
+            f"multiplier {sigma:g} would spend epsilon {worst:.3f} (delta {p.delta:g}) over train.rounds "
+            f"{rounds}; it does not train (the server calibrated the noise on the clients it knew)"
+        )
 
 
 def sample_record(p: PrivacyConfig, accountant: SampleAccountant, done: list[dict], record: dict) -> dict:

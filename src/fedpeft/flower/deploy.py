@@ -411,12 +411,6 @@ def check_deployable(cfg: ExperimentConfig) -> None:
             "eval.drift: client drift is measured by the in-process engine (`fedpeft run`); a deployed "
             "server never holds a client's model after its round. Set eval.drift: false to deploy"
         )
-    if cfg.privacy.mode == "sample":
-        raise ConfigError(
-            "privacy.mode sample: in-process runs only, so far (its noise is planned for the client of "
-            "fewest examples, and a deployed server learns the clients' sizes only as their nodes connect); "
-            "privacy.mode user and local deploy"
-        )
 
 
 def submit(

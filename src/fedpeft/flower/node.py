@@ -32,6 +32,7 @@ from fedpeft.engines import compress, guard, privacy, scaffold
 from fedpeft.engines.inprocess import derive_seed
 from fedpeft.experiment import attach_method, fingerprint, make_split, place
 from fedpeft.methods.base import ClientData, FitResult, Job, Method, Tensors, load_tensors
+from fedpeft.methods.cohort import SampleDP
 from fedpeft.metrics.scorers import Scorer, SpanScorer, scorer_for
 from fedpeft.models.backbone import TaskModel, build_model, load_tokenizer
 from fedpeft.models.device import resolve_device
@@ -130,6 +131,22 @@ class Node:
         if not hasattr(self, "_accountant"):
             self._accountant = privacy.accountant_for(self.cfg)
         return self._accountant
+
+    def dp_sgd(self, sigma: float | None) -> SampleDP | None:
+        """``privacy.mode sample``: DP-SGD's settings at the server's ``sigma``, once this
+        client's own plan is checked against the budget; None in any other mode."""
+        p, train = self.cfg.privacy, self.cfg.train
+        if p.mode != "sample":
+            return None
+        if sigma is None:
+            raise ValueError(
+                "privacy.mode sample: the training message carries no noise multiplier (dp_sigma)"
+            )
+        rows = len(self.client.train)
+        privacy.check_client_plan(
+            p, rows, self.method.private_steps(rows), train.batch_size, sigma, train.rounds
+        )
+        return SampleDP(p.clip, sigma, train.batch_size)
 
     @property
     def joined(self) -> bool:
@@ -291,6 +308,7 @@ class Node:
         clip: float | None = None,
         lr: float | None = None,
         applied: int = 0,
+        sigma: float | None = None,
     ) -> tuple[FitResult, Tensors]:
         """Local round ``rnd``, seeded exactly as the in-process engine seeds it (``control``:
         SCAFFOLD's server control, when the run corrects drift; the client's own control is
@@ -302,7 +320,10 @@ class Node:
         report the server counts with noise; user-level DP trusts the server). ``lr``: the
         round's rate (``train.lr_schedule``; None: ``train.lr``). ``applied``: with SCAFFOLD,
         the last round whose control update of this client the server applied (its new
-        control is held back until then: :func:`fedpeft.engines.scaffold.confirmed`)."""
+        control is held back until then: :func:`fedpeft.engines.scaffold.confirmed`).
+        ``sigma``: DP-SGD's noise multiplier (``privacy.mode sample``: every local step
+        clips each example's gradient and adds noise, as in-process), which the server
+        calibrated; the client first checks that its own rows stay within the budget."""
         seed = derive_seed(self.cfg.seed, rnd, self.cid)
         torch.manual_seed(seed)
         self.method.train = self.cfg.train if lr is None else self.cfg.train.model_copy(update={"lr": lr})
@@ -311,6 +332,7 @@ class Node:
             personal = self.method.init_client(self.model, self.initial, self.client)
         if control is not None:  # SCAFFOLD: the control the server's c counts
             personal = scaffold.confirmed(personal, applied)
+        self.method.sample_dp = self.dp_sgd(sigma)
         result = self.method.fit(self.model, Job(received, personal, self.client, seed, rnd, control or {}))
         result.cid = self.cid
         kept = result.personal if control is None else scaffold.held(personal, result.personal, rnd)

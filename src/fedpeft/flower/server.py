@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid
 
@@ -95,8 +96,11 @@ class FlowerServer:
             raise DeploymentError("deploy.secure_aggregation needs train.clients_per_round >= 2")
         self.setup, self.grid, self.method, self.context = setup, grid, setup.method, context
         # differential privacy (privacy.*): the nodes clip (and, local mode, noise); the server
-        # adds its noise to the sum (user mode) and keeps the accountant
+        # adds its noise to the sum (user mode) and keeps the accountant; under DP-SGD
+        # (sample mode) the nodes noise their own steps and the server accounts for them
         self.dp = privacy.accountant_for(setup.cfg)
+        self.sample_dp: privacy.SampleAccountant | None = None
+        self.sizes: dict[int, int] = {}  # sample mode: each client's training rows, as it said
         self._clip, self._sent, self._secure_count = float("inf"), {}, 0
         self.cfg = setup.cfg
         self.deploy: DeployConfig = setup.cfg.deploy
@@ -251,6 +255,8 @@ class FlowerServer:
         messages, payload_down, held = [], 0, {}
         control = scaffold.server_control(server, self.method) if scaffold.enabled(self.method) else {}
         config = {"round": rnd, **({"clip": self._clip} if self.dp is not None else {})}
+        if self.sample_dp is not None:  # DP-SGD: the noise multiplier the nodes step at
+            config["dp_sigma"] = self.sample_dp.sigma
         if schedule.scheduled(train):  # train.lr_schedule: the round's rate goes with its message
             config["lr"] = schedule.round_lr(train, rnd)
         for cid in sampled:
@@ -334,7 +340,11 @@ class FlowerServer:
         for cid in sampled:
             received = self.method.downlink(server, cid)
             join = None if peers[cid].joined else (self.method.join_message(server) or None)
-            instructions[peers[cid].node_id] = (cid, secure.fit_instructions(received, join, rnd, clip, lr))
+            sigma = self.sample_dp.sigma if self.sample_dp is not None else None
+            instructions[peers[cid].node_id] = (
+                cid,
+                secure.fit_instructions(received, join, rnd, clip, lr, sigma),
+            )
             payload_down += tensor_bytes(received) + (tensor_bytes(join) if join else 0)
             # what the mean is an update of
             self._sent[cid] = (
@@ -395,6 +405,27 @@ class FlowerServer:
             "time_fit_max": max((m["time_fit"] for m in per_client), default=float("nan")),
             **({"client_readout": readouts} if any(readouts.values()) else {}),
         }
+
+    def dp_sgd(self, server: ServerState, peers: dict[int, Peer]) -> ServerState:
+        """``privacy.mode sample``: DP-SGD's accountant over the clients known so far (their
+        training rows as their nodes said at the roll call). Its noise multiplier is
+        ``privacy.noise_multiplier``, or calibrated once, on the clients of the first round,
+        to the budget (as in-process, on the worst case), and kept in the server state (a
+        resumed run steps at the same one). A client it did not know that would spend more
+        refuses to train (:func:`fedpeft.engines.privacy.check_client_plan`)."""
+        p, train = self.cfg.privacy, self.cfg.train
+        self.sizes.update({cid: peer.num_examples for cid, peer in peers.items()})
+        steps = {cid: self.method.private_steps(n) for cid, n in self.sizes.items()}
+        every, first = {c: k for c, (k, _) in steps.items()}, {c: k for c, (_, k) in steps.items()}
+        if privacy.SIGMA in server.extras:
+            sigma = float(server.extras[privacy.SIGMA])
+        else:
+            sigma = privacy.sample_accountant(
+                p, self.sizes, every, train.batch_size, train.rounds, first
+            ).sigma
+            server = ServerState(server.tensors, {**server.extras, privacy.SIGMA: torch.tensor(sigma)})
+        self.sample_dp = privacy.SampleAccountant(self.sizes, every, train.batch_size, sigma, first=first)
+        return server
 
     def round_uplink_like(self, rnd: int, received: Tensors) -> Tensors:
         """The names, shapes and dtypes of the update in round ``rnd`` of a client that was
@@ -498,7 +529,11 @@ class FlowerServer:
             spent = privacy.check_budget(cfg.privacy, self.dp, rnd) if self.dp is not None else None
             t0 = time.perf_counter()
             peers = self.roll_call(rnd)
+            if cfg.privacy.mode == "sample":
+                server = self.dp_sgd(server, peers)
             results, record = self.fit_round(server, rnd, peers)
+            if self.sample_dp is not None:  # what the clients asked spent in their own steps
+                record["privacy"] = privacy.sample_record(cfg.privacy, self.sample_dp, records, record)
             t1 = time.perf_counter()
             previous = server
             if len(results) >= deploy.min_results:
