@@ -81,7 +81,7 @@ PERSONAL_CASES = [(PF2, {}), (PF2, KEEP), ({"name": "fedsalora"}, {}), (HET, KEE
 
 
 #: cases in the slow tier (CI runs them; the default tier stays under its 10 minutes)
-SLOW_CASES = ("flexlora", "lorafair", "flora", "fedsb")
+SLOW_CASES = ("flexlora", "lorafair", "flora", "fedsb", "fedexlora", "rolora", "ffalora", "fdlora", "c2a")
 
 
 def case_ids(cases) -> list[str]:
