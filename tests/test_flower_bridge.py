@@ -81,7 +81,18 @@ PERSONAL_CASES = [(PF2, {}), (PF2, KEEP), ({"name": "fedsalora"}, {}), (HET, KEE
 
 
 #: cases in the slow tier (CI runs them; the default tier stays under its 10 minutes)
-SLOW_CASES = ("flexlora", "lorafair", "flora", "fedsb", "fedexlora", "rolora", "ffalora", "fdlora", "c2a")
+SLOW_CASES = (
+    "flexlora",
+    "lorafair",
+    "flora",
+    "fedsb",
+    "fedexlora",
+    "rolora",
+    "ffalora",
+    "fdlora",
+    "c2a",
+    "hetlora",
+)
 
 
 def case_ids(cases) -> list[str]:
@@ -284,7 +295,9 @@ def test_check_tensors_names_the_difference():
         codec.check_tensors({"a": torch.full((2, 3), float("nan")), "b": torch.ones(4)}, like, "x")
 
 
-@pytest.mark.parametrize("method", [{"name": "federa"}, PF2])
+@pytest.mark.parametrize(
+    "method", [{"name": "federa"}, pytest.param(PF2, marks=pytest.mark.slow)]
+)  # CI: slow tier
 def test_restarted_node_rejoins_with_its_state(tiny_config, tmp_path, method):
     """FeDeRA: the new process needs the join message again; PF2LoRA: it needs its
     personal adapter back from its state dir. Either way the run ends as if nothing
