@@ -423,7 +423,8 @@ class FlowerServer:
             sigma = privacy.sample_accountant(
                 p, self.sizes, every, train.batch_size, train.rounds, first
             ).sigma
-            server = ServerState(server.tensors, {**server.extras, privacy.SIGMA: torch.tensor(sigma)})
+            kept = {**server.extras, privacy.SIGMA: torch.tensor(sigma, dtype=torch.float64)}
+            server = ServerState(server.tensors, kept)
         self.sample_dp = privacy.SampleAccountant(self.sizes, every, train.batch_size, sigma, first=first)
         return server
 
