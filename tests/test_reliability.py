@@ -84,6 +84,7 @@ def test_diverged_clients_are_dropped_and_the_others_aggregate_as_without_them(t
     assert nonfinite_tensor(server_tensors(guarded)) is None
 
 
+@pytest.mark.slow  # ~10 s: the default tier stays under its 10 minutes (CI's slow tier runs it)
 def test_flower_drops_diverged_clients_by_the_same_rule(tiny_config, tmp_path):
     """Over the Flower bridge: client 0's reply has a NaN tensor, client 1's an infinite
     loss; both are dropped with the in-process engine's reasons, and the server ends where
@@ -231,6 +232,7 @@ def test_an_interrupted_spill_leaves_the_checkpointed_states(tmp_path, monkeypat
     )
 
 
+@pytest.mark.slow  # ~10 s: the default tier stays under its 10 minutes (CI's slow tier runs it)
 def test_a_corrupt_newest_checkpoint_resumes_from_the_previous_one(tiny_config, tmp_path):
     straight = spilling(tiny_config, tmp_path, "straight")
     broken = spilling(tiny_config, tmp_path, "broken")
