@@ -80,8 +80,8 @@ SPLITS = {
     ),
 }
 SGD_GRID = [0.05, 0.1, 0.2]
-SERVER_GRID = {"fedavgm": [0.125, 0.25, 0.5, 1.0], "fedadam": [3e-3, 1e-2, 3e-2], "fedyogi": [3e-3, 1e-2, 3e-2],
-               "fedadagrad": [3e-3, 1e-2, 3e-2]}  # fmt: skip
+SERVER_GRID = {"fedavgm": [0.125, 0.25, 0.5, 1.0], "fedadam": [3e-3, 1e-2, 3e-2],
+               "fedyogi": [3e-3, 1e-2, 3e-2], "fedadagrad": [3e-3, 1e-2, 3e-2]}  # fmt: skip
 MU_GRID = [1e-3, 1e-2, 1e-1]
 # key: (label, what it tunes, grid); "client": train.lr (and optimizer state), "server":
 # server.lr, "mu": train.prox_mu; the last two at FedAvg's tuned client setting

@@ -211,3 +211,47 @@ def test_a_clients_dp_sgd_round_does_not_depend_on_its_cohort(tiny_config, tmp_p
         assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-4)
         assert rb["global"]["accuracy"] == pytest.approx(ra["global"]["accuracy"], abs=1e-9)
         assert rb["privacy"] == ra["privacy"]
+
+
+def test_a_deployed_client_refuses_less_noise_than_its_own():
+    """With ``privacy.noise_multiplier`` set and no budget, a client steps at the server's
+    noise multiplier only if it is at least its own: a server cannot turn its noise off."""
+    p = DP.PrivacyConfig(mode="sample", noise_multiplier=1.0)
+    DP.check_client_plan(p, 40, (5, 0), 16, 1.0, 10)
+    DP.check_client_plan(p, 40, (5, 0), 16, 2.0, 10)  # more noise than asked: its choice to accept
+    with pytest.raises(DP.PrivacyBudgetExceeded, match="noise multiplier 0.5, less than this client's own"):
+        DP.check_client_plan(p, 40, (5, 0), 16, 0.5, 10)
+
+
+@pytest.mark.slow  # two deployed runs, one killed in its last round and resumed
+def test_a_resumed_deployment_accounts_for_clients_whose_nodes_are_not_back(tiny_config, tmp_path):
+    """A DP-SGD deployment killed in round 3 and resumed with client 3's node gone: the
+    server kept every client's rows with its state, so round 3's epsilon is the most any
+    client spent, client 3's two rounds counted at its rows."""
+    from tests.test_flower_bridge import deploy, serve
+    from tests.test_resume import Killed
+
+    cfg = tiny_config(**{"train.rounds": 3, "train.clients_per_round": 4, "deploy.min_nodes": 3,
+                         "privacy": {"mode": "sample", "noise_multiplier": 1.0, "clip": 0.5}})  # fmt: skip
+    grid = deploy(cfg, tmp_path)
+
+    def killed_in_round_3(node, message):
+        if message.metadata.message_type == "train" and message.content["config"]["round"] == 3:
+            raise Killed
+        return None
+
+    grid.faults = killed_in_round_3
+    with pytest.raises(Killed):
+        serve(grid)
+    assert len(read_records(cfg.output_dir)) == 2
+    serve(deploy(cfg, tmp_path, num_nodes=3), resume=True)  # clients 0-2 only
+    records = read_records(cfg.output_dir)
+    assert [r["clients"] for r in records] == [[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2]]
+    setup = build(cfg)
+    sizes = {c: len(client.train) for c, client in enumerate(setup.clients)}
+    steps = {c: setup.method.private_steps(n)[0] for c, n in sizes.items()}
+    accountant = DP.SampleAccountant(sizes, steps, cfg.train.batch_size, 1.0)
+    spent = accountant.spent({0: 3, 1: 3, 2: 3, 3: 2}, cfg.privacy.delta)
+    assert records[-1]["privacy"]["epsilon"] == pytest.approx(spent, rel=1e-9)
+    server = torch.load(cfg.output_dir / "checkpoint.pt", weights_only=True)["server"]
+    assert DP.known_rows(server["extras"]) == sizes

@@ -51,6 +51,7 @@ from fedpeft.methods.base import FitResult, Method, ServerState, Tensors
 
 CLIP = "privacy.clip"  # the server's extras: the adaptive clipping bound of the next round
 SIGMA = "privacy.sigma"  # the server's extras (deployed DP-SGD): the noise multiplier, calibrated once
+ROWS = "privacy.rows"  # the server's extras (deployed DP-SGD): (client, training rows) of every client known
 SERVER_STREAM, CLIENT_STREAM = 0x44505356, 0x44504C43  # "DPSV", "DPLC"
 
 
@@ -496,14 +497,33 @@ def sample_accountant(
     return accountant
 
 
+def known_rows(extras: Tensors) -> dict[int, int]:
+    """Deployed DP-SGD: each client's training rows as the server kept them (``ROWS``), so
+    that a resumed server still accounts for a client whose node is not back (yet)."""
+    if ROWS not in extras:
+        return {}
+    return {int(c): int(n) for c, n in extras[ROWS].tolist()}
+
+
+def rows_extra(sizes: dict[int, int]) -> torch.Tensor:
+    """``sizes`` (client -> training rows) as the server's ``ROWS`` extra: ``(clients, 2)`` int64."""
+    return torch.tensor(sorted(sizes.items()), dtype=torch.int64).reshape(-1, 2)
+
+
 def check_client_plan(
     p: PrivacyConfig, rows: int, steps: tuple[int, int], batch: int, sigma: float, rounds: int
 ) -> None:
     """A deployed client's own check before DP-SGD: a :class:`PrivacyBudgetExceeded` when
+    the server's ``sigma`` is below the client's own ``privacy.noise_multiplier``, or when
     training in every one of ``rounds`` rounds (``steps``: ``Method.private_steps``) at
     ``sigma`` would spend more than ``privacy.target_epsilon`` of its ``rows`` rows (the
     server calibrates ``sigma`` on the clients it knows; a client it did not know, of fewer
-    rows, refuses here rather than spend more)."""
+    rows, refuses here rather than spend more). The client trusts no noise it did not agree to."""
+    if p.noise_multiplier is not None and sigma < p.noise_multiplier:
+        raise PrivacyBudgetExceeded(
+            f"privacy.noise_multiplier {p.noise_multiplier:g}: the server asks for DP-SGD at noise "
+            f"multiplier {sigma:g}, less than this client's own; it does not train"
+        )
     if p.target_epsilon is None:
         return
     worst = dp_sgd_epsilon(rows, batch, sigma, rounds * steps[0] + steps[1], p.delta)

@@ -100,7 +100,6 @@ class FlowerServer:
         # (sample mode) the nodes noise their own steps and the server accounts for them
         self.dp = privacy.accountant_for(setup.cfg)
         self.sample_dp: privacy.SampleAccountant | None = None
-        self.sizes: dict[int, int] = {}  # sample mode: each client's training rows, as it said
         self._clip, self._sent, self._secure_count = float("inf"), {}, 0
         self.cfg = setup.cfg
         self.deploy: DeployConfig = setup.cfg.deploy
@@ -408,25 +407,30 @@ class FlowerServer:
 
     def dp_sgd(self, server: ServerState, peers: dict[int, Peer]) -> ServerState:
         """``privacy.mode sample``: DP-SGD's accountant over the clients known so far (their
-        training rows as their nodes said at the roll call). Its noise multiplier is
+        training rows as their nodes said at a roll call). Its noise multiplier is
         ``privacy.noise_multiplier``, or calibrated once, on the clients of the first round,
-        to the budget (as in-process, on the worst case), and kept in the server state (a
-        resumed run steps at the same one). A client it did not know that would spend more
-        refuses to train (:func:`fedpeft.engines.privacy.check_client_plan`)."""
+        to the budget (as in-process, on the worst case). Both the noise multiplier and the
+        clients' rows are kept in the server state: a resumed run steps at the same noise
+        and accounts for every client that trained, its node back or not. A client it did
+        not know that would spend more refuses to train
+        (:func:`fedpeft.engines.privacy.check_client_plan`)."""
         p, train = self.cfg.privacy, self.cfg.train
-        self.sizes.update({cid: peer.num_examples for cid, peer in peers.items()})
-        steps = {cid: self.method.private_steps(n) for cid, n in self.sizes.items()}
+        # every client known: those of earlier rounds (kept, so a resumed run counts the
+        # ones whose nodes are not back) and those of this roll call
+        sizes = {**privacy.known_rows(server.extras), **{c: peer.num_examples for c, peer in peers.items()}}
+        steps = {cid: self.method.private_steps(n) for cid, n in sizes.items()}
         every, first = {c: k for c, (k, _) in steps.items()}, {c: k for c, (_, k) in steps.items()}
         if privacy.SIGMA in server.extras:
             sigma = float(server.extras[privacy.SIGMA])
         else:
-            sigma = privacy.sample_accountant(
-                p, self.sizes, every, train.batch_size, train.rounds, first
-            ).sigma
-            kept = {**server.extras, privacy.SIGMA: torch.tensor(sigma, dtype=torch.float64)}
-            server = ServerState(server.tensors, kept)
-        self.sample_dp = privacy.SampleAccountant(self.sizes, every, train.batch_size, sigma, first=first)
-        return server
+            sigma = privacy.sample_accountant(p, sizes, every, train.batch_size, train.rounds, first).sigma
+        kept = {
+            **server.extras,
+            privacy.SIGMA: torch.tensor(sigma, dtype=torch.float64),
+            privacy.ROWS: privacy.rows_extra(sizes),
+        }
+        self.sample_dp = privacy.SampleAccountant(sizes, every, train.batch_size, sigma, first=first)
+        return ServerState(server.tensors, kept)
 
     def round_uplink_like(self, rnd: int, received: Tensors) -> Tensors:
         """The names, shapes and dtypes of the update in round ``rnd`` of a client that was

@@ -182,9 +182,6 @@ class FedSB(FedAvgPeft):
     def server_frozen_names(self) -> list[str]:
         return list(self.fixed)
 
-    def uplink_names(self, rnd: int) -> list[str]:
-        return [GRAD + w for w in self.frozen] if rnd == 1 else list(self.shared_names)
-
     def uplink_like(self, rnd: int, shared: Tensors, received: Tensors) -> Tensors:
         if SETUP in received:  # the setup round: round 1, or the first that drew any client
             return {GRAD + w: torch.empty(shape) for w, shape in self.frozen.items()}
