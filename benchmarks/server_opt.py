@@ -167,7 +167,8 @@ def tuning_score(args: argparse.Namespace, method: str, split: str, row: str, ba
 
     def score(setting: dict) -> float:
         train, server = layer(row, setting, base or {})
-        tag = f"{setting['lr']:g}" + ("-keep" if setting["optimizer_state"] == "keep" else "")
+        # named by the optimizer state the run trains with (a server row's is FedAvg's)
+        tag = f"{setting['lr']:g}" + ("-keep" if train.get("optimizer_state") == "keep" else "")
         if "client_lr" in setting:  # FedAvg's client rate is the knob's own run
             tag += f"-client{setting['client_lr']:g}"
         out = args.out / "tune-pooled" / f"{method}-{split}-{row}-{tag}"
@@ -189,8 +190,17 @@ def tune_client_rate(args, method: str, split: str, row: str, base: dict, knob: 
         return knob_score(at)
 
     grid = [base["lr"] / 2, base["lr"], base["lr"] * 2]
-    best, report = tune_method(score, grid, extend=args.extend, keep=False)
+    best, report = at_state(
+        *tune_method(score, grid, extend=args.extend, keep=False), base["optimizer_state"]
+    )
     return {**knob, "client_lr": best["lr"], "client_grid": best["grid"]}, report
+
+
+def at_state(best: dict, report: str, state: str) -> tuple[dict, str]:
+    """``tune_method``'s result relabelled with the optimizer state its runs trained at
+    (it labels its rates ``reset``; a row tuned at FedAvg's setting trains at FedAvg's)."""
+    relabel = lambda text: text.replace("/reset", f"/{state}")  # noqa: E731
+    return {**best, "grid": relabel(best["grid"]), "optimizer_state": state}, relabel(report)
 
 
 def tune(args: argparse.Namespace, methods: list[str], splits: list[str], rows: list[str]) -> None:
@@ -204,6 +214,8 @@ def tune(args: argparse.Namespace, methods: list[str], splits: list[str], rows: 
                 _, knob, grid = ROWS[row]
                 score = tuning_score(args, method, split, row, base)
                 best, report = tune_method(score, grid, extend=args.extend, keep=row == "fedavg")
+                if knob in ("server", "mu"):  # its runs train at FedAvg's optimizer state
+                    best, report = at_state(best, report, base["optimizer_state"])
                 print(f"  {method} {split} {row}: {report}", flush=True)
                 if knob in ("server", "mu"):  # then the client rate, at the knob's best value
                     best, report = tune_client_rate(args, method, split, row, base, best)

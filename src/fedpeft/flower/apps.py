@@ -169,14 +169,14 @@ def _secure_train(msg: Message, context: Context) -> Message:
     """The training stage of SecAgg+: legacy fit instructions in, a legacy fit result out
     (which ``secaggplus_mod`` then quantises, masks and sends)."""
     ins = compat.recorddict_to_fitins(msg.content, keep_input=True)
-    received, join, rnd, clip, lr, sigma = secure.read_instructions(ins)
+    received, join, orders = secure.read_instructions(ins)
     node = node_of(context)
     if join is not None and not node.joined:
         node.join(join)
     t0 = time.perf_counter()
     # SecAgg+ takes no compressed uplink (the config refuses it): ``sent`` is the update's
     # values, clipped (and, local mode, noised) under privacy.mode
-    result, sent = node.fit(received, rnd, None, clip, lr, sigma=sigma)
+    result, sent = node.fit(received, orders)
     metrics = {**result.metrics, "time_fit": time.perf_counter() - t0}
     metrics.pop("fitted", None)  # metrics travel in the clear: nothing of the update's norm
     metrics |= {f"readout.{k}": v for k, v in node.method.readout(result).items()}
@@ -200,12 +200,7 @@ def train(msg: Message, context: Context) -> Message:
     received = compress.decode(_received(node, msg), node.cfg.comm.downlink)  # comm.downlink
     t0 = time.perf_counter()
     control = codec.from_record(msg.content["control"]) if "control" in msg.content else None
-    config = msg.content["config"]
-    clip = float(config["clip"]) if "clip" in config else None  # privacy.mode: the round's bound
-    lr = float(config["lr"]) if "lr" in config else None  # train.lr_schedule: the round's rate
-    applied = int(config["control_applied"]) if "control_applied" in config else 0  # SCAFFOLD
-    sigma = float(config["dp_sigma"]) if "dp_sigma" in config else None  # DP-SGD's noise multiplier
-    result, sent = node.fit(received, int(config["round"]), control, clip, lr, applied, sigma)
+    result, sent = node.fit(received, codec.Orders.read(msg.content["config"]), control)
     fit = {**result.metrics, "num_examples": result.num_examples, "time_fit": time.perf_counter() - t0}
     records = {"uplink": codec.to_record(sent), "fit": codec.to_metrics(fit)}
     if result.control:  # SCAFFOLD: the update of this client's control

@@ -12,6 +12,7 @@ malformed or truncated reply is refused whole and never half-aggregated.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -81,6 +82,38 @@ def check_tensors(tensors: Tensors, like: Tensors, what: str) -> Tensors:
         if got.is_floating_point() and not torch.isfinite(got).all():
             raise ReplyError(f"{what}: tensor {name!r} has non-finite values")
     return tensors
+
+
+@dataclass(frozen=True)
+class Orders:
+    """What a training message tells its node besides the tensors: the round and, where
+    the run has them, the round's clip bound (``privacy.mode``), its rate
+    (``train.lr_schedule``), DP-SGD's noise multiplier (``privacy.mode sample``) and, with
+    SCAFFOLD, the last round whose control update of this client the server applied."""
+
+    round: int
+    clip: float | None = None
+    lr: float | None = None
+    sigma: float | None = None
+    control_applied: int | None = None
+
+    #: the config keys they travel under (a node of another fedpeft version reads the same)
+    KEYS = {"clip": "clip", "lr": "lr", "sigma": "dp_sigma", "control_applied": "control_applied"}
+
+    def as_config(self) -> dict[str, int | float]:
+        given = {key: getattr(self, field) for field, key in self.KEYS.items()}
+        return {"round": self.round, **{k: v for k, v in given.items() if v is not None}}
+
+    @classmethod
+    def read(cls, config) -> Orders:
+        """The orders in a message's config (a ConfigRecord or a legacy FitIns config)."""
+        given = {field: config[key] for field, key in cls.KEYS.items() if key in config}
+        applied = given.pop("control_applied", None)
+        return cls(
+            int(config["round"]),
+            **{field: float(v) for field, v in given.items()},
+            control_applied=None if applied is None else int(applied),
+        )
 
 
 def to_metrics(figures: dict[str, float]) -> MetricRecord:

@@ -31,6 +31,7 @@ from fedpeft.data.task import Encoded, encode, encode_corpus
 from fedpeft.engines import compress, guard, privacy, scaffold
 from fedpeft.engines.inprocess import derive_seed
 from fedpeft.experiment import attach_method, fingerprint, make_split, place
+from fedpeft.flower.codec import Orders
 from fedpeft.methods.base import ClientData, FitResult, Job, Method, Tensors, load_tensors
 from fedpeft.methods.cohort import SampleDP
 from fedpeft.metrics.scorers import Scorer, SpanScorer, scorer_for
@@ -301,29 +302,24 @@ class Node:
         self._save("join", message)
 
     def fit(
-        self,
-        received: Tensors,
-        rnd: int,
-        control: Tensors | None = None,
-        clip: float | None = None,
-        lr: float | None = None,
-        applied: int = 0,
-        sigma: float | None = None,
+        self, received: Tensors, orders: Orders, control: Tensors | None = None
     ) -> tuple[FitResult, Tensors]:
-        """Local round ``rnd``, seeded exactly as the in-process engine seeds it (``control``:
-        SCAFFOLD's server control, when the run corrects drift; the client's own control is
-        part of its personal state). Returns the result and its uplink as it is sent:
-        clipped to ``clip`` and, in local mode, noised (``privacy.mode``), then encoded by
-        ``comm.uplink`` (the update from ``received``, plus the residual this client kept;
-        the result's own uplink stays the trained tensors). Under adaptive clipping the
-        result's metrics say whether the update fitted within the bound (``fitted``: the
-        report the server counts with noise; user-level DP trusts the server). ``lr``: the
-        round's rate (``train.lr_schedule``; None: ``train.lr``). ``applied``: with SCAFFOLD,
-        the last round whose control update of this client the server applied (its new
-        control is held back until then: :func:`fedpeft.engines.scaffold.confirmed`).
-        ``sigma``: DP-SGD's noise multiplier (``privacy.mode sample``: every local step
-        clips each example's gradient and adds noise, as in-process), which the server
-        calibrated; the client first checks that its own rows stay within the budget."""
+        """Local round ``orders.round``, seeded exactly as the in-process engine seeds it
+        (``control``: SCAFFOLD's server control, when the run corrects drift; the client's
+        own control is part of its personal state). Returns the result and its uplink as it
+        is sent: clipped to ``orders.clip`` and, in local mode, noised (``privacy.mode``),
+        then encoded by ``comm.uplink`` (the update from ``received``, plus the residual
+        this client kept; the result's own uplink stays the trained tensors). Under adaptive
+        clipping the result's metrics say whether the update fitted within the bound
+        (``fitted``: the report the server counts with noise; user-level DP trusts the
+        server). ``orders.lr``: the round's rate (``train.lr_schedule``; None: ``train.lr``).
+        ``orders.control_applied``: with SCAFFOLD, the last round whose control update of
+        this client the server applied (its new control is held back until then:
+        :func:`fedpeft.engines.scaffold.confirmed`). ``orders.sigma``: DP-SGD's noise
+        multiplier (``privacy.mode sample``: every local step clips each example's gradient
+        and adds noise, as in-process), which the server calibrated; the client first checks
+        it (:meth:`dp_sgd`)."""
+        rnd, clip, lr = orders.round, orders.clip, orders.lr
         seed = derive_seed(self.cfg.seed, rnd, self.cid)
         torch.manual_seed(seed)
         self.method.train = self.cfg.train if lr is None else self.cfg.train.model_copy(update={"lr": lr})
@@ -331,8 +327,8 @@ class Node:
         if personal is None:
             personal = self.method.init_client(self.model, self.initial, self.client)
         if control is not None:  # SCAFFOLD: the control the server's c counts
-            personal = scaffold.confirmed(personal, applied)
-        self.method.sample_dp = self.dp_sgd(sigma)
+            personal = scaffold.confirmed(personal, orders.control_applied or 0)
+        self.method.sample_dp = self.dp_sgd(orders.sigma)
         result = self.method.fit(self.model, Job(received, personal, self.client, seed, rnd, control or {}))
         result.cid = self.cid
         kept = result.personal if control is None else scaffold.held(personal, result.personal, rnd)

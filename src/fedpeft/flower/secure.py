@@ -139,37 +139,23 @@ def secure_round(
 
 
 # ---------------------------------------------------------------- node side
-def fit_instructions(
-    received: Tensors,
-    join: Tensors | None,
-    rnd: int,
-    clip: float | None = None,
-    lr: float | None = None,
-    sigma: float | None = None,
-) -> FitIns:
+def fit_instructions(received: Tensors, join: Tensors | None, orders: codec.Orders) -> FitIns:
     arrays, names = pack(received)
-    config = {"round": rnd, "names": names, "join": ""}
-    config |= {k: v for k, v in (("clip", clip), ("lr", lr), ("dp_sigma", sigma)) if v is not None}
+    config = {**orders.as_config(), "names": names, "join": ""}
     if join:
         join_arrays, config["join"] = pack(join)
         arrays += join_arrays
     return FitIns(ndarrays_to_parameters(arrays), config)
 
 
-def read_instructions(
-    ins: FitIns,
-) -> tuple[Tensors, Tensors | None, int, float | None, float | None, float | None]:
-    """What :func:`fit_instructions` packed: the downlink, the join message, the round, the
-    round's clip bound (``privacy.mode``), its rate (``train.lr_schedule``) and DP-SGD's
-    noise multiplier (``privacy.mode sample``); None without."""
+def read_instructions(ins: FitIns) -> tuple[Tensors, Tensors | None, codec.Orders]:
+    """What :func:`fit_instructions` packed: the downlink, the join message (None without)
+    and the round's orders."""
     arrays = parameters_to_ndarrays(ins.parameters)
     n = len(json.loads(ins.config["names"]))
     received = unpack(arrays[:n], str(ins.config["names"]))
     join = unpack(arrays[n:], str(ins.config["join"])) if ins.config["join"] else None
-    clip = float(ins.config["clip"]) if "clip" in ins.config else None
-    lr = float(ins.config["lr"]) if "lr" in ins.config else None
-    sigma = float(ins.config["dp_sigma"]) if "dp_sigma" in ins.config else None
-    return received, join, int(ins.config["round"]), clip, lr, sigma
+    return received, join, codec.Orders.read(ins.config)
 
 
 def fit_reply(uplink: Tensors, weight: int, metrics: dict[str, float]) -> FitRes:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -253,19 +253,14 @@ class FlowerServer:
             return self.fit_round_secure(server, rnd, peers, sampled)
         messages, payload_down, held = [], 0, {}
         control = scaffold.server_control(server, self.method) if scaffold.enabled(self.method) else {}
-        config = {"round": rnd, **({"clip": self._clip} if self.dp is not None else {})}
-        if self.sample_dp is not None:  # DP-SGD: the noise multiplier the nodes step at
-            config["dp_sigma"] = self.sample_dp.sigma
-        if schedule.scheduled(train):  # train.lr_schedule: the round's rate goes with its message
-            config["lr"] = schedule.round_lr(train, rnd)
+        orders = self.orders(rnd)
         for cid in sampled:
             records, payload, held[cid] = self.downlink_records(server, cid, peers[cid], train=True)
-            records["config"] = ConfigRecord(config)
+            records["config"] = ConfigRecord(orders.as_config())
             if control:  # SCAFFOLD: the server's control, with every training message, and the
                 # last round whose control update of this client it applied
-                records["config"] = ConfigRecord(
-                    {**config, "control_applied": scaffold.applied_round(server, cid)}
-                )
+                applied = scaffold.applied_round(server, cid)
+                records["config"] = ConfigRecord(replace(orders, control_applied=applied).as_config())
                 records["control"] = codec.to_record(control)
                 payload += tensor_bytes(control)
             messages.append(self.message(peers[cid].node_id, TRAIN, records, self.deploy.round_timeout))
@@ -332,18 +327,11 @@ class FlowerServer:
         self, server: ServerState, rnd: int, peers: dict[int, Peer], sampled: list[int]
     ) -> tuple[list[FitResult], dict]:
         """The round's training through SecAgg+: one result, the unmasked mean update."""
-        instructions, payload_down = {}, 0
-        clip = self._clip if self.dp is not None else None
-        train = self.cfg.train
-        lr = schedule.round_lr(train, rnd) if schedule.scheduled(train) else None
+        instructions, payload_down, orders = {}, 0, self.orders(rnd)
         for cid in sampled:
             received = self.method.downlink(server, cid)
             join = None if peers[cid].joined else (self.method.join_message(server) or None)
-            sigma = self.sample_dp.sigma if self.sample_dp is not None else None
-            instructions[peers[cid].node_id] = (
-                cid,
-                secure.fit_instructions(received, join, rnd, clip, lr, sigma),
-            )
+            instructions[peers[cid].node_id] = (cid, secure.fit_instructions(received, join, orders))
             payload_down += tensor_bytes(received) + (tensor_bytes(join) if join else 0)
             # what the mean is an update of
             self._sent[cid] = (
@@ -431,6 +419,17 @@ class FlowerServer:
         }
         self.sample_dp = privacy.SampleAccountant(sizes, every, train.batch_size, sigma, first=first)
         return ServerState(server.tensors, kept)
+
+    def orders(self, rnd: int) -> codec.Orders:
+        """What round ``rnd``'s training messages tell their nodes besides the tensors (set
+        after the round's clip bound and DP-SGD's accountant)."""
+        train = self.cfg.train
+        return codec.Orders(
+            rnd,
+            clip=self._clip if self.dp is not None else None,
+            lr=schedule.round_lr(train, rnd) if schedule.scheduled(train) else None,  # train.lr_schedule
+            sigma=self.sample_dp.sigma if self.sample_dp is not None else None,  # DP-SGD
+        )
 
     def round_uplink_like(self, rnd: int, received: Tensors) -> Tensors:
         """The names, shapes and dtypes of the update in round ``rnd`` of a client that was
