@@ -4,6 +4,8 @@ client's epsilon from the library's accountant."""
 
 from __future__ import annotations
 
+import itertools
+
 import dp_accounting
 import pytest
 import torch
@@ -100,6 +102,25 @@ def test_dp_sgd_epsilon_is_the_librarys_composition_of_its_steps():
     plain = dp_accounting.rdp.RdpAccountant(list(DP.ORDERS), dp_accounting.NeighboringRelation.REPLACE_ONE)
     plain.compose(dp_accounting.GaussianDpEvent(sigma / 2), steps)
     assert DP.dp_sgd_epsilon(5, b, sigma, steps, delta) == pytest.approx(plain.get_epsilon(delta), rel=1e-9)
+
+
+def test_a_step_of_nearly_all_rows_spends_no_more_than_a_step_of_all_rows():
+    """The library's bound for a step sampled without replacement is loose as the batch
+    nears the rows (here above the unsampled Gaussian's); the accountant takes the smaller
+    at each order, so a client's epsilon never grows with its rows and the fewest rows are
+    the worst case that calibration plans for."""
+    b, sigma, steps, delta = 16, 4.0, 50, 1e-5
+    plain = dp_accounting.rdp.RdpAccountant(list(DP.ORDERS), dp_accounting.NeighboringRelation.REPLACE_ONE)
+    plain.compose(dp_accounting.GaussianDpEvent(sigma / 2), steps)
+    sampled = dp_accounting.rdp.RdpAccountant(list(DP.ORDERS), dp_accounting.NeighboringRelation.REPLACE_ONE)
+    sampled.compose(
+        dp_accounting.SampledWithoutReplacementDpEvent(17, b, dp_accounting.GaussianDpEvent(sigma / 2)), steps
+    )
+    assert sampled.get_epsilon(delta) > 1.5 * plain.get_epsilon(delta)  # the loose bound
+    spent = [DP.dp_sgd_epsilon(n, b, sigma, steps, delta) for n in (16, 17, 20, 32, 64)]
+    assert spent[1] <= plain.get_epsilon(delta) * (1 + 1e-9)
+    assert all(more >= fewer * (1 - 1e-9) for more, fewer in itertools.pairwise(spent))
+    assert spent[-1] < 0.5 * spent[0]  # far from the whole batch, sampling amplifies as before
 
 
 def test_a_dp_sgd_run_records_the_most_any_client_spent(tiny_config):
