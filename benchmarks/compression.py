@@ -25,7 +25,7 @@ encoded messages), and the uplink's size against ``none``'s.
 
 Runs are picked up from ``--out`` when finished (``tuning.run_or_reuse``); tuned settings
 live in ``--tuned-file`` (``benchmarks/tuned/compression.json``, keyed ``<method>/<row>``).
-Cost: 2 methods x 8 rows x (about 4 tuning runs + 3 seeds), some 110 runs of about
+Cost: 2 methods x 9 rows x (about 4 to 6 tuning runs + 3 seeds), some 130 to 160 runs of about
 5 minutes each on one thread. Set ``OMP_NUM_THREADS`` for the CPU threads.
 """
 

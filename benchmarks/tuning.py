@@ -52,10 +52,12 @@ def tune_method(
     best-scoring rates (all of them, when rates tie) sits at an end of the grid, the grid
     grows by a factor of 2 past that end (past both, when tied rates sit at both ends;
     ``extend`` times at most), so the best rates are bracketed unless one is still at an
-    end after the last extension (the report then shows it at the grid's end). Then
-    ``keep`` at each best rate, unless ``keep`` is False (a method whose kept per-client
-    state does not fit the machine). The tie rule: of the settings that share the best
-    score, the lowest rate, and ``reset`` before ``keep``."""
+    end after the last extension (the report then shows it at the grid's end). A flat grid
+    (every rate scoring alike: a method at chance, under heavy noise) has nothing to follow
+    and is not extended. Then ``keep`` at each best rate, unless ``keep`` is False (a
+    method whose kept per-client state does not fit the machine) or the grid is flat. The
+    tie rule: of the settings that share the best score, the lowest rate, and ``reset``
+    before ``keep``."""
     rates = sorted(grid)
     scores = {(lr, "reset"): score({"lr": lr, "optimizer_state": "reset"}) for lr in rates}
 
@@ -65,13 +67,14 @@ def tune_method(
 
     for _ in range(extend):
         ends = [end for end in (rates[0], rates[-1]) if end in best_rates()]
-        if not ends:
+        if not ends or len(best_rates()) == len(rates):  # bracketed, or flat: no signal to follow
             break
         for end in ends:
             new = end * 2 if end == rates[-1] else end / 2
             rates = sorted([*rates, new])
             scores[(new, "reset")] = score({"lr": new, "optimizer_state": "reset"})
-    for lr in best_rates() if keep else []:
+    flat = len(rates) > 1 and len(best_rates()) == len(rates)
+    for lr in best_rates() if keep and not flat else []:
         scores[(lr, "keep")] = score({"lr": lr, "optimizer_state": "keep"})
     top = max(scores.values())
     best_lr, state = min((k for k, v in scores.items() if v == top), key=lambda k: (k[0], k[1] != "reset"))

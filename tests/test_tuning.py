@@ -50,9 +50,22 @@ def test_a_bracketed_best_stops_the_grid_and_keep_can_win():
 
 @pytest.mark.parametrize("extend", [0, 2])
 def test_extension_is_bounded(extend):
-    score, asked = _scorer({})  # every rate ties at 0: both ends grow each time
+    asked = []
+
+    def score(setting: dict) -> float:  # the higher the rate the better: the top end grows each time
+        asked.append(setting["lr"])
+        return setting["lr"]
+
     tune_method(score, grid=[1e-3, 2e-3], extend=extend, keep=False)
-    assert len(asked) == 2 + 2 * extend
+    assert len(asked) == 2 + extend
+
+
+def test_a_flat_grid_is_neither_extended_nor_kept():
+    """Every rate at chance (a run drowned in DP noise): nothing to follow; the lowest rate."""
+    score, asked = _scorer({})
+    best, _ = tune_method(score, grid=[1e-3, 2e-3, 5e-3], extend=3, keep=True)
+    assert asked == [(1e-3, "reset"), (2e-3, "reset"), (5e-3, "reset")]
+    assert (best["lr"], best["optimizer_state"]) == (1e-3, "reset")
 
 
 def test_a_fdlora_run_recorded_before_the_uniform_mean_is_not_reused(tiny_config, tmp_path):
