@@ -40,7 +40,9 @@ best rate at an end; a grid on which every rate scores alike, at chance, is not 
 A sample-level tuning run steps at the noise multiplier the table's run of seed 3 would be
 calibrated to (its clients without the validation share), so that its rate is tuned at
 the table's noise. The table: global test accuracy after the last round (mean ± sample
-std over seeds), the epsilon each run recorded, the noise multiplier it ran at and the
+std over seeds), the clients' own models' mean accuracy on their local test data (what a
+personalised method such as PF2LoRA is for), the epsilon each run recorded, the noise
+multiplier it ran at and the
 noise's expected norm on the round's mean over the clip, ``sigma sqrt(d) / S`` (user) or
 ``sigma sqrt(d) / B`` (sample), ``d`` the values sent.
 
@@ -120,7 +122,8 @@ def config(
 ) -> ExperimentConfig:
     _, population, settings = ROWS[row]
     _, partition, train = POPULATIONS[population]
-    scored, privacy = {"every": 1, "local": False}, private(settings, args.rounds)
+    # local: the clients' own models too (PF2LoRA's client adapters never leave them)
+    scored, privacy = {"every": 1, "local": True}, private(settings, args.rounds)
     if tuning:
         partition, scored = {**partition, "val_fraction": VAL_FRACTION}, {"every": args.rounds, "local": True}
         if settings["mode"] == "sample":  # at the table's noise (its clients keep their validation rows)
@@ -219,18 +222,24 @@ def table(args, methods: list[str], rows: list[str], seeds: list[int]) -> None:
         print(f"\n{label}; Dirichlet 1.0; MiniLM, WordNet topics ({args.examples} glosses), {args.rounds} "
               f"rounds; delta {DELTA:g}; seeds {seeds}; global test accuracy (%) after the last "
               "round, mean ± sample std over seeds\n")  # fmt: skip
-        print("| Method | Privacy | tuned | Accuracy (%) | epsilon spent | noise multiplier | noise / clip |")
-        print("|---|---|---|---|---|---|---|")
+        print("| Method | Privacy | tuned | Accuracy (%) | own models (%) | epsilon spent | noise multiplier "
+              "| noise / clip |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|")
         for method in methods:
             for row in here:
                 setting, outs = tuned[key(method, row)], outs_of[(method, row)]
-                accuracy = np.array([read_records(o)[-1]["global"]["accuracy"] for o in outs])
+                last = [read_records(o)[-1] for o in outs]
+                accuracy = np.array([r["global"]["accuracy"] for r in last])
+                own = np.array([r["local"]["accuracy_mean"] for r in last])
                 spent = read_summary(outs[0]).get("privacy", {})
-                epsilon = max(read_summary(o).get("privacy", {}).get("epsilon", math.inf) for o in outs)
+                # none: no record; no noise: recorded as null (infinite)
+                spent_each = [read_summary(o).get("privacy", {}).get("epsilon") for o in outs]
+                epsilon = max(math.inf if e is None else e for e in spent_each)
                 sigma = spent.get("noise_multiplier")
                 tuned_at = f"lr {setting['lr']:g}, {setting['optimizer_state']}"
                 cells = [METHODS[method][0], ROWS[row][0], tuned_at,
-                         mean_std(accuracy, scale=100, digits=1), f"{epsilon:.2f}",
+                         mean_std(accuracy, scale=100, digits=1), mean_std(own, scale=100, digits=1),
+                         f"{epsilon:.2f}",
                          "-" if sigma is None else f"{sigma:.3f}",
                          "-" if not sigma else f"{noise_over_clip(outs[0], row, sigma):.2f}"]  # fmt: skip
                 print("| " + " | ".join(cells) + " |", flush=True)
