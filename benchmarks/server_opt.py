@@ -199,7 +199,7 @@ def tune_client_rate(args, method: str, split: str, row: str, base: dict, knob: 
 def at_state(best: dict, report: str, state: str) -> tuple[dict, str]:
     """``tune_method``'s result relabelled with the optimizer state its runs trained at
     (it labels its rates ``reset``; a row tuned at FedAvg's setting trains at FedAvg's)."""
-    relabel = lambda text: text.replace("/reset", f"/{state}")  # noqa: E731
+    relabel = lambda text: text.replace("/reset", f"/{state}").replace(", reset", f", {state}")  # noqa: E731
     return {**best, "grid": relabel(best["grid"]), "optimizer_state": state}, relabel(report)
 
 
