@@ -425,6 +425,7 @@ def test_adaptive_clipping_is_refused_with_secure_aggregation(tiny_config):
         )
 
 
+@pytest.mark.slow  # a calibration, ~5 s: the default tier stays under its 10 minutes (CI runs the slow tier)
 def test_calibration_leaves_the_librarys_left_out_orders_unlogged(caplog):
     """dp-accounting warns of every Rényi order it leaves out of a Poisson-sampled bound
     (hundreds per calibration at q = 0.2); leaving one out only loosens the bound, so they
