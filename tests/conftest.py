@@ -48,6 +48,7 @@ TINY = {
     "partition": {"scheme": "dirichlet", "num_clients": 4, "alpha": 0.5, "min_size": 10},
     "train": {"rounds": 2, "clients_per_round": 2, "local_steps": 2, "batch_size": 8, "lr": 0.01},
     "eval": {"every": 1, "batch_size": 64},
+    "log": {"plots": False},  # drawing a tiny run's figures takes longer than training it
 }
 
 

@@ -16,7 +16,9 @@ def test_cli_run_partition_report_methods(tiny_config, tmp_path, monkeypatch):
     path.write_text(dump_config(cfg))
     runner = CliRunner()
 
-    res = runner.invoke(app, ["run", str(path), "--set", f"output_dir={tmp_path / 'a'}"])
+    res = runner.invoke(
+        app, ["run", str(path), "--set", f"output_dir={tmp_path / 'a'}", "--set", "log.plots=true"]
+    )
     assert res.exit_code == 0, res.output
     for name in (
         "config.yaml",
@@ -44,6 +46,8 @@ def test_cli_run_partition_report_methods(tiny_config, tmp_path, monkeypatch):
             f"output_dir={tmp_path / 'b'}",
             "--set",
             "method={name: fedbf}",
+            "--set",
+            "log.plots=true",
         ],
     )
     assert res.exit_code == 0, res.output

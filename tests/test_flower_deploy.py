@@ -37,6 +37,21 @@ SMALL = {
 }
 
 
+#: a deployed run's limit: about 2 min alone, but the slow tier runs beside another test on
+#: two cores (a SuperLink, three SuperNodes and their workers share them)
+TIMEOUT = 900
+
+
+def submit(fed: deploy.Federation, cfg, workdir: Path, **kw) -> dict:
+    """``deploy.submit`` on ``fed``; a failure quotes the federation's logs."""
+    try:
+        return deploy.submit(
+            cfg, fed.address, workdir=workdir, tls=fed.tls, timeout=TIMEOUT, echo=False, **kw
+        )
+    except deploy.DeployError as err:
+        raise deploy.DeployError(f"{err}\n{fed.log_tails()}") from err
+
+
 @pytest.fixture(scope="module")
 def tls_federation(tmp_path_factory):
     """Three SuperNodes behind a TLS SuperLink (certificates from a fresh local CA)."""
@@ -54,14 +69,7 @@ def tls_federation(tmp_path_factory):
 def test_deployment_matches_in_process(tiny_config, tmp_path, tls_federation, method):
     flower_cfg = tiny_config(method=method, output_dir=str(tmp_path / "flower"), **SMALL)
     local_cfg = tiny_config(method=method, output_dir=str(tmp_path / "inproc"), **SMALL)
-    status = deploy.submit(
-        flower_cfg,
-        tls_federation.address,
-        workdir=tmp_path / "submit",
-        tls=tls_federation.tls,
-        timeout=420,
-        echo=False,
-    )
+    status = submit(tls_federation, flower_cfg, tmp_path / "submit")
     assert status["status"] == "finished:completed"
     run(local_cfg)
     a, b = read_records(local_cfg.output_dir), read_records(flower_cfg.output_dir)
@@ -100,8 +108,7 @@ def test_every_task_deployed_matches_in_process(tiny_config, tiny_decoder, tmp_p
 
     runs = {e: _task_config(task, tiny_config, tiny_decoder, tmp_path, tmp_path / e, **SMALL)
             for e in ("flower", "inproc")}  # fmt: skip
-    status = deploy.submit(runs["flower"], tls_federation.address, workdir=tmp_path / "submit",
-                           tls=tls_federation.tls, timeout=420, echo=False)  # fmt: skip
+    status = submit(tls_federation, runs["flower"], tmp_path / "submit")
     assert status["status"] == "finished:completed"
     run(runs["inproc"])
     a, b = read_records(runs["inproc"].output_dir), read_records(runs["flower"].output_dir)
@@ -160,9 +167,7 @@ def test_only_enrolled_nodes_join_and_a_revoked_one_is_refused(tiny_config, tmp_
 
         revoker = threading.Thread(target=revoke_after_round_1, daemon=True)
         revoker.start()
-        status = deploy.submit(
-            cfg, fed.address, workdir=tmp_path / "submit", tls=tls, timeout=420, echo=False
-        )
+        status = submit(fed, cfg, tmp_path / "submit")
         revoker.join(5)
         assert status["status"] == "finished:completed"
         records = read_records(cfg.output_dir)
@@ -191,7 +196,7 @@ def test_a_killed_worker_is_restarted_and_loses_no_round(tiny_config, tmp_path):
     with deploy.local_federation(tmp_path / "fed", 3) as fed:
 
         def kill_in_round_2() -> None:
-            deadline = time.monotonic() + 400
+            deadline = time.monotonic() + TIMEOUT
             while time.monotonic() < deadline:
                 with contextlib.suppress(FileNotFoundError, ValueError):
                     worker = worker_status(fed, 0)
@@ -203,7 +208,7 @@ def test_a_killed_worker_is_restarted_and_loses_no_round(tiny_config, tmp_path):
 
         killer = threading.Thread(target=kill_in_round_2, daemon=True)
         killer.start()
-        status = deploy.submit(flower_cfg, fed.address, workdir=tmp_path / "submit", timeout=420, echo=False)
+        status = submit(fed, flower_cfg, tmp_path / "submit")
         killer.join(1)
         statuses = {cid: worker_status(fed, cid) for cid in range(3)}
     assert status["status"] == "finished:completed" and killed

@@ -181,6 +181,7 @@ def test_drift_is_recorded_plotted_and_uses_one_probe(tiny_config, monkeypatch):
         eval__drift=True,
         eval__drift_probe=16,
         train__lr=0.05,
+        log__plots=True,
     )
     summary = run(cfg)
     out = Path(cfg.output_dir)

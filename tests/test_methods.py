@@ -102,6 +102,7 @@ def test_conformance(method_name, tiny_config):
 
     method.fit_cohort = fit_cohort
     summary = run(cfg, setup=setup)
+    assert not list(cfg.output_dir.glob("*.png"))  # log.plots: false (tests/conftest.py) draws none
 
     # trains exactly what it claims, and something
     assert trainable and all(CLAIMS[method_name](n) for n in trainable), trainable[:5]

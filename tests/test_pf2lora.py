@@ -130,7 +130,9 @@ def test_pf2lora_logs_each_clients_effective_rank(tiny_config):
     from fedpeft.experiment import run
     from fedpeft.report.results import read_records
 
-    cfg = tiny_config(**{"method": {"name": "pf2lora", "lora": {"r": 2}, "client_rank": 1}})
+    cfg = tiny_config(
+        **{"method": {"name": "pf2lora", "lora": {"r": 2}, "client_rank": 1}, "log.plots": True}
+    )
     run(cfg)
     records = read_records(cfg.output_dir)
     for r in records:

@@ -27,7 +27,8 @@ def chromium() -> str:
 def test_the_html_report_renders_in_headless_chromium(tiny_config, tmp_path):
     runs = []
     for method in ("fedlr", "fedbf"):
-        cfg = tiny_config(method={"name": method}, output_dir=str(tmp_path / method), name=f"tiny-{method}")
+        cfg = tiny_config(method={"name": method}, output_dir=str(tmp_path / method), name=f"tiny-{method}",
+                          log__plots=True)  # fmt: skip
         run(cfg)
         runs.append(cfg.output_dir)
     page = write_report(runs, [d.name for d in runs], tmp_path / "report.html")

@@ -700,6 +700,13 @@ class LogConfig(BaseModel):
         "the resolved config: tensorboard (event files under output_dir/tensorboard), mlflow, wandb. "
         "A resumed run continues the same tracked run. Each needs its extra: pip install 'fedpeft[NAME]'.",
     )
+    plots: bool = Field(
+        True,
+        description="Draw the run's figures at its start (the partition heatmap) and end (score against "
+        "rounds and bytes, update variation, client readouts, drift). Off for many short runs (sweeps, "
+        "tests), where drawing takes longer than training; `fedpeft report RUN` draws the scores, update "
+        "variation and drift later, `fedpeft partition CONFIG` the heatmap.",
+    )
     mlflow_uri: str | None = Field(
         None,
         description="MLflow tracking URI (a server such as http://host:5000, or a database such as "

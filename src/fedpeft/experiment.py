@@ -525,7 +525,8 @@ def open_output(setup: Setup) -> np.ndarray:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(dump_config(cfg))
     hist = setup.split.histograms(setup.corpus.train_labels, setup.corpus.num_classes)
-    P.plot_label_heatmap(hist, out / "partition_heatmap.png", setup.corpus.class_names, cfg.name)
+    if cfg.log.plots:
+        P.plot_label_heatmap(hist, out / "partition_heatmap.png", setup.corpus.class_names, cfg.name)
     return hist
 
 
@@ -547,8 +548,8 @@ def finish(
     extra: dict,
     client_models: Callable[[ClientData], Tensors] | None = None,
 ) -> dict:
-    """Write ``summary.json``, the exported adapters and the plots; returns the summary."""
-    from fedpeft.report.plots import plot_accuracy, plot_drift, plot_readouts, plot_variation  # slow import
+    """Write ``summary.json``, the exported adapters and the plots (``log.plots``); returns
+    the summary."""
 
     cfg, out = setup.cfg, Path(setup.cfg.output_dir)
     summary = R.summarize(
@@ -573,8 +574,16 @@ def finish(
         },
     )
     R.write_json(out / "summary.json", summary)
-    plot_accuracy({cfg.name: records}, out)
-    plot_variation({cfg.name: records}, out)
-    plot_readouts(records, out)
-    plot_drift({cfg.name: records}, out)
+    if cfg.log.plots:
+        from fedpeft.report.plots import (
+            plot_accuracy,
+            plot_drift,
+            plot_readouts,
+            plot_variation,
+        )  # slow import
+
+        plot_accuracy({cfg.name: records}, out)
+        plot_variation({cfg.name: records}, out)
+        plot_readouts(records, out)
+        plot_drift({cfg.name: records}, out)
     return summary

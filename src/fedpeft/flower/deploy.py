@@ -435,18 +435,24 @@ def submit(
         run_id = int(json.loads(reply.stdout)["run-id"])
     except (json.JSONDecodeError, KeyError) as err:
         raise DeployError(f"flwr run gave no run id: {reply.stdout[-800:]} {reply.stderr[-800:]}") from err
-    logs = subprocess.Popen(
-        [_script("flwr"), "log", str(run_id), CONNECTION, "--stream"],
-        env=flower_env(home),
-        stdout=None if echo else subprocess.DEVNULL,
-        stderr=subprocess.STDOUT,
-    )
+    # the run's log: echoed, or kept in the work directory (its tail explains a timeout)
+    log_file = workdir / f"run-{run_id}.log"
+    with open(log_file, "wb") as sink:
+        logs = subprocess.Popen(
+            [_script("flwr"), "log", str(run_id), CONNECTION, "--stream"],
+            env=flower_env(home),
+            stdout=None if echo else sink,
+            stderr=subprocess.STDOUT,
+        )
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while not (status := run_status(home, run_id)).get("status", "").startswith("finished"):
             if deadline is not None and time.monotonic() > deadline:
                 _flwr(home, "stop", str(run_id), CONNECTION, check=False)
-                raise DeployError(f"run {run_id} still {status.get('status')} after {timeout:g} s; stopped")
+                tail = "" if echo else f"; the run's log ({log_file}) ends:\n{_tail(log_file)}"
+                raise DeployError(
+                    f"run {run_id} still {status.get('status')} after {timeout:g} s; stopped{tail}"
+                )
             time.sleep(1)
     finally:
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -456,6 +462,10 @@ def submit(
     if status["status"] != "finished:completed":
         raise DeployError(f"run {run_id} {status['status']}: {status.get('status-details', '')}")
     return status
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.is_file() else "(no log)"
 
 
 @contextlib.contextmanager
@@ -528,6 +538,13 @@ class Federation:
         """Unregister client ``cid``'s node: refused from its next request on."""
         assert self.tls is not None
         revoke(self.address, self.enrolled.pop(cid), self.tls, self.workdir)
+
+    def log_tails(self, chars: int = 1500) -> str:
+        """The end of every log of this federation (SuperLink, SuperNodes, workers), for a
+        run that failed or did not finish."""
+        logs = [self.workdir / "superlink.log", *sorted(self.workdir.glob("supernode-*.log")),
+                *sorted(self.workdir.glob("node-*/worker-*.log"))]  # fmt: skip
+        return "\n".join(f"--- {log}\n{_tail(log, chars)}" for log in logs)
 
     def kill_node(self, cid: int) -> None:
         """SIGKILL a node and its app processes: a crash, not a shutdown."""
