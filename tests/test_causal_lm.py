@@ -151,9 +151,7 @@ def test_tiny_decoder_trains_and_generates_through_fedpeft_run(tiny_config, tiny
     assert records[-1]["local"]["nll_mean"] > 0  # every client scored on its own test split
 
 
-@pytest.mark.parametrize(
-    "name", ["fedlr", "fedap", pytest.param("pf2lora", marks=pytest.mark.slow), "hetlora", "adamix"]
-)  # PF2LoRA (~11 s) in the slow tier: the default tier's 10 minutes
+@pytest.mark.parametrize("name", ["fedlr", "fedap", "pf2lora", "hetlora", "adamix"])
 def test_lm_cohort_equals_one_at_a_time(tiny_config, tiny_decoder, name):
     """Instruction tuning vectorises like classification: clients with different step
     counts and response lengths (token labels padded with IGNORE) trained as one cohort

@@ -123,7 +123,6 @@ def test_a_step_of_nearly_all_rows_spends_no_more_than_a_step_of_all_rows():
     assert spent[-1] < 0.5 * spent[0]  # far from the whole batch, sampling amplifies as before
 
 
-@pytest.mark.slow  # ~10 s: the default tier's 10 minutes (720 s on 2026-11-27); CI's slow tier runs it
 def test_a_dp_sgd_run_records_the_most_any_client_spent(tiny_config):
     cfg = tiny_config(
         **{"train.rounds": 3, "privacy": {"mode": "sample", "target_epsilon": 20.0, "clip": 0.5}}

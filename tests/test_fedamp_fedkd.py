@@ -493,7 +493,6 @@ def test_fedkd_cohorts_equal_one_at_a_time_on_tagging(tiny_config, tmp_path):
     assert_cohort_equals_alone(setup, list(range(len(setup.clients))), "fedkd")
 
 
-@pytest.mark.slow  # ~10 s: the default tier's 10 minutes (720 s on 2026-11-27); CI's slow tier runs it
 def test_fedkd_on_extractive_qa(tiny_config):
     """KL over the start and end positions of the span: clients trained as one cohort get
     the rounds they get alone, and a run scores both of a client's models (the mentor,

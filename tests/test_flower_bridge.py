@@ -82,8 +82,6 @@ PERSONAL_CASES = [(PF2, {}), (PF2, KEEP), ({"name": "fedsalora"}, {}), (HET, KEE
 
 #: cases in the slow tier (CI runs them; the default tier stays under its 10 minutes)
 SLOW_CASES = (
-    "federa",
-    "pf2lora",
     "flexlora",
     "lorafair",
     "flora",
@@ -411,9 +409,7 @@ def test_pooled_training_is_refused(tiny_config, tmp_path):
         serve(deploy(cfg, tmp_path))
 
 
-@pytest.mark.parametrize(
-    "method", [{"name": "fedlr"}, pytest.param({"name": "federa"}, marks=pytest.mark.slow)]
-)  # FeDeRA (~9 s) in the slow tier: the default tier's 10 minutes
+@pytest.mark.parametrize("method", [{"name": "fedlr"}, {"name": "federa"}])
 def test_secure_aggregation_gives_the_mean_without_showing_updates(tiny_config, tmp_path, method):
     """SecAgg+ (Flower's protocol, both sides, over the in-memory grid): the server ends
     with the in-process global state up to the protocol's quantisation, and no client's

@@ -42,7 +42,7 @@ def _scores(records):
     "method",
     [
         "fedlr",
-        pytest.param("federa", marks=pytest.mark.slow),  # ~11 s: the default tier's 10 minutes
+        "federa",
         "local",
         pytest.param("fedamp", marks=pytest.mark.slow),
         pytest.param("fedkd", marks=pytest.mark.slow),
