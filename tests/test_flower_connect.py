@@ -403,3 +403,20 @@ def test_join_retries_a_node_not_admitted_then_gives_up_in_one_line(tmp_path, mo
     commands = iter([refused, admitted, admitted, admitted])
     with pytest.raises(join.DeployError, match="stopped right after joining"):
         join.run_node(lambda: next(commands), {}, "127.0.0.1:1", None, **{**run, "max_wait": 30})
+
+
+def test_a_federations_logs_are_quoted_by_their_ends(tmp_path):
+    """What a deployed run that failed or hung shows: the end of every log (SuperLink,
+    SuperNodes, the nodes' workers), each under its path."""
+    from fedpeft.flower.deploy import Federation
+
+    (tmp_path / "superlink.log").write_text("x" * 5000 + "superlink end")
+    (tmp_path / "supernode-1.log").write_text("node 1 end")
+    (tmp_path / "node-1").mkdir()
+    (tmp_path / "node-1" / "worker-1.log").write_text("worker 1 end")
+    text = Federation(tmp_path, "127.0.0.1:1", None).log_tails(chars=100)
+    sections = text.split("--- ")[1:]
+    logs = ["superlink.log", "supernode-1.log", "node-1/worker-1.log"]
+    assert [s.splitlines()[0] for s in sections] == [str(tmp_path / log) for log in logs]
+    assert sections[0].rstrip().endswith("superlink end") and len(sections[0]) < 100 + 200
+    assert "node 1 end" in sections[1] and "worker 1 end" in sections[2]
