@@ -78,8 +78,16 @@ class FedExLoRA(FedAvgPeft):
     def downlink(self, server: ServerState, cid: int) -> Tensors:
         """The factors and the head, and each frozen weight once a residual has moved it
         from the pretrained one that every client holds."""
-        held = {w for w, t in self.pretrained.items() if torch.equal(server.tensors[w].float(), t)}
-        return {n: t for n, t in server.tensors.items() if n not in held}
+        return {n: t for n, t in server.tensors.items() if n not in self._held(server)}
+
+    def _held(self, server: ServerState) -> set[str]:
+        """The frozen weights still at their pretrained values, compared once per server
+        state (every client of a round gets the same; on a large model the comparison
+        reads every adapted weight)."""
+        if getattr(self, "_held_for", (None,))[0] is not server.tensors:
+            held = {w for w, t in self.pretrained.items() if torch.equal(server.tensors[w].float(), t)}
+            self._held_for = (server.tensors, held)
+        return self._held_for[1]
 
     def step_gradients(self, model) -> GradientFn:
         return group_backprop(model, set(self.optimised_names()))
