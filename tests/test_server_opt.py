@@ -215,6 +215,10 @@ def test_faulty_clients_are_drawn_from_the_seed():
     cfg = FaultsConfig(byzantine_clients=3)
     a, b, c = faulty_clients(cfg, 0, 10), faulty_clients(cfg, 0, 10), faulty_clients(cfg, 1, 10)
     assert a == b and a != c and len(set(a)) == 3 and all(0 <= x < 10 for x in a)
+    # more faulty clients of the same seed add to the fewer's: 10 % and 30 % are nested sets
+    for seed in range(5):
+        sets = [set(faulty_clients(FaultsConfig(byzantine_clients=k), seed, 20)) for k in range(21)]
+        assert all(len(s) == k and sets[k - 1] < s for k, s in enumerate(sets) if k), seed
     with pytest.raises(
         ConfigError, match="faults.byzantine_clients: 11 faulty clients but partition.num_clients is 10"
     ):

@@ -33,14 +33,16 @@ FAULT_STREAM = 0xFA017  # the seed stream that picks the faulty clients and draw
 
 
 def faulty_clients(cfg: FaultsConfig, seed: int, num_clients: int) -> list[int]:
-    """The ``faults.byzantine_clients`` clients, drawn from the experiment's seed."""
+    """The ``faults.byzantine_clients`` clients, drawn from the experiment's seed: the first
+    k of one seeded order of the clients, so that with more faulty clients the same seed
+    adds clients to the fewer's (a robustness table compares nested sets)."""
     if cfg.byzantine_clients > num_clients:
         raise ConfigError(
             f"faults.byzantine_clients: {cfg.byzantine_clients} faulty clients but partition.num_clients "
             f"is {num_clients}"
         )
     rng = np.random.default_rng(derive_seed(seed, FAULT_STREAM))
-    return sorted(rng.choice(num_clients, cfg.byzantine_clients, replace=False).tolist())
+    return sorted(rng.permutation(num_clients)[: cfg.byzantine_clients].tolist())
 
 
 def flip_labels(data: Encoded, num_classes: int) -> Encoded:
