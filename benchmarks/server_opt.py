@@ -25,15 +25,21 @@ out) after the last round:
 
 The grid grows past a best value at its end (``tuning.tune_method``). The table: global
 test accuracy after the last round (mean ± sample std over seeds), rounds to a target
-(90 % of FedAvg's final accuracy, per seed) and MB sent per client per round.
+(90 % of FedAvg's accuracy in its tuning run: fixed before the table, one per method and
+split) and MB sent per client per round. A run that fails (diverges) is named in its
+row's cells; the others go on.
 
-Robustness (``--robust``): FedLR on the Dirichlet split at FedAvg's tuned setting, 0, 2
-and 6 of the 20 clients (0, 10, 30 %) flipping the sign of their updates
+Robustness (``--robust``): FedLR on the Dirichlet split, 0, 2 and 6 of the 20 clients
+(0, 10, 30 %; a seed's 2 are among its 6) flipping the sign of their updates
 (``faults.attack: sign_flip``), under each aggregator: the mean, the coordinate-wise
 median, the trimmed mean (``server.trim`` 0.3, so up to 3 of a round's 10 updates at
-either end are dropped), Krum and Multi-Krum (``server.byzantine`` 3).
+either end are dropped), Krum and Multi-Krum (``server.byzantine`` 3). Each aggregator
+trains at its own client rate, tuned without faulty clients on seed 3 (``--tune
+--robust``: FedAvg's halved, as it is and doubled); the mean's is FedAvg's, and its
+no-fault cell is the table's FedAvg run.
 
     .venv/bin/python benchmarks/server_opt.py --tune [--methods fedlr] [--splits dirichlet] [--rows ...]
+    .venv/bin/python benchmarks/server_opt.py --tune --robust
     .venv/bin/python benchmarks/server_opt.py [--seeds 0,1,2] [--robust]
 
 Runs are picked up from ``--out`` when finished (``tuning.run_or_reuse``); tuned settings
@@ -128,14 +134,14 @@ def layer(row: str, setting: dict, base: dict) -> tuple[dict, dict]:
 
 def config(
     method: str, split: str, seed: int, out: Path, args: argparse.Namespace, train: dict, server: dict,
-    tuning: bool = False, faults: dict | None = None,
+    tuning: bool = False, faults: dict | None = None, final_only: bool = False,
 ) -> ExperimentConfig:  # fmt: skip
     _, partition, per_round = SPLITS[split]
     data = {"source": "wordnet", "max_samples": args.examples, "max_test_samples": args.test_examples,
             "max_length": args.max_length}  # fmt: skip
     if split == "natural":
         data["group_column"] = "pos"
-    scored = {"every": 1, "local": False}
+    scored = {"every": args.rounds if final_only else 1, "local": False}
     if tuning:
         scored, partition = {"every": args.rounds, "local": True}, {**partition, "val_fraction": VAL_FRACTION}
     return load_config(
@@ -167,15 +173,29 @@ def tuning_score(args: argparse.Namespace, method: str, split: str, row: str, ba
 
     def score(setting: dict) -> float:
         train, server = layer(row, setting, base or {})
-        # named by the optimizer state the run trains with (a server row's is FedAvg's)
-        tag = f"{setting['lr']:g}" + ("-keep" if train.get("optimizer_state") == "keep" else "")
-        if "client_lr" in setting:  # FedAvg's client rate is the knob's own run
-            tag += f"-client{setting['client_lr']:g}"
-        out = args.out / "tune-pooled" / f"{method}-{split}-{row}-{tag}"
+        out = tuning_dir(args, method, split, row, setting, train)
         run_or_reuse(config(method, split, TUNING_SEED, out, args, train, server, tuning=True))
         return validation_accuracy(out)
 
     return score
+
+
+def tuning_dir(args, method: str, split: str, row: str, setting: dict, train: dict) -> Path:
+    """Where ``row``'s tuning run at ``setting`` lives: named by its knob's value, the
+    optimizer state it trains with (a server row's is FedAvg's) and its client rate when
+    that is not FedAvg's."""
+    tag = f"{setting['lr']:g}" + ("-keep" if train.get("optimizer_state") == "keep" else "")
+    if "client_lr" in setting:  # FedAvg's client rate is the knob's own run
+        tag += f"-client{setting['client_lr']:g}"
+    return args.out / "tune-pooled" / f"{method}-{split}-{row}-{tag}"
+
+
+def target_accuracy(args, method: str, split: str, fedavg: dict) -> float:
+    """The rounds-to-target line of ``method`` on ``split``: 90 % of FedAvg's accuracy in
+    its chosen tuning run (seed 3, pooled validation data), fixed before any table run, the
+    same for every row and seed."""
+    train, _ = layer("fedavg", fedavg, fedavg)
+    return 0.9 * validation_accuracy(tuning_dir(args, method, split, "fedavg", fedavg, train))
 
 
 def tune_client_rate(args, method: str, split: str, row: str, base: dict, knob: dict) -> tuple[dict, str]:
@@ -237,40 +257,43 @@ def mb_per_client_round(out: Path) -> float:
     return sent / sum(len(r["clients"]) for r in records) / 1e6
 
 
-def table_runs(args, methods, splits, rows, seeds) -> dict[tuple[str, str, str], list[Path]]:
-    keys = [key(m, s, r) for m in methods for s in splits for r in rows]
+def table_dir(args, method: str, split: str, row: str, seed: int) -> Path:
+    return args.out / f"{method}-{split}-{row}-seed{seed}"
+
+
+def table_runs(args, methods, splits, rows, seeds) -> tuple[dict[tuple[str, str, str], list[Path]], dict]:
+    """Every table run (reused when finished), and the failed ones' errors."""
+    keys = [key(m, s, r) for m in methods for s in splits for r in ["fedavg", *rows]]
     tuned = read_tuned(args.tuned_file, keys)
     runs, configs = {}, []
     for method in methods:
         for split in splits:
-            base = tuned[key(method, split, "fedavg")] if "fedavg" in rows else {}
+            base = tuned[key(method, split, "fedavg")]
             for row in rows:
                 train, server = layer(row, tuned[key(method, split, row)], base)
-                outs = []
-                for seed in seeds:
-                    out = args.out / f"{method}-{split}-{row}-seed{seed}"
-                    configs.append(config(method, split, seed, out, args, train, server))
-                    outs.append(out)
+                outs = [table_dir(args, method, split, row, seed) for seed in seeds]
+                configs += [config(method, split, seed, out, args, train, server)
+                            for seed, out in zip(seeds, outs, strict=True)]  # fmt: skip
                 runs[(method, split, row)] = outs
-    run_all(configs, args.jobs)
-    return runs
+    return runs, run_all(configs, args.jobs, keep_going=True)
 
 
-def print_tables(runs, args, methods, splits, rows, seeds) -> None:
+def print_tables(runs, failed, args, methods, splits, rows, seeds) -> None:
     from fedpeft.report.efficiency import first_round_reaching
 
-    tuned = read_tuned(args.tuned_file, [key(m, s, r) for m in methods for s in splits for r in rows])
+    tuned = read_tuned(
+        args.tuned_file, [key(m, s, r) for m in methods for s in splits for r in ["fedavg", *rows]]
+    )
     for split in splits:
+        targets = {m: target_accuracy(args, m, split, tuned[key(m, split, "fedavg")]) for m in methods}
+        lines = ", ".join(f"{METHODS[m][0]} {100 * t:.1f} %" for m, t in targets.items())
         print(f"\n{SPLITS[split][0]}; MiniLM, WordNet topics ({args.examples} glosses), "
               f"{args.rounds} rounds x {args.steps} steps x batch 16; seeds {seeds}; global test accuracy "
-              "(%) after the last round, mean ± sample std over seeds; rounds to 90 % of FedAvg's final "
-              "accuracy, per seed\n")  # fmt: skip
+              "(%) after the last round, mean ± sample std over seeds; rounds to the target (90 % of "
+              f"FedAvg's tuning-run accuracy, fixed before the table: {lines}), per seed\n")  # fmt: skip
         print("| Method | Layer | tuned | Accuracy (%) | Rounds to target | MB per client per round |")
         print("|---|---|---|---|---|---|")
         for method in methods:
-            if (method, split, "fedavg") not in runs:
-                continue
-            targets = 0.9 * final_accuracy(runs[(method, split, "fedavg")])
             for row in rows:
                 outs = runs[(method, split, row)]
                 setting = tuned[key(method, split, row)]
@@ -278,40 +301,92 @@ def print_tables(runs, args, methods, splits, rows, seeds) -> None:
                 state = f", {setting['optimizer_state']}" if row == "fedavg" else ""
                 if "client_lr" in setting:
                     state = f", client lr {setting['client_lr']:g}"
-                reached = [
-                    first_round_reaching(read_records(o), t) for o, t in zip(outs, targets, strict=True)
-                ]
-                rounds = " / ".join(str(r) if r is not None else f"> {args.rounds}" for r in reached)
-                cells = [METHODS[method][0], ROWS[row][0], f"{knob} {setting['lr']:g}{state}",
-                         mean_std(final_accuracy(outs), scale=100, digits=1), rounds,
-                         f"{mb_per_client_round(outs[0]):.2f}"]  # fmt: skip
+                cells = [METHODS[method][0], ROWS[row][0], f"{knob} {setting['lr']:g}{state}"]
+                if bad := [o.name for o in outs if o in failed]:
+                    cells += [f"failed: {', '.join(bad)}", "", ""]
+                else:
+                    reached = [first_round_reaching(read_records(o), targets[method]) for o in outs]
+                    cells += [mean_std(final_accuracy(outs), scale=100, digits=1),
+                              " / ".join(str(r) if r is not None else f"> {args.rounds}" for r in reached),
+                              f"{mb_per_client_round(outs[0]):.2f}"]  # fmt: skip
                 print("| " + " | ".join(cells) + " |", flush=True)
 
 
-def robustness(args, seeds) -> None:
+def robust_server(rule: str) -> dict:
+    return {"aggregation": rule, **({"trim": 0.3} if rule == "trimmed_mean" else {}),
+            **({"byzantine": 3} if "krum" in rule else {})}  # fmt: skip
+
+
+def robust_settings(args) -> dict[str, dict]:
+    """Each aggregator's client setting: the mean's is FedAvg's (the mean is FedAvg), the
+    others' their own tuned ones (``--tune --robust``)."""
+    row = {rule: "fedavg" if rule == "mean" else f"robust-{rule}" for rule in AGGREGATORS}
+    tuned = read_tuned(args.tuned_file, [key("fedlr", "dirichlet", r) for r in row.values()])
+    return {rule: tuned[key("fedlr", "dirichlet", r)] for rule, r in row.items()}
+
+
+def tune_robust(args) -> None:
+    """Each robust aggregator's client rate, without faulty clients, on the tuning seed:
+    FedAvg's halved, as it is and doubled (grown past a best rate at an end), at FedAvg's
+    optimizer state; a rule that ignores some clients' updates (Krum keeps one) may want
+    another rate than the mean."""
     base = read_tuned(args.tuned_file, [key("fedlr", "dirichlet", "fedavg")])[
         key("fedlr", "dirichlet", "fedavg")
     ]
-    train = {"lr": base["lr"], "optimizer_state": base["optimizer_state"]}
-    print(f"\nRobustness: FedLR, Dirichlet 0.1, 20 clients, 10 a round, FedAvg's tuned setting "
-          f"(lr {base['lr']:g}, {base['optimizer_state']}); sign-flipping clients (of 20); global test "
-          f"accuracy (%) after the last round, mean ± sample std over seeds {seeds}\n")  # fmt: skip
+    print(f"tuning each aggregator's client rate on seed {TUNING_SEED}, FedLR, Dirichlet, no faulty clients")
+    for rule in [r for r in AGGREGATORS if r != "mean"]:
+
+        def score(setting: dict, rule: str = rule) -> float:
+            train = {"lr": setting["lr"], "optimizer_state": base["optimizer_state"]}
+            out = tuning_dir(args, "fedlr", "dirichlet", rule, setting, train)
+            run_or_reuse(
+                config("fedlr", "dirichlet", TUNING_SEED, out, args, train, robust_server(rule), tuning=True)
+            )
+            return validation_accuracy(out)
+
+        grid = [base["lr"] / 2, base["lr"], base["lr"] * 2]
+        best, report = at_state(
+            *tune_method(score, grid, extend=args.extend, keep=False), base["optimizer_state"]
+        )
+        print(f"  fedlr dirichlet {rule}: {report}", flush=True)
+        write_tuned(
+            args.tuned_file, {key("fedlr", "dirichlet", f"robust-{rule}"): {**best, "knob": "client"}}
+        )
+
+
+def robustness(args, seeds) -> None:
+    settings = robust_settings(args)
+    tuned = ", ".join(f"{AGGREGATORS[r]} {s['lr']:g}" for r, s in settings.items())
+    print(f"\nRobustness: FedLR, Dirichlet 0.1, 20 clients, 10 a round, each aggregator at its own client "
+          f"rate tuned without faulty clients on seed {TUNING_SEED} ({tuned}; "
+          f"{settings['mean']['optimizer_state']} state); sign-flipping clients (of 20; a seed's fewer are "
+          f"among its more); global test accuracy (%) after the last round, mean ± sample std over seeds "
+          f"{seeds}\n")  # fmt: skip
     print("| Aggregator | " + " | ".join(f"{100 * b / 20:g} % ({b})" for b in BYZANTINE) + " |")
     print("|---|" + "---|" * len(BYZANTINE))
     outs: dict[tuple[str, int], list[Path]] = {}
     configs = []
-    for rule in AGGREGATORS:
-        server = {"aggregation": rule, **({"trim": 0.3} if rule == "trimmed_mean" else {}),
-                  **({"byzantine": 3} if "krum" in rule else {})}  # fmt: skip
+    for rule, setting in settings.items():
+        train = {"lr": setting["lr"], "optimizer_state": setting["optimizer_state"]}
         for bad in BYZANTINE:
             for seed in seeds:
-                out = args.out / f"robust-{rule}-byz{bad}-seed{seed}"
-                faults = {"byzantine_clients": bad, "attack": "sign_flip"} if bad else {}
-                configs.append(config("fedlr", "dirichlet", seed, out, args, train, server, faults=faults))
+                if rule == "mean" and not bad:  # the table's FedAvg run: the very same training
+                    out = table_dir(args, "fedlr", "dirichlet", "fedavg", seed)
+                    configs.append(config("fedlr", "dirichlet", seed, out, args, train, {}))
+                else:
+                    out = args.out / f"robust-{rule}-byz{bad}-seed{seed}"
+                    faults = {"byzantine_clients": bad, "attack": "sign_flip"} if bad else {}
+                    configs.append(config("fedlr", "dirichlet", seed, out, args, train, robust_server(rule),
+                                          faults=faults, final_only=True))  # fmt: skip
                 outs.setdefault((rule, bad), []).append(out)
-    run_all(configs, args.jobs)
+    failed = run_all(configs, args.jobs, keep_going=True)
     for rule, label in AGGREGATORS.items():
-        cells = [mean_std(final_accuracy(outs[(rule, bad)]), scale=100, digits=1) for bad in BYZANTINE]
+        cells = [
+            f"failed: {', '.join(o.name for o in outs[(rule, bad)] if o in failed)}"
+            if any(o in failed for o in outs[(rule, bad)])
+            else mean_std(final_accuracy(outs[(rule, bad)]), scale=100, digits=1)
+            for bad in BYZANTINE
+        ]
         print(f"| {label} | " + " | ".join(cells) + " |", flush=True)
 
 
@@ -322,7 +397,9 @@ def main() -> None:
     ap.add_argument("--splits", default=",".join(SPLITS))
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--robust", action="store_true", help="the robustness table only")
+    ap.add_argument(
+        "--robust", action="store_true", help="the robustness table (with --tune: each aggregator's rate)"
+    )
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--steps", type=int, default=5, help="local steps a round")
     ap.add_argument("--examples", type=int, default=3000, help="training pool (all clients)")
@@ -345,14 +422,16 @@ def main() -> None:
         if unknown := [x for x in given if x not in known]:
             ap.error(f"--{what}: unknown {unknown}; choose from {list(known)}")
     seeds = [int(s) for s in args.seeds.split(",")]
+    if TUNING_SEED in seeds:
+        ap.error(f"--seeds: {TUNING_SEED} is the tuning seed; a table reports other seeds")
     if args.tune:
-        tune(args, methods, splits, rows)
+        tune_robust(args) if args.robust else tune(args, methods, splits, rows)
         return
     if args.robust:
         robustness(args, seeds)
         return
-    runs = table_runs(args, methods, splits, rows, seeds)
-    print_tables(runs, args, methods, splits, rows, seeds)
+    runs, failed = table_runs(args, methods, splits, rows, seeds)
+    print_tables(runs, failed, args, methods, splits, rows, seeds)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ there unless it is told to use the defaults.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import multiprocessing
 from collections.abc import Callable
@@ -134,11 +136,33 @@ def made_the_old_way(recorded: dict) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def only_writer(out: Path):
+    """Hold ``out``'s lock (a file beside it) while a run writes there; a second process
+    that would write the same run directory stops, named, instead of corrupting it. The
+    lock goes with its process, however that ends (``flock``)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SystemExit(
+                f"{out}: another process is running it; run each table from one process"
+            ) from None
+        yield
+
+
 def run_or_reuse(cfg: ExperimentConfig) -> dict:
     """The summary of ``cfg``'s run: the recorded one when ``cfg.output_dir`` holds a
     finished run of this very config (a benchmark resumes where it stopped, also on
     another machine), else a fresh run (picking up a cut-off one from its checkpoint). A
-    finished run of another config is an error: its figures must not stand in for these."""
+    finished run of another config is an error: its figures must not stand in for these.
+    One process at a time runs a directory (:func:`only_writer`)."""
+    with only_writer(cfg.output_dir):
+        return _run_or_reuse(cfg)
+
+
+def _run_or_reuse(cfg: ExperimentConfig) -> dict:
     out = cfg.output_dir
     if (out / "summary.json").is_file():
         raw = yaml.safe_load((out / "config.yaml").read_text())
@@ -151,15 +175,30 @@ def run_or_reuse(cfg: ExperimentConfig) -> dict:
     return run(cfg, resume=(out / "checkpoint.pt").is_file())
 
 
-def run_all(configs: list[ExperimentConfig], jobs: int = 1) -> None:
+def run_all(configs: list[ExperimentConfig], jobs: int = 1, keep_going: bool = False) -> dict[Path, str]:
     """Every run of ``configs`` finished (or reused), ``jobs`` at a time in worker processes
     (spawned: each holds its own model; on a GPU they share the device). A run directory is
-    only ever written by one: configs naming the same directory run once."""
+    only ever written by one: configs naming the same directory run once. A failed run
+    stops the table, naming its error; with ``keep_going`` the others go on and the
+    failures come back, ``{output_dir: error}`` (a table prints them in their cells)."""
     configs = list({cfg.output_dir: cfg for cfg in configs}.values())
+    failed: dict[Path, str] = {}
+
+    def settle(out: Path, outcome: Callable[[], object]) -> None:
+        try:
+            outcome()
+        except Exception as err:  # noqa: BLE001 - named and returned, or raised
+            if not keep_going:
+                raise
+            failed[out] = f"{type(err).__name__}: {err}"
+            print(f"{out}: failed: {failed[out]}", flush=True)
+
     if jobs <= 1:
         for cfg in configs:
-            run_or_reuse(cfg)
-        return
+            settle(cfg.output_dir, lambda cfg=cfg: run_or_reuse(cfg))
+        return failed
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for done in as_completed([pool.submit(run_or_reuse, cfg) for cfg in configs]):
-            done.result()  # a failed run stops the table, naming its error
+        futures = {pool.submit(run_or_reuse, cfg): cfg.output_dir for cfg in configs}
+        for done in as_completed(futures):
+            settle(futures[done], done.result)
+    return failed

@@ -108,3 +108,31 @@ def test_the_tuning_score_is_the_accuracy_on_the_clients_pooled_validation_data(
     sizes = {len(c.val) for c in setup.clients}
     assert len(sizes) > 1  # clients of different sizes: the pooled and the mean accuracy differ in kind
     assert validation_accuracy(cfg.output_dir) == pytest.approx(scores["accuracy_pooled"])
+
+
+def test_a_run_directory_has_one_writer_and_a_failed_run_can_leave_the_others_going(tiny_config, tmp_path):
+    """Two processes writing one run directory would corrupt it: the second stops, named.
+    ``run_all(keep_going=True)`` runs every config and hands back the failures."""
+    import fcntl
+
+    from tuning import only_writer, run_all
+
+    out = tmp_path / "runs" / "a"
+    with only_writer(out):
+        lock = out.parent / ".a.lock"
+        with open(lock) as other, pytest.raises(BlockingIOError):  # held: another process is refused
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(lock) as other:  # released when the run ends
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    good = tiny_config(output_dir=str(tmp_path / "runs" / "good"), **{"train.rounds": 1})
+    missing = tmp_path / "no-backbone"  # an empty folder: fails once the run loads its model
+    missing.mkdir()
+    bad = tiny_config(
+        output_dir=str(tmp_path / "runs" / "bad"), **{"train.rounds": 1, "model.backbone": str(missing)}
+    )
+    with pytest.raises(Exception, match="no-backbone"):
+        run_all([bad, good])
+    failed = run_all([bad, good], keep_going=True)
+    assert list(failed) == [bad.output_dir] and "no-backbone" in failed[bad.output_dir]
+    assert (good.output_dir / "summary.json").is_file()
