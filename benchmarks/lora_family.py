@@ -148,6 +148,7 @@ def config(
             "train": {"rounds": args.rounds, "clients_per_round": PER_ROUND, "local_steps": args.steps,
                       "batch_size": 16, **train},
             "eval": scored,
+            "log": {"plots": False},  # the records are the result; figures cost seconds a run
         },
     )  # fmt: skip
 

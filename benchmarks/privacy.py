@@ -143,6 +143,7 @@ def config(
             "server": {"weighting": "uniform"} if population == "devices" else {},
             "privacy": privacy,
             "eval": scored,
+            "log": {"plots": False},  # the records are the result; figures cost seconds a run
         },
     )  # fmt: skip
 

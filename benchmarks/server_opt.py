@@ -158,6 +158,7 @@ def config(
             "server": server,
             "faults": faults or {},
             "eval": scored,
+            "log": {"plots": False},  # the records are the result; figures cost seconds a run
         },
     )  # fmt: skip
 
