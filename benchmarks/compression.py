@@ -38,6 +38,7 @@ import numpy as np
 from tuning import (
     LR_GRID,
     TUNED_DIR,
+    failed_cell,
     mean_std,
     read_tuned,
     run_all,
@@ -133,20 +134,25 @@ def table(args, methods: list[str], rows: list[str], seeds: list[int]) -> None:
     print("| Method | Uplink | tuned | Accuracy (%) | MB up | MB down | up / float32 |")
     print("|---|---|---|---|---|---|---|")
     outs_of = {(m, r): [args.out / f"{m}-{r}-seed{seed}" for seed in seeds] for m in methods for r in rows}
-    run_all(
+    failed = run_all(
         [config(m, r, seed, out, args, tuned[key(m, r)]) for (m, r), outs in outs_of.items()
          for seed, out in zip(seeds, outs, strict=True)],
         args.jobs,
+        keep_going=True,
     )  # fmt: skip
     for method in methods:
         plain_up = None
         for row in rows:
             setting, outs = tuned[key(method, row)], outs_of[(method, row)]
+            tuned_at = f"lr {setting['lr']:g}, {setting['optimizer_state']}"
+            if bad := failed_cell(outs, failed):
+                print(f"| {METHODS[method][0]} | {ROWS[row][0]} | {tuned_at} | {bad} | | | |", flush=True)
+                continue
             accuracy = np.array([read_records(o)[-1]["global"]["accuracy"] for o in outs])
             up, down = per_client_round_mb(outs[0], "bytes_up"), per_client_round_mb(outs[0], "bytes_down")
             plain_up = up if row == "none" else plain_up
             ratio = f"{up / plain_up:.3f}" if plain_up else ""
-            cells = [METHODS[method][0], ROWS[row][0], f"lr {setting['lr']:g}, {setting['optimizer_state']}",
+            cells = [METHODS[method][0], ROWS[row][0], tuned_at,
                      mean_std(accuracy, scale=100, digits=1), f"{up:.3f}", f"{down:.3f}", ratio]  # fmt: skip
             print("| " + " | ".join(cells) + " |", flush=True)
 

@@ -47,6 +47,7 @@ import numpy as np
 from tuning import (
     LR_GRID,
     TUNED_DIR,
+    failed_cell,
     mean_std,
     read_tuned,
     run_all,
@@ -195,7 +196,9 @@ def kb_per_client_round(out: Path, direction: str) -> float:
     return sum(r[f"bytes_{direction}"] for r in records) / sum(len(r["clients"]) for r in records) / 1e3
 
 
-def table(args, methods, rank_settings, seeds) -> dict[tuple[str, str, float], list[Path]]:
+def table(args, methods, rank_settings, seeds) -> tuple[dict[tuple[str, str, float], list[Path]], dict]:
+    """Every table run (reused when finished) and the table; returns the runs and the
+    failed ones' errors."""
     tuned = read_tuned(args.tuned_file, [key(m, r) for m in methods for r in rank_settings])
     runs, configs = {}, []
     for method in methods:
@@ -207,7 +210,7 @@ def table(args, methods, rank_settings, seeds) -> dict[tuple[str, str, float], l
                     for seed, out in zip(seeds, outs, strict=True)
                 ]
                 runs[(method, ranks, alpha)] = outs
-    run_all(configs, args.jobs)
+    failed = run_all(configs, args.jobs, keep_going=True)
     for ranks in rank_settings:
         print(f"\n{RANKS[ranks][0]}; MiniLM, WordNet topics ({args.examples} glosses), {CLIENTS} clients, "
               f"{PER_ROUND} a round, {args.rounds} rounds x {args.steps} steps x batch 16; seeds {seeds}; "
@@ -220,16 +223,19 @@ def table(args, methods, rank_settings, seeds) -> dict[tuple[str, str, float], l
         for method in methods:
             setting = tuned[key(method, ranks)]
             cells = [
-                mean_std(final_accuracy(runs[(method, ranks, a)], local), scale=100, digits=1)
+                failed_cell(runs[(method, ranks, a)], failed)
+                or mean_std(final_accuracy(runs[(method, ranks, a)], local), scale=100, digits=1)
                 for local in (False, True)
                 for a in ALPHAS
             ]
             first = runs[(method, ranks, ALPHAS[0])][0]
+            kb = {
+                d: "" if first in failed else f"{kb_per_client_round(first, d):.1f}" for d in ("up", "down")
+            }
+            sent = f"| {kb['up']} | {kb['down']} |"
             print(f"| {METHODS[method][0]} | lr {setting['lr']:g}, {setting['optimizer_state']} | "
-                  + " | ".join(cells)
-                  + f" | {kb_per_client_round(first, 'up'):.1f} | {kb_per_client_round(first, 'down'):.1f} |",
-                  flush=True)  # fmt: skip
-    return runs
+                  + " | ".join(cells) + f" {sent}", flush=True)  # fmt: skip
+    return runs, failed
 
 
 def margin(ours: np.ndarray, theirs: np.ndarray) -> tuple[float, float]:
@@ -238,7 +244,7 @@ def margin(ours: np.ndarray, theirs: np.ndarray) -> tuple[float, float]:
     return 100 * (ours.mean() - theirs.mean()), 100 * float(se)
 
 
-def print_claims(runs: dict, methods: list[str], rank_settings: list[str]) -> None:
+def print_claims(runs: dict, failed: dict, methods: list[str], rank_settings: list[str]) -> None:
     """Each paper's headline claim, in every rank setting and Dirichlet level it names,
     against every row it claims to beat: *held* where each margin is above ``SE_MARGIN``
     standard errors (a "matches or beats" claim: none is below minus that), *did not hold*
@@ -250,6 +256,10 @@ def print_claims(runs: dict, methods: list[str], rank_settings: list[str]) -> No
     for method, settings, beaten, kind, words in CLAIMS:
         if not all(m in methods for m in [method, *beaten]) or not all(r in rank_settings for r in settings):
             print(f"- {words}: not re-tested (rows or settings missing)")
+            continue
+        involved = [o for m in [method, *beaten] for r in settings for a in ALPHAS for o in runs[(m, r, a)]]
+        if bad := failed_cell(involved, failed):
+            print(f"- {words}: not re-tested ({bad})")
             continue
         local = method == "fedsalora"
         margins = [
@@ -303,8 +313,8 @@ def main() -> None:
         tune(args, methods, rank_settings)
         return
     seeds = [int(s) for s in args.seeds.split(",")]
-    runs = table(args, methods, rank_settings, seeds)
-    print_claims(runs, methods, rank_settings)
+    runs, failed = table(args, methods, rank_settings, seeds)
+    print_claims(runs, failed, methods, rank_settings)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ import numpy as np
 from tuning import (
     LR_GRID,
     TUNED_DIR,
+    failed_cell,
     mean_std,
     read_tuned,
     run_all,
@@ -211,10 +212,11 @@ def noise_over_clip(out: Path, row: str, sigma: float) -> float:
 def table(args, methods: list[str], rows: list[str], seeds: list[int]) -> None:
     tuned = read_tuned(args.tuned_file, [key(m, r) for m in methods for r in rows])
     outs_of = {(m, r): [args.out / f"{m}-{r}-seed{seed}" for seed in seeds] for m in methods for r in rows}
-    run_all(
+    failed = run_all(
         [config(m, r, seed, out, args, tuned[key(m, r)]) for (m, r), outs in outs_of.items()
          for seed, out in zip(seeds, outs, strict=True)],
         args.jobs,
+        keep_going=True,
     )  # fmt: skip
     for population, (label, _, _) in POPULATIONS.items():
         here = [r for r in rows if ROWS[r][1] == population]
@@ -229,6 +231,13 @@ def table(args, methods: list[str], rows: list[str], seeds: list[int]) -> None:
         for method in methods:
             for row in here:
                 setting, outs = tuned[key(method, row)], outs_of[(method, row)]
+                tuned_at = f"lr {setting['lr']:g}, {setting['optimizer_state']}"
+                if bad := failed_cell(outs, failed):
+                    print(
+                        f"| {METHODS[method][0]} | {ROWS[row][0]} | {tuned_at} | {bad} |" + " |" * 4,
+                        flush=True,
+                    )
+                    continue
                 last = [read_records(o)[-1] for o in outs]
                 accuracy = np.array([r["global"]["accuracy"] for r in last])
                 own = np.array([r["local"]["accuracy_mean"] for r in last])
@@ -237,7 +246,6 @@ def table(args, methods: list[str], rows: list[str], seeds: list[int]) -> None:
                 spent_each = [read_summary(o).get("privacy", {}).get("epsilon") for o in outs]
                 epsilon = max(math.inf if e is None else e for e in spent_each)
                 sigma = spent.get("noise_multiplier")
-                tuned_at = f"lr {setting['lr']:g}, {setting['optimizer_state']}"
                 cells = [METHODS[method][0], ROWS[row][0], tuned_at,
                          mean_std(accuracy, scale=100, digits=1), mean_std(own, scale=100, digits=1),
                          f"{epsilon:.2f}",

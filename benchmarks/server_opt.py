@@ -57,6 +57,7 @@ import numpy as np
 from tuning import (
     LR_GRID,
     TUNED_DIR,
+    failed_cell,
     mean_std,
     read_tuned,
     run_all,
@@ -303,8 +304,8 @@ def print_tables(runs, failed, args, methods, splits, rows, seeds) -> None:
                 if "client_lr" in setting:
                     state = f", client lr {setting['client_lr']:g}"
                 cells = [METHODS[method][0], ROWS[row][0], f"{knob} {setting['lr']:g}{state}"]
-                if bad := [o.name for o in outs if o in failed]:
-                    cells += [f"failed: {', '.join(bad)}", "", ""]
+                if bad := failed_cell(outs, failed):
+                    cells += [bad, "", ""]
                 else:
                     reached = [first_round_reaching(read_records(o), targets[method]) for o in outs]
                     cells += [mean_std(final_accuracy(outs), scale=100, digits=1),
@@ -383,9 +384,8 @@ def robustness(args, seeds) -> None:
     failed = run_all(configs, args.jobs, keep_going=True)
     for rule, label in AGGREGATORS.items():
         cells = [
-            f"failed: {', '.join(o.name for o in outs[(rule, bad)] if o in failed)}"
-            if any(o in failed for o in outs[(rule, bad)])
-            else mean_std(final_accuracy(outs[(rule, bad)]), scale=100, digits=1)
+            failed_cell(outs[(rule, bad)], failed)
+            or mean_std(final_accuracy(outs[(rule, bad)]), scale=100, digits=1)
             for bad in BYZANTINE
         ]
         print(f"| {label} | " + " | ".join(cells) + " |", flush=True)

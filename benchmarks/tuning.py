@@ -25,11 +25,18 @@ from pathlib import Path
 import yaml
 
 from fedpeft.config import ExperimentConfig, parse_config
+from fedpeft.engines.guard import DivergedError
 from fedpeft.experiment import fingerprint, run
 from fedpeft.report.results import read_records, read_summary
 
 LR_GRID = [1e-3, 2e-3, 5e-3]
 TUNED_DIR = Path(__file__).parent / "tuned"
+DIVERGED = "diverged.json"  # beside a run that stopped diverged: its config's fingerprint and why
+
+
+class Diverged(RuntimeError):
+    """A run stopped with no finite update (:class:`fedpeft.engines.guard.DivergedError`);
+    recorded in its directory, so a rerun of the benchmark does not train it again."""
 
 
 def mean_std(values, scale: float = 1.0, digits: int = 3) -> str:
@@ -61,6 +68,7 @@ def tune_method(
     tie rule: of the settings that share the best score, the lowest rate, and ``reset``
     before ``keep``."""
     rates = sorted(grid)
+    score = _diverged_scores_zero(score)
     scores = {(lr, "reset"): score({"lr": lr, "optimizer_state": "reset"}) for lr in rates}
 
     def best_rates() -> list[float]:
@@ -82,6 +90,19 @@ def tune_method(
     best_lr, state = min((k for k, v in scores.items() if v == top), key=lambda k: (k[0], k[1] != "reset"))
     report = ", ".join(f"{x:g}/{st}: {acc:.3f}" for (x, st), acc in sorted(scores.items()))
     return {"lr": best_lr, "optimizer_state": state, "grid": report}, f"{report} -> lr {best_lr:g}, {state}"
+
+
+def _diverged_scores_zero(score: Callable[[dict], float]) -> Callable[[dict], float]:
+    """``score``, with a setting whose run diverged scoring 0 (the worst; said once)."""
+
+    def scored(setting: dict) -> float:
+        try:
+            return score(setting)
+        except Diverged as err:
+            print(f"  lr {setting['lr']:g}, {setting['optimizer_state']}: {err}; scored 0", flush=True)
+            return 0.0
+
+    return scored
 
 
 def validation_accuracy(out: Path) -> float:
@@ -164,6 +185,10 @@ def run_or_reuse(cfg: ExperimentConfig) -> dict:
 
 def _run_or_reuse(cfg: ExperimentConfig) -> dict:
     out = cfg.output_dir
+    if (out / DIVERGED).is_file():
+        recorded = json.loads((out / DIVERGED).read_text())
+        if recorded["fingerprint"] == fingerprint(cfg):
+            raise Diverged(f"{out}: diverged: {recorded['error']}")
     if (out / "summary.json").is_file():
         raw = yaml.safe_load((out / "config.yaml").read_text())
         recorded = parse_config(raw, str(out / "config.yaml"))
@@ -172,7 +197,19 @@ def _run_or_reuse(cfg: ExperimentConfig) -> dict:
         if (why := made_the_old_way(raw)) is not None:
             raise SystemExit(f"{out}: a run made before {why}; remove it (or use another --out) to re-run it")
         return read_summary(out)
-    return run(cfg, resume=(out / "checkpoint.pt").is_file())
+    try:
+        return run(cfg, resume=(out / "checkpoint.pt").is_file())
+    except DivergedError as err:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / DIVERGED).write_text(json.dumps({"fingerprint": fingerprint(cfg), "error": str(err)}) + "\n")
+        raise Diverged(f"{out}: diverged: {err}") from err
+
+
+def failed_cell(outs: list[Path], failed: dict[Path, str]) -> str | None:
+    """A table cell naming the runs of ``outs`` that failed (``run_all(keep_going=True)``),
+    or None when every one finished."""
+    bad = [o.name for o in outs if o in failed]
+    return f"failed: {', '.join(bad)}" if bad else None
 
 
 def run_all(configs: list[ExperimentConfig], jobs: int = 1, keep_going: bool = False) -> dict[Path, str]:

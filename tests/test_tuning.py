@@ -136,3 +136,38 @@ def test_a_run_directory_has_one_writer_and_a_failed_run_can_leave_the_others_go
     failed = run_all([bad, good], keep_going=True)
     assert list(failed) == [bad.output_dir] and "no-backbone" in failed[bad.output_dir]
     assert (good.output_dir / "summary.json").is_file()
+
+
+def test_a_diverged_run_is_recorded_scored_zero_and_not_trained_again(tiny_config, tmp_path, monkeypatch):
+    """A rate whose run diverges (no finite update) is the worst of its grid, not the end
+    of the tuning; the run's directory says so, and a rerun of the benchmark does not train
+    it again (the record is of its config: another config there would be trained)."""
+    import tuning
+
+    from fedpeft.engines.guard import DivergedError
+
+    trained = []
+
+    def run(cfg, resume=False):  # diverges above lr 0.01
+        trained.append(cfg.train.lr)
+        cfg.output_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.train.lr > 0.01:
+            raise DivergedError("round 2: every sampled client's update is not finite", 2, None)
+        return {}
+
+    monkeypatch.setattr(tuning, "run", run)
+    make = lambda lr, **over: tiny_config(output_dir=str(tmp_path / f"lr{lr:g}"), **{"train.lr": lr, **over})  # noqa: E731
+
+    def score(setting: dict) -> float:  # a higher rate scores higher, unless it diverged
+        tuning.run_or_reuse(make(setting["lr"]))
+        return setting["lr"]
+
+    best, report = tuning.tune_method(score, grid=[0.005, 0.01, 0.02], extend=0, keep=False)
+    assert best["lr"] == 0.01 and "0.02/reset: 0.000" in report
+    assert "round 2" in (tmp_path / "lr0.02" / tuning.DIVERGED).read_text()
+    with pytest.raises(tuning.Diverged, match="round 2"):
+        tuning.run_or_reuse(make(0.02))
+    assert trained == [0.005, 0.01, 0.02]
+    with pytest.raises(tuning.Diverged):
+        tuning.run_or_reuse(make(0.02, **{"train.rounds": 3}))  # another config: trained
+    assert trained == [0.005, 0.01, 0.02, 0.02]
