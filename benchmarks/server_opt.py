@@ -50,6 +50,7 @@ live in ``--tuned-file`` (``benchmarks/tuned/server_opt.json``, keyed
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 
@@ -264,9 +265,13 @@ def table_dir(args, method: str, split: str, row: str, seed: int) -> Path:
 
 
 def table_runs(args, methods, splits, rows, seeds) -> tuple[dict[tuple[str, str, str], list[Path]], dict]:
-    """Every table run (reused when finished), and the failed ones' errors."""
+    """Every table run (reused when finished), and the failed ones' errors. The targets
+    are read first: a missing tuning run stops the table before it trains."""
     keys = [key(m, s, r) for m in methods for s in splits for r in ["fedavg", *rows]]
     tuned = read_tuned(args.tuned_file, keys)
+    for method in methods:
+        for split in splits:
+            target_accuracy(args, method, split, tuned[key(method, split, "fedavg")])
     runs, configs = {}, []
     for method in methods:
         for split in splits:
@@ -323,7 +328,12 @@ def robust_settings(args) -> dict[str, dict]:
     """Each aggregator's client setting: the mean's is FedAvg's (the mean is FedAvg), the
     others' their own tuned ones (``--tune --robust``)."""
     row = {rule: "fedavg" if rule == "mean" else f"robust-{rule}" for rule in AGGREGATORS}
-    tuned = read_tuned(args.tuned_file, [key("fedlr", "dirichlet", r) for r in row.values()])
+    keys = [key("fedlr", "dirichlet", r) for r in row.values()]
+    done = json.loads(args.tuned_file.read_text()) if args.tuned_file.is_file() else {}
+    if missing := [k for k in keys if k not in done]:
+        raise SystemExit(f"{args.tuned_file}: no tuned setting for {missing}; run --tune --methods fedlr "
+                         "--splits dirichlet (FedAvg), then --tune --robust (the aggregators)")  # fmt: skip
+    tuned = read_tuned(args.tuned_file, keys)
     return {rule: tuned[key("fedlr", "dirichlet", r)] for rule, r in row.items()}
 
 

@@ -17,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import multiprocessing
+import os
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -32,6 +34,11 @@ from fedpeft.report.results import read_records, read_summary
 LR_GRID = [1e-3, 2e-3, 5e-3]
 TUNED_DIR = Path(__file__).parent / "tuned"
 DIVERGED = "diverged.json"  # beside a run that stopped diverged: its config's fingerprint and why
+DIVERGED_SCORE = -math.inf  # a diverged run's tuning score: below every run that trained
+
+
+class Busy(RuntimeError):
+    """Another process holds the run directory (:func:`only_writer`)."""
 
 
 class Diverged(RuntimeError):
@@ -66,13 +73,17 @@ def tune_method(
     and is not extended. Then ``keep`` at each best rate, unless ``keep`` is False (a
     method whose kept per-client state does not fit the machine) or the grid is flat. The
     tie rule: of the settings that share the best score, the lowest rate, and ``reset``
-    before ``keep``."""
+    before ``keep``. A rate whose run diverged is the worst of all (the report says
+    "diverged"); when every rate diverged the grid grows downwards, and if none ever
+    trains the tuning stops, naming the grid."""
     rates = sorted(grid)
-    score = _diverged_scores_zero(score)
+    score = _diverged_scores_worst(score)
     scores = {(lr, "reset"): score({"lr": lr, "optimizer_state": "reset"}) for lr in rates}
 
     def best_rates() -> list[float]:
         top = max(scores[(x, "reset")] for x in rates)
+        if top == DIVERGED_SCORE:  # every rate diverged: follow the grid down
+            return rates[:1]
         return [x for x in rates if scores[(x, "reset")] == top]
 
     for _ in range(extend):
@@ -87,20 +98,23 @@ def tune_method(
     for lr in best_rates() if keep and not flat else []:
         scores[(lr, "keep")] = score({"lr": lr, "optimizer_state": "keep"})
     top = max(scores.values())
+    shown = lambda acc: "diverged" if acc == DIVERGED_SCORE else f"{acc:.3f}"  # noqa: E731
+    report = ", ".join(f"{x:g}/{st}: {shown(acc)}" for (x, st), acc in sorted(scores.items()))
+    if top == DIVERGED_SCORE:
+        raise SystemExit(f"every setting diverged ({report}); start the grid lower")
     best_lr, state = min((k for k, v in scores.items() if v == top), key=lambda k: (k[0], k[1] != "reset"))
-    report = ", ".join(f"{x:g}/{st}: {acc:.3f}" for (x, st), acc in sorted(scores.items()))
     return {"lr": best_lr, "optimizer_state": state, "grid": report}, f"{report} -> lr {best_lr:g}, {state}"
 
 
-def _diverged_scores_zero(score: Callable[[dict], float]) -> Callable[[dict], float]:
-    """``score``, with a setting whose run diverged scoring 0 (the worst; said once)."""
+def _diverged_scores_worst(score: Callable[[dict], float]) -> Callable[[dict], float]:
+    """``score``, with a setting whose run diverged scoring ``DIVERGED_SCORE`` (said once)."""
 
     def scored(setting: dict) -> float:
         try:
             return score(setting)
         except Diverged as err:
-            print(f"  lr {setting['lr']:g}, {setting['optimizer_state']}: {err}; scored 0", flush=True)
-            return 0.0
+            print(f"  {err}; the worst score of its grid", flush=True)
+            return DIVERGED_SCORE
 
     return scored
 
@@ -120,10 +134,15 @@ def validation_accuracy(out: Path) -> float:
 
 
 def write_tuned(path: Path, best: dict[str, dict]) -> None:
-    """Merge ``best`` into the JSON file ``path`` (tuning runs in parallel, a few methods each)."""
-    done = json.loads(path.read_text()) if path.is_file() else {}
+    """Merge ``best`` into the JSON file ``path`` (tuning runs in parallel, a few methods
+    each: one writer at a time, under a lock beside it, and the file replaced whole)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**done, **best}, indent=1, sort_keys=True) + "\n")
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = json.loads(path.read_text()) if path.is_file() else {}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({**done, **best}, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
 
 
 def read_tuned(path: Path, keys: list[str], untuned: dict | None = None) -> dict[str, dict]:
@@ -167,9 +186,7 @@ def only_writer(out: Path):
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise SystemExit(
-                f"{out}: another process is running it; run each table from one process"
-            ) from None
+            raise Busy(f"{out}: another process is running it; run each table from one process") from None
         yield
 
 

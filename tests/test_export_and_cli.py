@@ -1,6 +1,7 @@
 """The CLI's commands write what they promise (exports: tests/test_export.py)."""
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -72,6 +73,14 @@ def test_cli_run_partition_report_methods(tiny_config, tmp_path, monkeypatch):
     assert page.count('src="data:image/png;base64,') == 6
     assert "final local accuracy" in page and "Labels per client" in page
     assert page.count("<pre>") == 2 and "name: fedbf" in page  # each run's resolved config
+    assert "No partition heatmap" not in page
+    # a run that drew no figures (log.plots: false): the page says how to draw its heatmap
+    from fedpeft.report.html import write_report
+
+    (tmp_path / "b" / "partition_heatmap.png").unlink()
+    page = write_report([Path(d) for d in runs], ["a", "b"], tmp_path / "nofig.html").read_text()
+    assert page.count('src="data:image/png;base64,') == 5
+    assert f"<code>fedpeft partition {tmp_path / 'b'}/config.yaml</code> draws it" in page
     assert "<script" not in page and "http" not in page.replace(str(tmp_path), "")  # nothing fetched
 
     res = runner.invoke(app, ["partition", str(path), "--set", f"output_dir={tmp_path / 'p'}"])

@@ -163,7 +163,7 @@ def test_a_diverged_run_is_recorded_scored_zero_and_not_trained_again(tiny_confi
         return setting["lr"]
 
     best, report = tuning.tune_method(score, grid=[0.005, 0.01, 0.02], extend=0, keep=False)
-    assert best["lr"] == 0.01 and "0.02/reset: 0.000" in report
+    assert best["lr"] == 0.01 and "0.02/reset: diverged" in report
     assert "round 2" in (tmp_path / "lr0.02" / tuning.DIVERGED).read_text()
     with pytest.raises(tuning.Diverged, match="round 2"):
         tuning.run_or_reuse(make(0.02))
@@ -171,3 +171,17 @@ def test_a_diverged_run_is_recorded_scored_zero_and_not_trained_again(tiny_confi
     with pytest.raises(tuning.Diverged):
         tuning.run_or_reuse(make(0.02, **{"train.rounds": 3}))  # another config: trained
     assert trained == [0.005, 0.01, 0.02, 0.02]
+
+
+def test_when_every_rate_diverges_the_grid_goes_down_and_stops_if_none_trains():
+    from tuning import Diverged
+
+    def score(setting: dict) -> float:  # trains at 1e-3 and below only
+        if setting["lr"] > 1e-3:
+            raise Diverged(f"lr {setting['lr']:g}: diverged")
+        return 0.5
+
+    best, report = tune_method(score, grid=[2e-3, 4e-3], extend=1, keep=False)
+    assert best["lr"] == 1e-3 and report.startswith("0.001/reset: 0.500, 0.002/reset: diverged")
+    with pytest.raises(SystemExit, match="every setting diverged"):
+        tune_method(score, grid=[8e-3, 16e-3], extend=1, keep=False)

@@ -435,23 +435,24 @@ def submit(
         run_id = int(json.loads(reply.stdout)["run-id"])
     except (json.JSONDecodeError, KeyError) as err:
         raise DeployError(f"flwr run gave no run id: {reply.stdout[-800:]} {reply.stderr[-800:]}") from err
-    # the run's log: echoed, or kept in the work directory (its tail explains a timeout)
+    # the run's log: echoed, or kept in the work directory (its tail explains a failure)
     log_file = workdir / f"run-{run_id}.log"
-    with open(log_file, "wb") as sink:
+    with contextlib.ExitStack() as files:
+        sink = None if echo else files.enter_context(open(log_file, "wb"))
         logs = subprocess.Popen(
             [_script("flwr"), "log", str(run_id), CONNECTION, "--stream"],
             env=flower_env(home),
-            stdout=None if echo else sink,
+            stdout=sink,
             stderr=subprocess.STDOUT,
         )
+    said = lambda: "" if echo else f"; the run's log ({log_file}) ends:\n{_tail(log_file)}"  # noqa: E731
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while not (status := run_status(home, run_id)).get("status", "").startswith("finished"):
             if deadline is not None and time.monotonic() > deadline:
                 _flwr(home, "stop", str(run_id), CONNECTION, check=False)
-                tail = "" if echo else f"; the run's log ({log_file}) ends:\n{_tail(log_file)}"
                 raise DeployError(
-                    f"run {run_id} still {status.get('status')} after {timeout:g} s; stopped{tail}"
+                    f"run {run_id} still {status.get('status')} after {timeout:g} s; stopped{said()}"
                 )
             time.sleep(1)
     finally:
@@ -460,7 +461,7 @@ def submit(
         stop(logs)
     status["run-id"] = run_id
     if status["status"] != "finished:completed":
-        raise DeployError(f"run {run_id} {status['status']}: {status.get('status-details', '')}")
+        raise DeployError(f"run {run_id} {status['status']}: {status.get('status-details', '')}{said()}")
     return status
 
 

@@ -94,6 +94,7 @@ class FedExLoRA(FedAvgPeft):
 
     # ----- the exact aggregate
     def aggregate(self, server: ServerState, results: list[FitResult], rnd: int) -> ServerState:
+        self._held_for = (None,)  # let the old state go: the next downlink compares the new one
         weights = torch.tensor([float(r.num_examples) for r in results], dtype=torch.float64)
         weights /= weights.sum()
         mean = self.mean([r.uplink for r in results], [r.num_examples for r in results])
