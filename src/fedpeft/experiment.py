@@ -575,15 +575,10 @@ def finish(
     )
     R.write_json(out / "summary.json", summary)
     if cfg.log.plots:
-        from fedpeft.report.plots import (
-            plot_accuracy,
-            plot_drift,
-            plot_readouts,
-            plot_variation,
-        )  # slow import
+        from fedpeft.report import plots  # slow import: matplotlib
 
-        plot_accuracy({cfg.name: records}, out)
-        plot_variation({cfg.name: records}, out)
-        plot_readouts(records, out)
-        plot_drift({cfg.name: records}, out)
+        plots.plot_accuracy({cfg.name: records}, out)
+        plots.plot_variation({cfg.name: records}, out)
+        plots.plot_readouts(records, out)
+        plots.plot_drift({cfg.name: records}, out)
     return summary
