@@ -39,7 +39,7 @@ trains at its own client rate, tuned without faulty clients on seed 3 (``--tune
 no-fault cell is the table's FedAvg run.
 
     .venv/bin/python benchmarks/server_opt.py --tune [--methods fedlr] [--splits dirichlet] [--rows ...]
-    .venv/bin/python benchmarks/server_opt.py --tune --robust
+    .venv/bin/python benchmarks/server_opt.py --tune --robust [--aggregators median,krum]
     .venv/bin/python benchmarks/server_opt.py [--seeds 0,1,2] [--robust]
 
 Runs are picked up from ``--out`` when finished (``tuning.run_or_reuse``); tuned settings
@@ -346,7 +346,7 @@ def tune_robust(args) -> None:
         key("fedlr", "dirichlet", "fedavg")
     ]
     print(f"tuning each aggregator's client rate on seed {TUNING_SEED}, FedLR, Dirichlet, no faulty clients")
-    for rule in [r for r in AGGREGATORS if r != "mean"]:
+    for rule in args.aggregators.split(","):
 
         def score(setting: dict, rule: str = rule) -> float:
             train = {"lr": setting["lr"], "optimizer_state": base["optimizer_state"]}
@@ -411,6 +411,8 @@ def main() -> None:
     ap.add_argument(
         "--robust", action="store_true", help="the robustness table (with --tune: each aggregator's rate)"
     )
+    ap.add_argument("--aggregators", default=",".join(r for r in AGGREGATORS if r != "mean"),
+                    help="--tune --robust: the aggregators to tune (the mean's is FedAvg's)")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--steps", type=int, default=5, help="local steps a round")
     ap.add_argument("--examples", type=int, default=3000, help="training pool (all clients)")
@@ -432,6 +434,8 @@ def main() -> None:
     ):
         if unknown := [x for x in given if x not in known]:
             ap.error(f"--{what}: unknown {unknown}; choose from {list(known)}")
+    if unknown := [a for a in args.aggregators.split(",") if a not in AGGREGATORS or a == "mean"]:
+        ap.error(f"--aggregators: {unknown} not tuned; choose from {[a for a in AGGREGATORS if a != 'mean']}")
     seeds = [int(s) for s in args.seeds.split(",")]
     if TUNING_SEED in seeds:
         ap.error(f"--seeds: {TUNING_SEED} is the tuning seed; a table reports other seeds")

@@ -1,23 +1,27 @@
 #!/usr/bin/env bash
 # On the device machine: run a benchmark command until LIMIT seconds have passed, then
 # stop it and pack the records of every run that finished meanwhile (config.yaml,
-# metrics.jsonl, summary.json: what a benchmark re-reads) and the tuned files into
+# metrics.jsonl, summary.json or diverged.json: what a benchmark re-reads) and the tuned files into
 # $OUT/records.tar.gz; the command's output is $OUT/log. Unpack the archive in the
 # checkout here and commit it; a cut-off run starts afresh next time.
 #   bash scripts/device/harvest.sh LIMIT RESULTS_DIR command ...
 set -uo pipefail
 limit=$1 results=$2; shift 2
 touch /tmp/harvest-start
+# a run's directory once it has finished (summary.json) or diverged (diverged.json, a tuning run)
+finished() { find "$results" \( -name summary.json -o -name diverged.json \) -newer /tmp/harvest-start -printf '%h\n'; }
 setsid "$@" > "$OUT/log" 2>&1 &  # its own process group: stopped with all its workers
 start=$SECONDS
 while [ $((SECONDS - start)) -lt "$limit" ] && kill -0 $! 2>/dev/null; do
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader >> "$OUT/gpu.log"
-  echo "$((SECONDS - start)) s: $(find "$results" -name summary.json -newer /tmp/harvest-start | wc -l) runs finished"
+  echo "$((SECONDS - start)) s: $(finished | wc -l) runs finished"
   sleep 15
 done
 kill -TERM -- -$! 2>/dev/null; sleep 2
-mapfile -t done < <(find "$results" -name summary.json -newer /tmp/harvest-start -printf '%h\n')
+mapfile -t done < <(finished)
 files=(benchmarks/tuned/*.json)
-for run in "${done[@]}"; do files+=("$run/config.yaml" "$run/metrics.jsonl" "$run/summary.json"); done
+for run in "${done[@]}"; do
+  for f in config.yaml metrics.jsonl summary.json diverged.json; do [ -f "$run/$f" ] && files+=("$run/$f"); done
+done
 tar -czf "$OUT/records.tar.gz" "${files[@]}"
 echo "${#done[@]} runs finished"; tail -c 4000 "$OUT/log"
