@@ -195,12 +195,19 @@ def run_or_reuse(cfg: ExperimentConfig) -> dict:
     finished run of this very config (a benchmark resumes where it stopped, also on
     another machine), else a fresh run (picking up a cut-off one from its checkpoint). A
     finished run of another config is an error: its figures must not stand in for these.
-    One process at a time runs a directory (:func:`only_writer`)."""
+    One process at a time runs a directory (:func:`only_writer`); a finished one is read
+    by any number at once (processes tuning rows beside each other all reuse FedAvg's)."""
+    if (summary := _recorded(cfg)) is not None:
+        return summary
     with only_writer(cfg.output_dir):
-        return _run_or_reuse(cfg)
+        if (summary := _recorded(cfg)) is not None:  # finished while this process waited
+            return summary
+        return _run(cfg)
 
 
-def _run_or_reuse(cfg: ExperimentConfig) -> dict:
+def _recorded(cfg: ExperimentConfig) -> dict | None:
+    """The summary of the finished run of ``cfg`` in its directory, or None; a recorded
+    divergence raises :class:`Diverged`."""
     out = cfg.output_dir
     if (out / DIVERGED).is_file():
         recorded = json.loads((out / DIVERGED).read_text())
@@ -214,6 +221,11 @@ def _run_or_reuse(cfg: ExperimentConfig) -> dict:
         if (why := made_the_old_way(raw)) is not None:
             raise SystemExit(f"{out}: a run made before {why}; remove it (or use another --out) to re-run it")
         return read_summary(out)
+    return None
+
+
+def _run(cfg: ExperimentConfig) -> dict:
+    out = cfg.output_dir
     try:
         return run(cfg, resume=(out / "checkpoint.pt").is_file())
     except DivergedError as err:

@@ -137,6 +137,13 @@ def test_a_run_directory_has_one_writer_and_a_failed_run_can_leave_the_others_go
     assert list(failed) == [bad.output_dir] and "no-backbone" in failed[bad.output_dir]
     assert (good.output_dir / "summary.json").is_file()
 
+    from tuning import Busy, run_or_reuse
+
+    with only_writer(good.output_dir):  # a finished run is read beside a process holding it
+        assert run_or_reuse(good)["name"] == good.name
+    with only_writer(bad.output_dir), pytest.raises(Busy, match="another process"):
+        run_or_reuse(bad)  # an unfinished one is not trained twice at once
+
 
 def test_a_diverged_run_is_recorded_scored_zero_and_not_trained_again(tiny_config, tmp_path, monkeypatch):
     """A rate whose run diverges (no finite update) is the worst of its grid, not the end

