@@ -9,14 +9,16 @@
 #     bash scripts/device/chains.sh privacy methods fedlr,ffalora,fedsb,pf2lora \
 #       rows none-devices,clip-devices,user-1,user-3,user-8,none-silos,sample-1,sample-3,sample-8
 # and issue 33's: chains.sh lora_family methods fedlr,federa,...,fedsb ranks equal,hetero
+# CHAIN_ARGS (say "--rounds 1 --out /tmp/x --tuned-file /tmp/x.json") goes to every command.
 set -u
-[ $# -ge 5 ] || { sed -n '2,11p' "$0"; exit 2; }
+[ $# -ge 5 ] || { sed -n '2,12p' "$0"; exit 2; }
 bench=$1 opt_a=$2 values_a=$3 opt_b=$4 values_b=$5 jobs=${6:-3}
 export OMP_NUM_THREADS=1
 for a in ${values_a//,/ }; do
   for b in ${values_b//,/ }; do
-    (python3 "benchmarks/$bench.py" --tune "--$opt_a" "$a" "--$opt_b" "$b" &&
-      python3 "benchmarks/$bench.py" "--$opt_a" "$a" "--$opt_b" "$b" --jobs "$jobs") 2>&1 |
+    # shellcheck disable=SC2086  # CHAIN_ARGS: words
+    (python3 "benchmarks/$bench.py" --tune "--$opt_a" "$a" "--$opt_b" "$b" ${CHAIN_ARGS:-} &&
+      python3 "benchmarks/$bench.py" "--$opt_a" "$a" "--$opt_b" "$b" --jobs "$jobs" ${CHAIN_ARGS:-}) 2>&1 |
       sed -u "s/^/[$a $b] /" &
   done
 done
