@@ -263,12 +263,12 @@ class FedSB(FedAvgPeft):
     def summed_gradients(self, model, job: Job, rows: torch.Tensor) -> FitResult:
         """The full-weight gradients summed over ``rows`` of the client's data (in batches
         of ``train.batch_size``), as a setup round's result."""
-        data = job.client.train
+        data, device = job.client.train, next(model.parameters()).device
         loss = model_loss(model)
         current = {**read_tensors(model, self.shared_names), **self.params_of(job.personal)}
+        current = {n: t.to(device) for n, t in current.items()}
         weights = {
-            w: t.detach().clone().requires_grad_(True)
-            for w, t in read_tensors(model, list(self.frozen)).items()
+            w: t.to(device).requires_grad_(True) for w, t in read_tensors(model, list(self.frozen)).items()
         }
         total, summed = {w: torch.zeros(shape) for w, shape in self.frozen.items()}, 0.0
         was_training = model.training
@@ -277,7 +277,8 @@ class FedSB(FedAvgPeft):
             with torch.enable_grad():
                 for start in range(0, len(rows), self.train.batch_size):
                     chunk = rows[start : start + self.train.batch_size]
-                    value = loss({**current, **weights}, make_batch(data, chunk)) * len(chunk)  # a sum
+                    batch = {k: v.to(device) for k, v in make_batch(data, chunk.to(data.ids.device)).items()}
+                    value = loss({**current, **weights}, batch) * len(chunk)  # a sum
                     for w, g in zip(weights, torch.autograd.grad(value, list(weights.values())), strict=True):
                         total[w] += g.float().cpu()
                     summed += float(value.detach())
