@@ -11,7 +11,7 @@ tmp=${STAGE_TMP:-/tmp} share=${STAGE_SHARE:-/usr/share}  # elsewhere only to try
 site=$tmp/site
 mkdir -p "$tmp/w" "$site"
 for part in .gpu/c*/part-*; do [ -f "$part" ] && cp "$part" "$tmp/w/"; done
-manifest=$(ls .gpu/c*/manifest 2>/dev/null | head -1)
+manifest=$(ls .gpu/c*/manifest 2>/dev/null | head -1 || true)  # none carried: a later call
 if [ ! -f "$site/.installed" ] && [ -n "$manifest" ]; then
   read -r count sum < "$manifest"
   have=$(ls "$tmp"/w/part-* | wc -l)
