@@ -109,7 +109,7 @@ def test_fp16_refuses_a_value_it_cannot_hold():
         K.encode({"w": torch.tensor([1.0, -7e4])}, CodecConfig(codec="fp16"))
 
 
-@pytest.mark.parametrize("codec", ["topk", "randk", "int8"])
+@pytest.mark.parametrize("codec", ["topk", "randk", "int8", "nf4", "fp16", "bf16"])
 def test_error_feedback_sends_and_keeps_exactly_the_update_plus_the_old_residual(codec):
     torch.manual_seed(1)
     cfg = CodecConfig(codec=codec, fraction=0.1, error_feedback=True)
@@ -120,11 +120,21 @@ def test_error_feedback_sends_and_keeps_exactly_the_update_plus_the_old_residual
     update = K.decode(sent.message, cfg, 5)["w"]
     true_sum = (uplink["w"] - received["w"]) + residual["w"]
     assert torch.allclose(update + sent.residual["w"], true_sum, atol=1e-7, rtol=0)
-    if codec != "int8":  # a sparsifier's sent values are exact: so is the split
+    assert not torch.equal(update, true_sum)  # lossy: there is a residual to keep
+    if codec in K.SPARSIFIERS:  # a sparsifier's sent values are exact: so is the split
         assert torch.equal((update + sent.residual["w"])[update != 0], true_sum[update != 0])
     # the server adds the decoded update to what it sent
     got = K.receive_update(sent.message, received, cfg, 5)["w"]
     assert torch.allclose(got, received["w"] + update, atol=1e-6)
+    # over rounds: what reached the server plus what is still kept is all the client's updates
+    residual, delivered, updates = {"w": torch.zeros(30, 20)}, torch.zeros(30, 20), torch.zeros(30, 20)
+    for rnd in range(4):
+        step = {"w": received["w"] + 0.01 * torch.randn(30, 20)}
+        sent = K.send_update(step, received, residual, cfg, seed=rnd)
+        delivered += K.decode(sent.message, cfg, rnd)["w"]
+        updates += step["w"] - received["w"]
+        residual = sent.residual
+    assert torch.allclose(delivered + residual["w"], updates, atol=1e-6, rtol=0)
 
 
 def test_a_residual_of_another_shape_is_dropped_and_empty_or_scalar_tensors_travel():
@@ -221,17 +231,19 @@ def test_topk_keeps_its_residual_on_the_client_and_resumes_it(tiny_config, tmp_p
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     assert [r["local"] for r in a] == [r["local"] for r in b]
     # the clients' states as the run left them: the residual beside the personal state,
-    # which is all the method is given
-    engine = make_engine(build(cut), None, None)
-    engine.start(resume=True)
+    # which is all the method is given, and every tensor of it the uninterrupted run's
+    engine, straight = make_engine(build(cut), None, None), make_engine(build(whole), None, None)
+    engine.start(resume=True), straight.start(resume=True)
     trained = [c for c in engine.clients if c.cid in engine.personal]
-    assert trained
+    assert trained and sorted(c.cid for c in trained) == sorted(straight.personal.keys())
     for client in trained:
         stored = engine.personal[client.cid]
         residual = {k: v for k, v in stored.items() if k.startswith(K.RESIDUAL)}
         assert residual and any(bool(v.abs().sum() > 0) for v in residual.values())
         assert sorted(k[len(K.RESIDUAL) :] for k in residual) == sorted(engine.method.shared_names)
         assert not any(k.startswith(K.RESIDUAL) for k in engine.personal_of(client))
+        kept = straight.personal[client.cid]
+        assert stored.keys() == kept.keys() and all(torch.equal(t, kept[n]) for n, t in stored.items())
 
 
 @pytest.mark.parametrize(
@@ -273,6 +285,15 @@ def test_the_flower_path_compresses_as_in_process(tiny_config, tmp_path, method,
 
     assert array_bytes(replies) == sum(r["payload_bytes_up"] for r in b)
     assert array_bytes(trains) == sum(r["payload_bytes_down"] for r in b)
+    # and bytes_up / bytes_down are the serialised sizes (the deflated objects Flower pushes
+    # and pulls) of exactly those messages: a join's setup, sent with an evaluation, counted
+    # too, and no other evaluation traffic
+    joins = [
+        m.content["join"] for m in grid.sent if "join" in m.content and m.metadata.message_type != "train"
+    ]
+    assert sum(map(codec.wire_bytes, replies)) == sum(r["bytes_up"] for r in b)
+    down = sum(map(codec.wire_bytes, trains)) + sum(map(codec.wire_bytes, joins))
+    assert down == sum(r["bytes_down"] for r in b)
     node = next(iter(apps._nodes.values()))
     shared = set(node.method.shared_names)
     updates = [codec.from_record(m.content["uplink"]) for m in grid.replies if "uplink" in m.content]

@@ -77,6 +77,32 @@ def test_each_examples_gradient_is_clipped_to_c_and_the_noise_is_sigma_c(step):
     )
 
 
+def test_each_per_example_gradient_is_clipped_on_its_own(step):
+    """A clip between the rows' gradient norms: the step is the mean of the rows' gradients,
+    each taken alone and cut to C alone (those under C untouched), not the batch's gradient
+    cut once; every row's clipped norm is at most C; the mean is over the rows drawn."""
+    gradients, params, batch = step
+    rows = [gradients(params, {}, ({k: v[i : i + 1] for k, v in batch.items()},))[1] for i in range(ROWS)]
+    norms = sorted(flat_norm(g) for g in rows)
+    clip = (norms[ROWS // 2 - 1] + norms[ROWS // 2]) / 2  # half the rows above C, half under
+    clipped = [{n: t * min(1.0, clip / flat_norm(g)) for n, t in g.items()} for g in rows]
+    assert sum(flat_norm(g) > clip for g in rows) == ROWS // 2
+    assert all(flat_norm(g) <= clip * (1 + 1e-6) for g in clipped)
+    _, grads = private_gradients(gradients, SampleDP(clip, 0.0, ROWS), params, {}, (batch,), {})
+    for name in params:
+        loop = sum(g[name] for g in clipped) / ROWS
+        torch.testing.assert_close(grads[name], loop, rtol=1e-4, atol=1e-7)
+    # a client of fewer rows than the batch draws them all: their mean, not their sum over
+    # the batch size (which would shrink its steps, silently, by rows / batch)
+    _, few = private_gradients(gradients, SampleDP(clip, 0.0, 4 * ROWS), params, {}, (batch,), {})
+    for name in params:
+        torch.testing.assert_close(few[name], grads[name], rtol=1e-6, atol=0.0)
+    # which is not the batch's gradient cut to C once
+    _, whole, _ = gradients(params, {}, (batch,))
+    once = torch.cat([(t * min(1.0, clip / flat_norm(whole))).flatten() for t in whole.values()])
+    assert not torch.allclose(torch.cat([grads[n].flatten() for n in params]), once, rtol=1e-3, atol=1e-6)
+
+
 def test_a_clients_noise_is_its_own_whatever_its_cohort(tiny_config):
     setup = build(tiny_config())
     method = setup.method

@@ -16,6 +16,7 @@ from fedpeft.methods.ffalora import frozen_a_names
 from fedpeft.peft.lora import lora_layers
 from fedpeft.report.results import read_records
 from tests.test_cohort import _jobs
+from tests.test_reliability import kill_in_round
 
 #: FlexLoRA with clients of ranks 1, 4 and 2 (repeated over the clients) inside r_max = 4
 FLEX = {"name": "flexlora", "lora": {"r": 4}, "ranks": [1, 4, 2]}
@@ -747,3 +748,20 @@ def test_fedsb_sets_up_in_the_first_round_that_draws_a_client_on_both_engines(ti
         assert rb["clients_returned"] == ra["clients"] and "dropped" not in rb
         assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-6)
         assert rb["global"] == pytest.approx(ra["global"], rel=1e-6)
+
+
+@pytest.mark.slow  # about 10 s: the default tier stays under its 10 minutes (CI's slow tier runs it)
+def test_fedsb_resumes_after_its_clients_hold_b_and_a_with_the_memory_check_on(tiny_config, tmp_path):
+    """Resumed after every client received ``B`` and ``A`` (so the server sends them no
+    more), the memory check probes a client as its next round would pair its downlink and
+    the state it holds, and the run ends as the uninterrupted one."""
+    extra = {"method": FEDSB, "train.rounds": 3, "partition.num_clients": 2, "train.memory_check": True}
+    whole = tiny_config(output_dir=str(tmp_path / "whole"), **extra)
+    cut = tiny_config(output_dir=str(tmp_path / "cut"), **extra)
+    run(whole)
+    kill_in_round(cut, 3)
+    run(cut, resume=True)
+    a, b = read_records(whole.output_dir), read_records(cut.output_dir)
+    assert [r["loss"] for r in a] == [r["loss"] for r in b] and [r["global"] for r in a] == [
+        r["global"] for r in b
+    ]

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from fedpeft.config import ConfigError, PrivacyConfig
+from fedpeft.engines import checkpoint as C
 from fedpeft.engines import privacy as DP
 from fedpeft.engines.inprocess import sample_clients
-from fedpeft.experiment import build, make_engine, run
+from fedpeft.experiment import build, fingerprint, make_engine, run
 from fedpeft.methods.base import FitResult
 from fedpeft.report.results import read_records, read_summary
 from tests.test_flower_bridge import deploy, forget_nodes, serve  # noqa: F401 (forget_nodes: autouse)
@@ -43,6 +44,18 @@ def test_an_update_is_clipped_to_the_bound_jointly_and_left_alone_within_it():
     small = {n: x + 1e-3 * d for (n, x), d in zip(received.items(), state(1).values(), strict=True)}
     within = DP.privatise(p, small, received, 0.5, 1.0, seed=0, method="m")
     assert within.fitted and within.uplink is small  # user mode: nothing added on the client
+    # local mode: the same clip, then the client's own noise on the clipped update
+    local = PrivacyConfig(mode="local", noise_multiplier=1.0, clip=0.5)
+    quiet = DP.update_of(
+        DP.privatise(local, big, received, 0.5, 0.0, seed=0, method="m").uplink, received, "m"
+    )
+    for name in raw:
+        torch.testing.assert_close(quiet[name], sent[name], rtol=1e-6, atol=1e-7)
+    noisy = DP.update_of(
+        DP.privatise(local, big, received, 0.5, 1.0, seed=0, method="m").uplink, received, "m"
+    )
+    added = torch.cat([(noisy[n] - sent[n]).flatten() for n in raw])
+    assert float(added.std()) == pytest.approx(1.0 * 0.5, rel=0.3)  # sigma C, on 127 values
 
 
 def test_the_noise_has_std_sigma_c_on_the_sum_and_sigma_c_locally():
@@ -183,6 +196,47 @@ def test_without_noise_and_with_a_clip_no_update_reaches_each_mode_is_the_plain_
         assert rb["privacy"]["clipped"] == 0 and rb["privacy"]["epsilon"] is None  # inf: no bound
     summary = read_summary(private.output_dir)["privacy"]
     assert summary["mode"] == mode and summary["epsilon"] is None
+    assert_same_model(plain, private, exact=True)
+
+
+def assert_same_model(plain, private, exact: bool) -> None:
+    """The two runs' last checkpoints hold the same global tensors and the same clients'
+    personal tensors: bit for bit, or (``exact`` False) to float32 round-off."""
+    same = torch.equal if exact else lambda x, y: torch.allclose(x, y, rtol=1e-4, atol=1e-6)
+    ca = C.load_checkpoint(plain.output_dir / "checkpoint.pt", fingerprint(plain))
+    cb = C.load_checkpoint(private.output_dir / "checkpoint.pt", fingerprint(private))
+    assert ca.server.tensors.keys() == cb.server.tensors.keys() and ca.server.tensors
+    for name, t in ca.server.tensors.items():
+        assert same(t, cb.server.tensors[name]), name
+    assert ca.personal.keys() == cb.personal.keys()
+    for cid in ca.personal:
+        mine, theirs = ca.personal[cid], cb.personal[cid]
+        assert all(same(t, theirs[n]) for n, t in mine.items()), cid
+
+
+@pytest.mark.slow  # about 10 s: the default tier stays under its 10 minutes (CI's slow tier runs it)
+def test_dp_sgd_without_noise_or_a_clip_reached_is_the_plain_run_to_round_off(tiny_config, tmp_path):
+    """Sample mode, sigma 0 and a clip of 1e9: the same steps, the same model; only to
+    float32 round-off, since the step averages per-example gradients (a vmap over the rows)
+    where the plain run differentiates the batch's mean loss. DP-SGD draws each batch
+    anew (its accountant's sampling) where the plain run deals out passes over the data:
+    with a batch of all a client's rows the two draw the same rows. SGD: Adam's step would
+    blow round-off in near-zero gradients up to the rate."""
+    extra = {"train.rounds": 3, "train.batch_size": 10_000, "train.optimizer": "sgd", "train.lr": 0.5}
+    plain = tiny_config(output_dir=str(tmp_path / "plain"), **extra)
+    private = tiny_config(
+        output_dir=str(tmp_path / "dp"),
+        **extra,
+        privacy={"mode": "sample", "noise_multiplier": 0.0, "clip": 1e9},
+    )
+    run(plain), run(private)
+    a, b = read_records(plain.output_dir), read_records(private.output_dir)
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["clients"] == ra["clients"]
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5)
+        assert rb["global"] == pytest.approx(ra["global"], rel=1e-5)
+    assert read_summary(private.output_dir)["privacy"]["mode"] == "sample"
+    assert_same_model(plain, private, exact=False)
 
 
 @pytest.mark.slow  # 10-12 s: out of the default tier for its 10 minutes (CI's slow tier runs it)
@@ -219,15 +273,36 @@ def test_a_run_that_would_exceed_its_budget_is_refused_before_it_trains(tiny_con
     assert DP.check_budget(cfg.privacy, acc, first_over - 1) <= 5.0
 
 
+@pytest.mark.slow  # it builds the server's model: the default tier stays under its 10 minutes
+def test_a_deployed_run_over_its_budget_is_refused_before_any_round(tiny_config, tmp_path):
+    """The Flower server checks the same plan before it asks any node to train."""
+    cfg = tiny_config(
+        **{"train.rounds": 6, "privacy": {"mode": "user", "noise_multiplier": 0.8, "target_epsilon": 5.0}}
+    )
+    grid = deploy(cfg, tmp_path)
+    with pytest.raises(
+        ConfigError, match=r"privacy.target_epsilon 5: .* round \d of train.rounds 6 would spend"
+    ):
+        serve(grid)
+    assert not [m for m in grid.sent if m.metadata.message_type == "train"]
+    assert not (cfg.output_dir / "metrics.jsonl").exists()
+
+
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        ({"server.aggregation": "median"}, "server.aggregation median reads the individual updates"),
+        *[
+            (
+                {"server.aggregation": rule, "train.clients_per_round": 5, "partition.num_clients": 6},
+                f"server.aggregation {rule} reads the individual updates",
+            )
+            for rule in ("median", "trimmed_mean", "krum", "multi_krum")
+        ],
         ({"method": {"name": "fedamp"}}, "method fedamp: its server weighs .* noises only the sum"),
         ({"train.correction": "scaffold", "train.optimizer": "sgd"}, "train.correction scaffold"),
         ({"privacy.adaptive_clip": True, "privacy.mode": "local"}, "user mode only"),
     ],
-    ids=["robust", "fedamp", "scaffold", "adaptive-local"],
+    ids=["median", "trimmed_mean", "krum", "multi_krum", "fedamp", "scaffold", "adaptive-local"],
 )
 def test_what_cannot_go_with_a_privacy_mode_is_refused_naming_it(tiny_config, overrides, match):
     def private(**more):
@@ -329,7 +404,11 @@ def test_the_flower_path_clips_on_the_nodes_and_noises_as_in_process(tiny_config
     clips = [float(m.content["config"]["clip"]) for m in trains]
     assert clips[0] == 0.05 and len(clips) == 2 * 3  # two clients a round, three rounds
     assert (len(set(clips)) > 1) == settings.get("adaptive_clip", False)  # the bound moves only if adaptive
-    assert read_summary(flower.output_dir)["privacy"]["epsilon"] == pytest.approx(a[-1]["privacy"]["epsilon"])
+    deployed, inproc = read_summary(flower.output_dir)["privacy"], read_summary(local.output_dir)["privacy"]
+    assert deployed["epsilon"] == pytest.approx(a[-1]["privacy"]["epsilon"])
+    assert deployed["mode"] == settings["mode"] and deployed.keys() == inproc.keys()
+    for key, value in inproc.items():  # delta, noise multiplier, the final epsilon, ...
+        assert deployed[key] == (pytest.approx(value, rel=1e-9) if isinstance(value, float) else value), key
 
 
 def test_poisson_sampling_draws_each_client_with_probability_q():

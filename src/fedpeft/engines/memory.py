@@ -182,8 +182,10 @@ class _Probe:
         self.method = probe_copy(engine.method, engine.model)
         self.device = next(engine.model.parameters()).device
         self.client = max(engine.clients, key=lambda c: len(c.train))
+        # what the client would be sent and what it holds, as its next round would pair
+        # them (a resumed run's client may hold state its downlink then leaves out)
         self.received = self.method.downlink(server, self.client.cid)
-        self.personal = self.method.init_client(engine.model, engine.initial, self.client)
+        self.personal = engine.personal_of(self.client)
         self.state = self.method.eval_state(engine.model, self.received, self.personal, self.client)
         self.longest = int(self.client.train.lengths.max())
         scorer = engine.scorer

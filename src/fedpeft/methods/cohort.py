@@ -312,7 +312,9 @@ class SampleDP:
     """Sample-level DP-SGD (``privacy.mode: sample``; Abadi et al. 2016): every step's
     batch is ``batch`` rows drawn without replacement, each row's gradient is clipped to
     ``clip`` (all of a client's trained tensors as one vector), and ``N(0, (sigma clip)^2)``
-    is added to their sum, which is divided by ``batch``."""
+    is added to their sum, which is divided by the rows drawn: ``batch``, or all of a
+    client's rows when it has fewer (a constant of the client's, public under replace-one
+    neighbours, whose row counts are the same)."""
 
     clip: float
     sigma: float
@@ -329,8 +331,9 @@ def private_gradients(
     """The loss and DP-SGD's gradient of one client's step: ``gradients`` taken of each
     row of the step's one batch on its own (a ``vmap`` over the rows, inside the cohort's
     over the clients), each clipped to ``dp.clip``, summed, plus ``dp.sigma * dp.clip``
-    times ``noise`` (standard normal, drawn outside), over ``dp.batch`` rows. A padded row
-    (weight 0) has a zero gradient and adds nothing."""
+    times ``noise`` (standard normal, drawn outside), over the rows drawn (``dp.batch``, or
+    the client's all when it has fewer). A padded row (weight 0) has a zero gradient and
+    adds nothing, and is not counted."""
     (batch,) = batches
 
     def one(row: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Tensors]:
@@ -346,8 +349,8 @@ def private_gradients(
     if noise:
         summed = {n: g + dp.sigma * dp.clip * noise[n] for n, g in summed.items()}
     weight = batch.get("weight", torch.ones_like(losses))
-    loss = (losses * weight).sum() / weight.sum().clamp_min(1.0)
-    return loss, {n: g / dp.batch for n, g in summed.items()}
+    drawn = weight.sum().clamp_min(1.0)  # min(dp.batch, the client's rows): without replacement
+    return (losses * weight).sum() / drawn, {n: g / drawn for n, g in summed.items()}
 
 
 def backprop(loss: Callable[[Tensors, Tensors, StepInput], torch.Tensor], scale: float = 1.0) -> GradientFn:
