@@ -370,6 +370,35 @@ def test_adaptive_clipping_moves_the_bound_and_a_resumed_run_spends_and_clips_th
     assert DP.update_noise_multiplier(whole.privacy, 0.5, 2) > 0.5  # the count's noise is paid for
 
 
+@pytest.mark.slow  # two runs, one killed and resumed
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"mode": "local", "noise_multiplier": 0.3, "clip": 0.05},
+        {"mode": "sample", "target_epsilon": 8.0, "clip": 1.0},
+    ],
+    ids=["local", "sample"],
+)
+def test_a_resumed_private_run_spends_as_the_uninterrupted_one(tiny_config, tmp_path, settings):
+    """Local noise and DP-SGD: killed in round 3 and resumed, the same epsilon every round,
+    the same noise drawn (the same losses) and the same final model."""
+    extra = {"train.rounds": 4, "privacy": settings}
+    whole = tiny_config(output_dir=str(tmp_path / "whole"), **extra)
+    cut = tiny_config(output_dir=str(tmp_path / "cut"), **extra)
+    run(whole)
+    kill_in_round(cut, 3)
+    run(cut, resume=True)
+    a, b = read_records(whole.output_dir), read_records(cut.output_dir)
+    assert [r["privacy"] for r in a] == [r["privacy"] for r in b]
+    assert (
+        all(r["privacy"]["epsilon"] > 0 for r in a)
+        and a[0]["privacy"]["epsilon"] < a[-1]["privacy"]["epsilon"]
+    )
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert read_summary(whole.output_dir)["privacy"] == read_summary(cut.output_dir)["privacy"]
+    assert_same_model(whole, cut, exact=True)
+
+
 @pytest.mark.parametrize(
     "settings, method",
     [
