@@ -183,6 +183,9 @@ def test_rolora_trains_and_sends_b_then_a_in_turn(tiny_config):
         pytest.param("federa", marks=pytest.mark.slow),
         pytest.param("rolora", marks=pytest.mark.slow),
         pytest.param("fedsalora", marks=pytest.mark.slow),
+        pytest.param("lorafair", marks=pytest.mark.slow),
+        pytest.param("flexlora", marks=pytest.mark.slow),
+        pytest.param("hetlora", marks=pytest.mark.slow),
     ],
 )
 def test_dora_trains_its_magnitudes_cohorts_and_exports_for_peft(tiny_config, name):
@@ -198,7 +201,10 @@ def test_dora_trains_its_magnitudes_cohorts_and_exports_for_peft(tiny_config, na
 
     personal = name == "fedsalora"  # its B lives on the clients: a client's export
     over = {"train.rounds": 2, "export.personal": personal}
-    cfg = tiny_config(method={"name": name, "lora": {"use_dora": True}}, **over)
+    method = {"name": name, "lora": {"use_dora": True}}
+    if name in ("flexlora", "hetlora"):  # clients of ranks 2, 8 and 4: the magnitudes beside padded factors
+        method = {**method, "lora": {"r": 8, "use_dora": True}, "ranks": [2, 8, 4]}
+    cfg = tiny_config(method=method, **over)
     setup = build(cfg)
     magnitudes = [n for n in setup.method.shared_names if "lora_magnitude_vector" in n]
     assert magnitudes
@@ -218,11 +224,27 @@ def test_dora_trains_its_magnitudes_cohorts_and_exports_for_peft(tiny_config, na
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 
 
-def test_dora_is_refused_where_it_does_not_compose(tiny_config):
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("flora", "merges the clients' stacked LoRA"),
+        ("fedexlora", "its exactness folds"),
+        ("fedsb", "LoRA-SB's start"),
+        ("pf2lora", "not defined for DoRA's magnitudes"),
+    ],
+)
+def test_dora_is_refused_where_it_does_not_compose(tiny_config, name, why):
+    """Refused before any model is built, naming the method, why, and the methods it
+    composes with (every method whose class says so, and only those)."""
     from fedpeft.config import ConfigError
+    from fedpeft.methods import REGISTRY
 
-    with pytest.raises(ConfigError, match="method.lora.use_dora: not for method hetlora"):
-        build(tiny_config(method={"name": "hetlora", "lora": {"use_dora": True}}))
+    with pytest.raises(ConfigError, match=f"method.lora.use_dora: not for method {name}: ") as err:
+        build(tiny_config(method={"name": name, "lora": {"use_dora": True}}))
+    assert why in str(err.value)
+    composes = str(err.value).split("DoRA composes with ")[1].split(":")[0].split(", ")
+    said = {n for n, cls in REGISTRY.items() if cls.dora}
+    assert set(composes) == said >= {"fedlr", "lorafair", "flexlora"}
 
 
 def test_fedexlora_folds_the_residual_so_the_global_update_is_exact(tiny_config):

@@ -239,10 +239,12 @@ def check_dora(cfg: ExperimentConfig, method: Method) -> None:
     if lora is None or not lora.use_dora:
         return
     if not getattr(method, "dora", False):
+        from fedpeft.methods import REGISTRY
+
+        composes = ", ".join(name for name, cls in REGISTRY.items() if getattr(cls, "dora", False))
         raise ConfigError(
-            f"method.lora.use_dora: not for method {method.name} (DoRA composes with fedlr, federa, "
-            "ffalora, fedsalora, rolora, local and centralized: its magnitude is one more tensor each "
-            "trains and averages as it is)"
+            f"method.lora.use_dora: not for method {method.name}: {method.dora_refusal()} (DoRA composes "
+            f"with {composes}: its magnitude is one more tensor each trains and averages as it is)"
         )
     from peft.tuners.lora import dora
 

@@ -204,6 +204,10 @@ class Method:
     #: True when the local step differentiates a gradient (a hypergradient, MAML's outer
     #: step): it needs attention kernels with second derivatives (``cohort.training_attention``).
     higher_order: ClassVar[bool] = False
+    #: True when ``method.lora.use_dora`` composes: DoRA's magnitudes are then one more
+    #: trained tensor, averaged (or kept) as the method treats the head; else
+    #: :meth:`dora_refusal` says why not.
+    dora: ClassVar[bool] = False
     #: The tasks (``data.task``) the method is defined for, and for the others why not.
     tasks: ClassVar[tuple[str, ...]] = (
         "classification",
@@ -264,6 +268,10 @@ class Method:
     def aggregate(self, server: ServerState, results: list[FitResult], rnd: int) -> ServerState:
         states = [r.uplink for r in results]
         return ServerState(self.mean(states, [r.num_examples for r in results]), server.extras)
+
+    def dora_refusal(self) -> str:
+        """Why ``method.lora.use_dora`` does not compose with this method (``dora`` False)."""
+        return "its own handling of LoRA's factors or adapters is not defined for DoRA's magnitudes"
 
     def server_step_refusal(self) -> str:
         """Why a server optimiser (``server.optimizer``: a step along ``aggregate - current``

@@ -62,6 +62,12 @@ class FedExLoRA(FedAvgPeft):
         frozen = read_tensors(model, [w for w, _ in self.modules.values()])
         self.pretrained = {n: t.float() for n, t in frozen.items()}  # W0, for the export
 
+    def dora_refusal(self) -> str:
+        return (
+            "its exactness folds mean(B_k A_k) - mean(B_k) mean(A_k) into the frozen weight; under "
+            "DoRA the model normalises W0 + s B A, so the folded model would not be the clients' mean"
+        )
+
     def server_step_refusal(self) -> str:
         return (
             "its aggregate folds the residual of the clients' products into the frozen weights; a server "

@@ -146,6 +146,13 @@ class FedSB(FedAvgPeft):
         return math.ceil(self.cfg.init_samples / max(self.train.clients_per_round, 1))
 
     # ----- refusals
+    def dora_refusal(self) -> str:
+        return (
+            "LoRA-SB's start (B, A from the SVD of the full-weight gradient) approximates a full "
+            "fine-tuning step by a plain LoRA update; under DoRA's normalised direction it is not "
+            "that approximation (neither paper defines one)"
+        )
+
     def server_step_refusal(self) -> str:
         return "its first round is a setup round whose aggregate is an SVD, not a step"
 

@@ -65,6 +65,7 @@ class FlexLoRA(FedAvgPeft):
     name = "flexlora"
     config_cls = FlexLoRAConfig
     kind = "lora"
+    dora = True  # DoRA's magnitudes: trained and averaged, as the head is
 
     def prepare(self, model) -> None:
         super().prepare(model)

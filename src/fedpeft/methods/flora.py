@@ -111,6 +111,13 @@ class FLoRA(FedAvgPeft):
         return client_rank(self.cfg.ranks, cid, self.seed, self.cfg.lora.r)
 
     # ----- refusals
+    def dora_refusal(self) -> str:
+        return (
+            "each round merges the clients' stacked LoRA into the frozen weight and starts a fresh "
+            "one; under DoRA the model is a magnitude times a normalised direction, so that merge "
+            "would not be the clients' weighted update"
+        )
+
     def server_step_refusal(self) -> str:
         return "its clients restart LoRA every round from the merged weights; there are no factors to step"
 

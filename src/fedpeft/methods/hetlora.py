@@ -193,6 +193,7 @@ class HETLoRA(FedAvgPeft):
     name = "hetlora"
     config_cls = HETLoRAConfig
     kind = "lora"
+    dora = True  # DoRA's magnitudes: trained and averaged, as the head is
 
     def initial_rank(self, cid: int) -> int:
         return client_rank(self.cfg.rank_draw(), cid, self.seed, self.cfg.lora.r)

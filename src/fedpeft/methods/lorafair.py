@@ -96,6 +96,7 @@ class LoRAFAIR(FedAvgPeft):
     name = "lorafair"
     config_cls = LoRAFAIRConfig
     kind = "lora"
+    dora = True  # DoRA's magnitudes: trained and averaged, as the head is
 
     def prepare(self, model) -> None:
         super().prepare(model)
