@@ -72,8 +72,8 @@ SCAFFOLD = {"train.correction": "scaffold", "train.optimizer": "sgd", "train.lr"
 CASES = [({"name": "fedlr"}, {}), (PF2, {}), ({"name": "federa"}, {}), (HET, KEEP), ({"name": "fedmcp"}, {}),
          (FDLORA, {}), ({"name": "c2a"}, {}), ({"name": "ffalora"}, {}),
          ({"name": "rolora"}, KEEP), ({"name": "fedexlora"}, {}), (FLEX, KEEP), ({"name": "lorafair"}, {}),
-         ({**FLEX, "name": "flora"}, KEEP), (FEDSB, KEEP), ({"name": "fedlr"}, SERVER_LAYERS),
-         ({"name": "fedmcp"}, SCAFFOLD)]  # fmt: skip
+         ({**FLEX, "name": "flora"}, KEEP), (FEDSB, KEEP), ({"name": "fedsalora"}, {}),
+         ({"name": "fedlr"}, SERVER_LAYERS), ({"name": "fedmcp"}, SCAFFOLD)]  # fmt: skip
 #: methods whose clients receive a join message once (FeDeRA's initial A, B; FFA-LoRA's frozen A)
 JOINING = ("federa", "ffalora")
 PERSONAL_CASES = [(PF2, {}), (PF2, KEEP), ({"name": "fedsalora"}, {}), (HET, KEEP), ({"name": "fedmcp"}, {}),
@@ -92,6 +92,7 @@ SLOW_CASES = (
     "fdlora",
     "c2a",
     "hetlora",
+    "fedsalora",
 )
 
 

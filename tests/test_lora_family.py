@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fedpeft.experiment import build, run
-from fedpeft.methods.base import FitResult, ServerState, read_tensors
+from fedpeft.methods.base import FitResult, Job, ServerState, read_tensors
 from fedpeft.methods.ffalora import frozen_a_names
 from fedpeft.peft.lora import lora_layers
 from fedpeft.report.results import read_records
@@ -367,9 +367,9 @@ def test_flexlora_refuses_a_rank_above_r_max_and_server_steps(tiny_config):
         build(tiny_config(method=FLEX, **{"server.optimizer": "fedadam", "server.lr": 0.1}))
 
 
-def test_the_rank_setting_is_one_for_hetlora_and_flexlora(tiny_config):
-    """``method.ranks`` gives HETLoRA and FlexLoRA the same clients at the same ranks: a list
-    repeated over the clients, or a seeded draw (HETLoRA's default: uniform in
+def test_the_rank_setting_is_one_for_hetlora_flexlora_and_flora(tiny_config):
+    """``method.ranks`` gives HETLoRA, FlexLoRA and FLoRA the same clients at the same ranks:
+    a list repeated over the clients, or a seeded draw (HETLoRA's default: uniform in
     ``r_min..r_max`` seeded by ``rank_seed``, the draw it always made)."""
     import numpy as np
 
@@ -378,7 +378,10 @@ def test_the_rank_setting_is_one_for_hetlora_and_flexlora(tiny_config):
             tiny_config(method={"name": "hetlora", "lora": {"r": 4}, "r_min": 1, "ranks": ranks})
         ).method
         flex = build(tiny_config(method={**FLEX, "ranks": ranks})).method
-        assert [het.initial_rank(c) for c in range(6)] == [flex.rank(c) for c in range(6)]
+        flora = build(tiny_config(method={"name": "flora", "lora": {"r": 4}, "ranks": ranks})).method
+        expected = [het.initial_rank(c) for c in range(6)]
+        assert expected == [flex.rank(c) for c in range(6)] == [flora.rank(c) for c in range(6)]
+        assert len(set(expected)) > 1
     assert [flex.rank(c) for c in range(4)] == [
         np.random.default_rng([flex.seed, 2, c]).integers(1, 5) for c in range(4)
     ]
@@ -502,6 +505,15 @@ def test_flora_merges_the_stacked_update_exactly_and_sends_each_client_what_it_l
     assert done == 1
     for w, t in merged.items():
         torch.testing.assert_close(t, new.tensors[w], rtol=1e-6, atol=1e-6)
+    # and client 0 (rank 1) starts round 2 from a fresh LoRA on the merged weights: B zero,
+    # A drawn anew at its rank (not the A it trained), zero past it
+    start = method.cohort_start(model, Job(down, results[0].personal, setup.clients[0], seed=2))
+    for w, a, b, _ in method.modules.values():
+        torch.testing.assert_close(start.params[w], new.tensors[w], rtol=1e-6, atol=1e-6)
+        assert not start.params[b].any() and not start.params[a][1:].any()
+        assert start.params[a][:1].abs().min() > 0 and not torch.equal(
+            start.params[a][:1], results[0].uplink[a]
+        )
 
     late = len(setup.clients) - 1
     assert late > 2  # has never trained
