@@ -799,3 +799,29 @@ def test_fedsb_resumes_after_its_clients_hold_b_and_a_with_the_memory_check_on(t
     assert [r["loss"] for r in a] == [r["loss"] for r in b] and [r["global"] for r in a] == [
         r["global"] for r in b
     ]
+
+
+@pytest.mark.slow  # three methods' rounds, each as a cohort and one at a time
+@pytest.mark.parametrize(
+    "method", [{"name": "rolora"}, FLORA, {"name": "fedexlora"}], ids=["rolora", "flora", "fedexlora"]
+)
+def test_a_second_round_as_one_cohort_equals_one_at_a_time(tiny_config, method):
+    """Round 2, where the first leaves clients in different states: RoLoRA's ``A`` round;
+    FLoRA's clients (ranks 1, 4, 2) merging round 1's stacks, one from the state it kept
+    and two that never trained; FedEx-LoRA's clients on frozen weights a residual moved."""
+    from dataclasses import replace
+
+    from tests.test_cohort import assert_cohort_equals_alone
+
+    setup = build(tiny_config(method=method, **{"train.local_steps": 3}))
+    cids = [0, 1, 2]
+    results = setup.method.fit_cohort(setup.model, _jobs(setup, cids))
+    for cid, r in zip(cids, results, strict=True):
+        r.cid = cid
+    server = setup.method.aggregate(setup.method.init_server(setup.model), results, 1)
+    jobs = _jobs_from(setup, server, cids)
+    jobs[0] = replace(jobs[0], personal=results[0].personal)
+    if method["name"] == "rolora":  # the A round: A trains, B is frozen
+        names = setup.method.uplink_names(2)
+        assert any(".lora_A." in n for n in names) and not any(".lora_B." in n for n in names)
+    assert_cohort_equals_alone(setup, cids, method["name"], jobs=jobs)
