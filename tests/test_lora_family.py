@@ -825,3 +825,58 @@ def test_a_second_round_as_one_cohort_equals_one_at_a_time(tiny_config, method):
         names = setup.method.uplink_names(2)
         assert any(".lora_A." in n for n in names) and not any(".lora_B." in n for n in names)
     assert_cohort_equals_alone(setup, cids, method["name"], jobs=jobs)
+
+
+@pytest.mark.slow  # two methods' cohorts
+@pytest.mark.parametrize("method", [FLEX, FLORA], ids=["flexlora", "flora"])
+def test_clients_of_mixed_ranks_train_exactly_their_ranks_inside_a_cohort(tiny_config, method):
+    """Ranks 1, 4 and 2 inside r_max = 4, vmapped as one cohort: each client's factors are
+    masked to its rank (the padded rows of ``A`` and columns of ``B`` stay zero while it
+    trains), and everything within its rank trains."""
+    setup = build(tiny_config(method=method, **{"train.local_steps": 3}))
+    trained, finish = [], setup.method.cohort_finish
+
+    def spy(job, params, *args):  # the trained tensors, padded to r_max, before the cut
+        trained.append((job.client.cid, params))
+        return finish(job, params, *args)
+
+    setup.method.cohort_finish = spy
+    setup.method.fit_cohort(setup.model, _jobs(setup, [0, 1, 2]))
+    assert sorted(c for c, _ in trained) == [0, 1, 2]
+    for cid, params in trained:
+        rank = {0: 1, 1: 4, 2: 2}[cid]
+        factors = [(n, t) for n, t in params.items() if ".lora_A." in n or ".lora_B." in n]
+        assert factors
+        for name, t in factors:
+            inside, outside = (t[:rank], t[rank:]) if ".lora_A." in name else (t[:, :rank], t[:, rank:])
+            assert not outside.any() and inside.abs().sum() > 0, (cid, name)
+
+
+@pytest.mark.slow  # a run of five rounds, one of them drawing no client
+def test_rolora_alternates_by_the_round_number_in_a_run(tiny_config):
+    """In a run (Poisson sampling, seed 4: round 1 draws no client), every client of an odd
+    round trains and sends ``B`` with ``A`` frozen, of an even round ``A`` with ``B`` frozen;
+    a round that trains no one does not shift the alternation."""
+    cfg = tiny_config(
+        method={"name": "rolora"},
+        seed=4,
+        **{"train.rounds": 5, "train.client_sampling": "poisson"},
+    )
+    setup = build(cfg)
+    seen, finish = [], setup.method.cohort_finish
+
+    def spy(job, params, *args):
+        result = finish(job, params, *args)
+        seen.append((job.rnd, job.received, params, result.uplink))
+        return result
+
+    setup.method.cohort_finish = spy
+    run(cfg, setup=setup)
+    records = read_records(cfg.output_dir)
+    assert not records[0]["clients"] and {rnd for rnd, *_ in seen} >= {2, 3}
+    for rnd, received, params, uplink in seen:
+        sent, frozen = (".lora_B.", ".lora_A.") if rnd % 2 == 1 else (".lora_A.", ".lora_B.")
+        assert any(sent in n for n in uplink) and not any(frozen in n for n in uplink), rnd
+        for name, t in params.items():
+            if frozen in name:
+                assert torch.equal(t, received[name]), (rnd, name)
