@@ -17,7 +17,7 @@ from fedpeft.flower import apps, codec
 from fedpeft.methods.base import tensor_bytes
 from fedpeft.report.results import read_records
 from tests.test_flower_bridge import deploy, forget_nodes, serve  # noqa: F401 (forget_nodes: autouse)
-from tests.test_reliability import kill_in_round
+from tests.test_reliability import whole_and_resumed
 
 N = 1000  # values in the tensor under test: not a multiple of the blocks, nor even
 
@@ -222,12 +222,7 @@ def test_topk_keeps_its_residual_on_the_client_and_resumes_it(tiny_config, tmp_p
     """Error feedback's residual is the client's: stored beside its personal state, never
     shown to the method or exported; a run killed mid-round resumes to the same end."""
     extra = {"train.rounds": 4, "comm.uplink": {"codec": "topk", "fraction": 0.1}}
-    whole = tiny_config(output_dir=str(tmp_path / "whole"), **extra)
-    cut = tiny_config(output_dir=str(tmp_path / "cut"), **extra)
-    run(whole)
-    kill_in_round(cut, 3)  # on its second client
-    run(cut, resume=True)
-    a, b = read_records(whole.output_dir), read_records(cut.output_dir)
+    a, b, (whole, cut) = whole_and_resumed(tiny_config, tmp_path, **extra)  # killed in round 3
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     assert [r["local"] for r in a] == [r["local"] for r in b]
     # the clients' states as the run left them: the residual beside the personal state,

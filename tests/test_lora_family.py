@@ -16,7 +16,7 @@ from fedpeft.methods.ffalora import frozen_a_names
 from fedpeft.peft.lora import lora_layers
 from fedpeft.report.results import read_records
 from tests.test_cohort import _jobs
-from tests.test_reliability import kill_in_round
+from tests.test_reliability import whole_and_resumed
 
 #: FlexLoRA with clients of ranks 1, 4 and 2 (repeated over the clients) inside r_max = 4
 FLEX = {"name": "flexlora", "lora": {"r": 4}, "ranks": [1, 4, 2]}
@@ -790,12 +790,7 @@ def test_fedsb_resumes_after_its_clients_hold_b_and_a_with_the_memory_check_on(t
     more), the memory check probes a client as its next round would pair its downlink and
     the state it holds, and the run ends as the uninterrupted one."""
     extra = {"method": FEDSB, "train.rounds": 3, "partition.num_clients": 2, "train.memory_check": True}
-    whole = tiny_config(output_dir=str(tmp_path / "whole"), **extra)
-    cut = tiny_config(output_dir=str(tmp_path / "cut"), **extra)
-    run(whole)
-    kill_in_round(cut, 3)
-    run(cut, resume=True)
-    a, b = read_records(whole.output_dir), read_records(cut.output_dir)
+    a, b, (whole, cut) = whole_and_resumed(tiny_config, tmp_path, **extra)
     assert [r["loss"] for r in a] == [r["loss"] for r in b] and [r["global"] for r in a] == [
         r["global"] for r in b
     ]

@@ -20,7 +20,7 @@ from fedpeft.methods.base import FitResult
 from fedpeft.report.results import read_records, read_summary
 from tests.test_flower_bridge import deploy, forget_nodes, serve  # noqa: F401 (forget_nodes: autouse)
 from tests.test_lora_family import FEDSB
-from tests.test_reliability import kill_in_round
+from tests.test_reliability import whole_and_resumed
 
 
 def state(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
@@ -357,12 +357,7 @@ def test_adaptive_clipping_moves_the_bound_and_a_resumed_run_spends_and_clips_th
             "count_noise": 1.0,
         },
     }
-    whole = tiny_config(output_dir=str(tmp_path / "whole"), **extra)
-    cut = tiny_config(output_dir=str(tmp_path / "cut"), **extra)
-    run(whole)
-    kill_in_round(cut, 3)
-    run(cut, resume=True)
-    a, b = read_records(whole.output_dir), read_records(cut.output_dir)
+    a, b, (whole, cut) = whole_and_resumed(tiny_config, tmp_path, **extra)
     assert [r["privacy"] for r in a] == [r["privacy"] for r in b]
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     clips = [r["privacy"]["clip"] for r in a]
@@ -383,12 +378,7 @@ def test_a_resumed_private_run_spends_as_the_uninterrupted_one(tiny_config, tmp_
     """Local noise and DP-SGD: killed in round 3 and resumed, the same epsilon every round,
     the same noise drawn (the same losses) and the same final model."""
     extra = {"train.rounds": 4, "privacy": settings}
-    whole = tiny_config(output_dir=str(tmp_path / "whole"), **extra)
-    cut = tiny_config(output_dir=str(tmp_path / "cut"), **extra)
-    run(whole)
-    kill_in_round(cut, 3)
-    run(cut, resume=True)
-    a, b = read_records(whole.output_dir), read_records(cut.output_dir)
+    a, b, (whole, cut) = whole_and_resumed(tiny_config, tmp_path, **extra)
     assert [r["privacy"] for r in a] == [r["privacy"] for r in b]
     assert (
         all(r["privacy"]["epsilon"] > 0 for r in a)

@@ -176,6 +176,17 @@ def kill_in_round(cfg, rnd: int) -> None:
         run(cfg, setup=setup)
 
 
+def whole_and_resumed(tiny_config, tmp_path, rnd: int = 3, **extra) -> tuple[list[dict], list[dict], tuple]:
+    """The same run twice: uninterrupted (``whole/``), and killed on round ``rnd``'s second
+    client then resumed (``cut/``); their records, and their configs (whole, cut)."""
+    whole = tiny_config(output_dir=str(tmp_path / "whole"), **extra)
+    cut = tiny_config(output_dir=str(tmp_path / "cut"), **extra)
+    run(whole)
+    kill_in_round(cut, rnd)
+    run(cut, resume=True)
+    return read_records(whole.output_dir), read_records(cut.output_dir), (whole, cut)
+
+
 def test_a_truncated_client_state_is_named_at_resume_or_reset(tiny_config, tmp_path):
     cfg = spilling(tiny_config, tmp_path, "broken")
     kill_in_round(cfg, 3)
