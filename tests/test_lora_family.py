@@ -875,3 +875,26 @@ def test_rolora_alternates_by_the_round_number_in_a_run(tiny_config):
         for name, t in params.items():
             if frozen in name:
                 assert torch.equal(t, received[name]), (rnd, name)
+
+
+@pytest.mark.slow  # an in-process and a deployed run
+def test_dora_on_the_flower_path_gives_the_in_process_run(tiny_config, tmp_path):
+    """FlexLoRA with DoRA at ranks 1, 4 and 2 through Flower's ClientApp and ServerApp: the
+    magnitudes travel with the factors, and the records are the in-process run's."""
+    from fedpeft.flower import codec
+    from tests.test_flower_bridge import deploy, serve
+
+    over = {"method": {**FLEX, "lora": {"r": 4, "use_dora": True}}, "train.rounds": 2}
+    local = tiny_config(output_dir=str(tmp_path / "inproc"), **over)
+    flower = tiny_config(output_dir=str(tmp_path / "flower"), **over)
+    run(local)
+    grid = deploy(flower, tmp_path)
+    serve(grid)
+    a, b = read_records(local.output_dir), read_records(flower.output_dir)
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["clients"] == ra["clients"] and "dropped" not in rb
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-6)
+        assert rb["global"] == pytest.approx(ra["global"], rel=1e-6)
+        assert rb["payload_bytes_up"] == ra["bytes_up"]
+    replies = [codec.from_record(m.content["uplink"]) for m in grid.replies if "uplink" in m.content]
+    assert replies and all(any("lora_magnitude_vector" in n for n in u) for u in replies)
