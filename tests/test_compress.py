@@ -228,7 +228,8 @@ def test_topk_keeps_its_residual_on_the_client_and_resumes_it(tiny_config, tmp_p
     # the clients' states as the run left them: the residual beside the personal state,
     # which is all the method is given, and every tensor of it the uninterrupted run's
     engine, straight = make_engine(build(cut), None, None), make_engine(build(whole), None, None)
-    engine.start(resume=True), straight.start(resume=True)
+    engine.start(resume=True)
+    straight.start(resume=True)
     trained = [c for c in engine.clients if c.cid in engine.personal]
     assert trained and sorted(c.cid for c in trained) == sorted(straight.personal.keys())
     for client in trained:

@@ -97,6 +97,12 @@ def test_each_per_example_gradient_is_clipped_on_its_own(step):
     _, few = private_gradients(gradients, SampleDP(clip, 0.0, 4 * ROWS), params, {}, (batch,), {})
     for name in params:
         torch.testing.assert_close(few[name], grads[name], rtol=1e-6, atol=0.0)
+    # a cohort pads a client's batch with rows of weight 0: they add nothing and are not
+    # counted (three real rows of six: the mean of those three)
+    weighted = {**batch, "weight": torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])}
+    _, padded = private_gradients(gradients, SampleDP(clip, 0.0, ROWS), params, {}, (weighted,), {})
+    for name in params:
+        torch.testing.assert_close(padded[name], sum(g[name] for g in clipped[:3]) / 3, rtol=1e-4, atol=1e-7)
     # which is not the batch's gradient cut to C once
     _, whole, _ = gradients(params, {}, (batch,))
     once = torch.cat([(t * min(1.0, clip / flat_norm(whole))).flatten() for t in whole.values()])

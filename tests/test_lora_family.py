@@ -785,12 +785,24 @@ def test_fedsb_sets_up_in_the_first_round_that_draws_a_client_on_both_engines(ti
 
 
 @pytest.mark.slow  # about 10 s: the default tier stays under its 10 minutes (CI's slow tier runs it)
-def test_fedsb_resumes_after_its_clients_hold_b_and_a_with_the_memory_check_on(tiny_config, tmp_path):
+def test_fedsb_resumes_after_its_clients_hold_b_and_a_with_the_memory_check_on(
+    tiny_config, tmp_path, monkeypatch
+):
     """Resumed after every client received ``B`` and ``A`` (so the server sends them no
     more), the memory check probes a client as its next round would pair its downlink and
     the state it holds, and the run ends as the uninterrupted one."""
+    import fedpeft.engines.memory as memory
+
+    probed, probe = [], memory._Probe.__init__
+
+    def counted(self, engine, server):
+        probe(self, engine, server)
+        probed.append(1)
+
+    monkeypatch.setattr(memory._Probe, "__init__", counted)
     extra = {"method": FEDSB, "train.rounds": 3, "partition.num_clients": 2, "train.memory_check": True}
     a, b, (whole, cut) = whole_and_resumed(tiny_config, tmp_path, **extra)
+    assert len(probed) == 3  # the whole run, the killed one and the resumed one each probed
     assert [r["loss"] for r in a] == [r["loss"] for r in b] and [r["global"] for r in a] == [
         r["global"] for r in b
     ]
@@ -823,11 +835,16 @@ def test_a_second_round_as_one_cohort_equals_one_at_a_time(tiny_config, method):
 
 
 @pytest.mark.slow  # two methods' cohorts
-@pytest.mark.parametrize("method", [FLEX, FLORA], ids=["flexlora", "flora"])
+@pytest.mark.parametrize(
+    "method",
+    [FLEX, FLORA, {**FLEX, "lora": {"r": 4, "use_dora": True}}],
+    ids=["flexlora", "flora", "flexlora+dora"],
+)
 def test_clients_of_mixed_ranks_train_exactly_their_ranks_inside_a_cohort(tiny_config, method):
-    """Ranks 1, 4 and 2 inside r_max = 4, vmapped as one cohort: each client's factors are
-    masked to its rank (the padded rows of ``A`` and columns of ``B`` stay zero while it
-    trains), and everything within its rank trains."""
+    """Ranks 1, 4 and 2 inside r_max = 4, vmapped as one cohort (under DoRA, one at a
+    time): each client's factors are masked to its rank (the padded rows of ``A`` and
+    columns of ``B`` stay zero while it trains, DoRA's norm being a constant of the
+    backward pass), and everything within its rank trains."""
     setup = build(tiny_config(method=method, **{"train.local_steps": 3}))
     trained, finish = [], setup.method.cohort_finish
 

@@ -244,7 +244,7 @@ def check_dora(cfg: ExperimentConfig, method: Method) -> None:
         composes = ", ".join(name for name, cls in REGISTRY.items() if getattr(cls, "dora", False))
         raise ConfigError(
             f"method.lora.use_dora: not for method {method.name}: {method.dora_refusal()} (DoRA composes "
-            f"with {composes}: its magnitude is one more tensor each trains and averages as it is)"
+            f"with {composes}: its magnitudes are trained tensors beside the factors)"
         )
     from peft.tuners.lora import dora
 

@@ -213,6 +213,17 @@ class InProcessEngine:
         that never trains never holds state)."""
         return self.stored(client)[0]
 
+    def probed_state(self, client: ClientData) -> Tensors:
+        """:meth:`personal_of` for a probe, read without its side effects: a state that
+        cannot be read is neither dropped nor reported here (the client's round does that)
+        and counts as the initial one."""
+        if client.cid in self.personal:
+            try:
+                return compress.residual_of(self.personal[client.cid])[0]
+            except StoreError:
+                pass
+        return restrict_heads(self.method.init_client(self.model, self.initial, client), client.classes)
+
     def stored(self, client: ClientData) -> tuple[Tensors, Tensors]:
         """What client ``client`` keeps: its personal state (:meth:`personal_of`) and the
         residual of its compressed uplink (error feedback; empty without it)."""
@@ -588,8 +599,10 @@ def probe_cohort_size(engine: InProcessEngine, server: ServerState) -> int:
     longest = torch.argsort(client.train.lengths, descending=True)
     train_rows = client.train.subset(longest[: method.train.batch_size])
     probe = ClientData(client.cid, train_rows, client.train.subset(longest[: s.eval_batch_size]))
+    # what the client would be sent and what it holds, as its next round pairs them (a
+    # resumed run's client may hold state its downlink then leaves out: Fed-SB's B, A)
     received = method.downlink(server, client.cid)
-    personal = method.init_client(model, engine.initial, probe)
+    personal = engine.probed_state(client)
     state = {**received, **method.params_of(personal)}
     method.train = method.train.model_copy(update={"local_steps": 1})
 

@@ -185,7 +185,7 @@ class _Probe:
         # what the client would be sent and what it holds, as its next round would pair
         # them (a resumed run's client may hold state its downlink then leaves out)
         self.received = self.method.downlink(server, self.client.cid)
-        self.personal = engine.personal_of(self.client)
+        self.personal = engine.probed_state(self.client)
         self.state = self.method.eval_state(engine.model, self.received, self.personal, self.client)
         self.longest = int(self.client.train.lengths.max())
         scorer = engine.scorer

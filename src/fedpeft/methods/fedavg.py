@@ -21,9 +21,6 @@ class FedAvgPeft(Method):
     """FedAvg of the tensors that ``kind`` makes trainable."""
 
     kind: ClassVar[Trainable]
-    #: Whether ``method.lora.use_dora`` composes with the method: DoRA's magnitude is one
-    #: more trained and averaged tensor, which a plain FedAvg of LoRA takes as it is.
-    dora: ClassVar[bool] = False
 
     def trainable_kind(self) -> Trainable:
         """What is trainable: the config's ``trainable`` where the method has that option

@@ -16,7 +16,8 @@ first ``r_k`` of them are ``dW``'s best rank-``r_k`` approximation: that is what
 of the pretrained weight, not an increment). The head is averaged as in FedAvg.
 
 The global model is the server's rank-``r_max`` approximation (what a client of the
-largest rank receives); a plain PEFT LoRA adapter.
+largest rank receives); a PEFT LoRA adapter (a DoRA one under ``lora.use_dora``, whose
+magnitudes are averaged as the head).
 """
 
 from __future__ import annotations

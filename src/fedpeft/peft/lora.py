@@ -26,7 +26,8 @@ class LoraSpec(BaseModel):
         False,
         description="DoRA (Liu et al., ICML 2024; HF PEFT's): each adapted weight as a trained magnitude "
         "per output times the direction of W0 + s B A; for the LoRA methods it composes with (fedlr, "
-        "federa, ffalora, local, centralized).",
+        "federa, ffalora, fedsalora, rolora, lorafair, flexlora, hetlora, local, centralized; any other "
+        "refuses it, saying why).",
     )
     target_modules: list[str] = Field(
         default_factory=lambda: ["query", "value"],
