@@ -238,10 +238,10 @@ def check_dora(cfg: ExperimentConfig, method: Method) -> None:
     lora = getattr(cfg.method, "lora", None)
     if lora is None or not lora.use_dora:
         return
-    if not getattr(method, "dora", False):
+    if not method.dora:
         from fedpeft.methods import REGISTRY
 
-        composes = ", ".join(name for name, cls in REGISTRY.items() if getattr(cls, "dora", False))
+        composes = ", ".join(name for name, cls in REGISTRY.items() if cls.dora)
         raise ConfigError(
             f"method.lora.use_dora: not for method {method.name}: {method.dora_refusal()} (DoRA composes "
             f"with {composes}: its magnitudes are trained tensors beside the factors)"

@@ -222,6 +222,10 @@ class InProcessEngine:
                 return compress.residual_of(self.personal[client.cid])[0]
             except StoreError:
                 pass
+        return self.initial_state(client)
+
+    def initial_state(self, client: ClientData) -> Tensors:
+        """The method's initial personal state of ``client`` (its heads cut to its classes)."""
         return restrict_heads(self.method.init_client(self.model, self.initial, client), client.classes)
 
     def stored(self, client: ClientData) -> tuple[Tensors, Tensors]:
@@ -235,7 +239,7 @@ class InProcessEngine:
                     raise
                 del self.personal[client.cid]
                 self.resets[client.cid] = str(err)
-        return restrict_heads(self.method.init_client(self.model, self.initial, client), client.classes), {}
+        return self.initial_state(client), {}
 
     def load(self, tensors: Tensors) -> None:
         """Load tensors into the model unless exactly these are loaded already: every
