@@ -16,7 +16,7 @@ from fedpeft.experiment import build, make_engine, run
 from fedpeft.flower import apps, codec
 from fedpeft.methods.base import tensor_bytes
 from fedpeft.report.results import read_records
-from tests.test_flower_bridge import deploy, forget_nodes, serve  # noqa: F401 (forget_nodes: autouse)
+from tests.test_flower_bridge import deploy, forget_nodes, in_process_and_deployed, serve  # noqa: F401 (forget_nodes: autouse)
 from tests.test_reliability import whole_and_resumed
 
 N = 1000  # values in the tensor under test: not a multiple of the blocks, nor even
@@ -255,13 +255,8 @@ def test_the_flower_path_compresses_as_in_process(tiny_config, tmp_path, method,
     """The same runs through Flower's ClientApp and ServerApp: the same metrics, the same
     encoded bytes recorded (Flower's framing on top on the wire), the encoded parts of the
     shared tensors in every update, and the residual kept on the node alone."""
-    over = {"comm": comm, "train.rounds": 3}
-    local = tiny_config(method=method, output_dir=str(tmp_path / "inproc"), **over)
-    flower = tiny_config(method=method, output_dir=str(tmp_path / "flower"), **over)
-    run(local)
-    grid = deploy(flower, tmp_path)
-    serve(grid)
-    a, b = read_records(local.output_dir), read_records(flower.output_dir)
+    over = {"comm": comm, "train.rounds": 3, "method": method}
+    a, b, grid, (local, flower) = in_process_and_deployed(tiny_config, tmp_path, **over)
     for ra, rb in zip(a, b, strict=True):
         assert rb["clients"] == ra["clients"] and "dropped" not in rb
         assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-6)

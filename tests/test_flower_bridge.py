@@ -58,6 +58,17 @@ def serve(grid: FakeGrid, resume: bool = False) -> None:
     apps.server_app(grid, Context(7, 0, {}, RecordDict(), {**grid.run_config, "resume": resume}))
 
 
+def in_process_and_deployed(tiny_config, tmp_path, **over):
+    """The same config run in-process (``inproc/``) and through the fake federation
+    (``flower/``): both runs' records, the grid (its messages) and the two configs."""
+    local = tiny_config(output_dir=str(tmp_path / "inproc"), **over)
+    flower = tiny_config(output_dir=str(tmp_path / "flower"), **over)
+    run(local)
+    grid = deploy(flower, tmp_path)
+    serve(grid)
+    return read_records(local.output_dir), read_records(flower.output_dir), grid, (local, flower)
+
+
 HET = {"name": "hetlora", "lora": {"r": 4}, "r_min": 1}
 FLEX = {"name": "flexlora", "lora": {"r": 4}, "ranks": [1, 4, 2]}
 FEDSB = {"name": "fedsb", "lora": {"r": 4, "alpha": 4}, "init_samples": 12}

@@ -899,15 +899,10 @@ def test_dora_on_the_flower_path_gives_the_in_process_run(tiny_config, tmp_path)
     """FlexLoRA with DoRA at ranks 1, 4 and 2 through Flower's ClientApp and ServerApp: the
     magnitudes travel with the factors, and the records are the in-process run's."""
     from fedpeft.flower import codec
-    from tests.test_flower_bridge import deploy, serve
+    from tests.test_flower_bridge import in_process_and_deployed
 
     over = {"method": {**FLEX, "lora": {"r": 4, "use_dora": True}}, "train.rounds": 2}
-    local = tiny_config(output_dir=str(tmp_path / "inproc"), **over)
-    flower = tiny_config(output_dir=str(tmp_path / "flower"), **over)
-    run(local)
-    grid = deploy(flower, tmp_path)
-    serve(grid)
-    a, b = read_records(local.output_dir), read_records(flower.output_dir)
+    a, b, grid, _ = in_process_and_deployed(tiny_config, tmp_path, **over)
     for ra, rb in zip(a, b, strict=True):
         assert rb["clients"] == ra["clients"] and "dropped" not in rb
         assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-6)

@@ -18,7 +18,7 @@ from fedpeft.engines.inprocess import sample_clients
 from fedpeft.experiment import build, fingerprint, make_engine, run
 from fedpeft.methods.base import FitResult
 from fedpeft.report.results import read_records, read_summary
-from tests.test_flower_bridge import deploy, forget_nodes, serve  # noqa: F401 (forget_nodes: autouse)
+from tests.test_flower_bridge import deploy, forget_nodes, in_process_and_deployed, serve  # noqa: F401 (forget_nodes: autouse)
 from tests.test_lora_family import FEDSB
 from tests.test_reliability import whole_and_resumed
 
@@ -406,12 +406,7 @@ def test_the_flower_path_clips_on_the_nodes_and_noises_as_in_process(tiny_config
     same records (Fed-SB's: its setup round's gradient sums clipped and noised whole); the
     round's clip bound travels in the training message."""
     over = {"privacy": settings, "train.rounds": 3, "method": method}
-    local = tiny_config(output_dir=str(tmp_path / "inproc"), **over)
-    flower = tiny_config(output_dir=str(tmp_path / "flower"), **over)
-    run(local)
-    grid = deploy(flower, tmp_path)
-    serve(grid)
-    a, b = read_records(local.output_dir), read_records(flower.output_dir)
+    a, b, grid, (local, flower) = in_process_and_deployed(tiny_config, tmp_path, **over)
     for ra, rb in zip(a, b, strict=True):
         assert rb["clients"] == ra["clients"] and "dropped" not in rb
         assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-6)
