@@ -109,6 +109,37 @@ def test_each_per_example_gradient_is_clipped_on_its_own(step):
     assert not torch.allclose(torch.cat([grads[n].flatten() for n in params]), once, rtol=1e-3, atol=1e-6)
 
 
+def test_pf2loras_rows_each_take_a_bilevel_step_clipped_at_both_levels_together(tiny_config):
+    """PF2LoRA under DP-SGD: each row's gradient is its own bilevel step's (the upper
+    level's hypergradient and the client adapter's gradient, Algorithm 1's one-sample
+    step), the two clipped to C as one vector and their mean taken; the client adapter's
+    share is bounded and noised like the rest, so nothing a row moves escapes the clip."""
+    setup = build(tiny_config(**{"method": {"name": "pf2lora", "lora": {"r": 2}, "client_rank": 1}}))
+    model, method = setup.model.eval(), setup.method
+    torch.manual_seed(0)
+    with torch.no_grad():  # off the B = 0 / D = 0 start, so both levels have gradients
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    params = read_tensors(model, [n for n, p in model.named_parameters() if p.requires_grad])
+    lower = set(method.lower_names())
+    batch = Draw(setup.clients[0].train, torch.arange(ROWS)).batch()
+    with eager_attention(model):
+        gradients = method.step_gradients(model)
+        rows = [gradients(params, {}, ({k: v[i : i + 1] for k, v in batch.items()},))[1] for i in range(ROWS)]
+        assert all(set(g) == set(params) and flat_norm({n: g[n] for n in lower}) > 0 for g in rows)
+        norms = sorted(flat_norm(g) for g in rows)
+        clip = (norms[ROWS // 2 - 1] + norms[ROWS // 2]) / 2
+        _, grads = private_gradients(gradients, SampleDP(clip, 0.0, ROWS), params, {}, (batch,), {})
+    clipped = [{n: t * min(1.0, clip / flat_norm(g)) for n, t in g.items()} for g in rows]
+    for name in params:
+        torch.testing.assert_close(grads[name], sum(g[name] for g in clipped) / ROWS, rtol=1e-4, atol=1e-7)
+    # the upper level alone under C would not bound a row: the client adapter's share counts
+    upper_only = [flat_norm({n: t for n, t in g.items() if n not in lower}) for g in rows]
+    assert max(upper_only) < max(norms)
+    assert method.sgd_rates() == dict.fromkeys(method.lower_names(), method.cfg.lower_lr)
+
+
 def test_a_clients_noise_is_its_own_whatever_its_cohort(tiny_config):
     setup = build(tiny_config())
     method = setup.method
@@ -252,10 +283,12 @@ def test_a_deployed_client_whose_rows_would_overspend_refuses_to_train():
 
 
 @pytest.mark.slow  # two runs, one of them vmapped over clients and rows
-def test_a_clients_dp_sgd_round_does_not_depend_on_its_cohort(tiny_config, tmp_path):
+@pytest.mark.parametrize("method", ["fedlr", "pf2lora"])
+def test_a_clients_dp_sgd_round_does_not_depend_on_its_cohort(tiny_config, tmp_path, method):
     """Two clients vmapped together (rows vmapped inside) train as each alone does: the
-    same batches, noise and clipping, to float rounding."""
-    private = {"train.rounds": 2, "privacy": {"mode": "sample", "noise_multiplier": 1.0, "clip": 0.5}}
+    same batches, noise and clipping, to float rounding (PF2LoRA: a bilevel step a row)."""
+    private = {"train.rounds": 2, "method.name": method,
+               "privacy": {"mode": "sample", "noise_multiplier": 1.0, "clip": 0.5}}  # fmt: skip
     alone = tiny_config(output_dir=str(tmp_path / "alone"), **private, **{"train.cohort_size": 1})
     together = tiny_config(output_dir=str(tmp_path / "together"), **private, **{"train.cohort_size": 2})
     run(alone), run(together)

@@ -215,14 +215,20 @@ def assert_same_model(plain, private, exact: bool) -> None:
 
 
 @pytest.mark.slow  # about 10 s: the default tier stays under its 10 minutes (CI's slow tier runs it)
-def test_dp_sgd_without_noise_or_a_clip_reached_is_the_plain_run_to_round_off(tiny_config, tmp_path):
+@pytest.mark.parametrize(
+    "method", [{"name": "fedlr"}, {"name": "pf2lora", "bilevel": False}], ids=["fedlr", "pf2lora-ablation"]
+)
+def test_dp_sgd_without_noise_or_a_clip_reached_is_the_plain_run_to_round_off(tiny_config, tmp_path, method):
     """Sample mode, sigma 0 and a clip of 1e9: the same steps, the same model; only to
     float32 round-off, since the step averages per-example gradients (a vmap over the rows)
     where the plain run differentiates the batch's mean loss. DP-SGD draws each batch
     anew (its accountant's sampling) where the plain run deals out passes over the data:
     with a batch of all a client's rows the two draw the same rows. SGD: Adam's step would
-    blow round-off in near-zero gradients up to the rate."""
-    extra = {"train.rounds": 3, "train.batch_size": 10_000, "train.optimizer": "sgd", "train.lr": 0.5}
+    blow round-off in near-zero gradients up to the rate. PF2LoRA's ablation (plain
+    gradients at both levels, linear in the rows): its client adapter steps by SGD on the
+    rows' mean gradient too (the bilevel step a row is not the batch's: it is not compared)."""
+    extra = {"train.rounds": 3, "train.batch_size": 10_000, "train.optimizer": "sgd", "train.lr": 0.5,
+             "method": method}  # fmt: skip
     plain = tiny_config(output_dir=str(tmp_path / "plain"), **extra)
     private = tiny_config(
         output_dir=str(tmp_path / "dp"),

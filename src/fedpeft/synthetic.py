@@ -136,15 +136,15 @@ def run_pf2lora(
                     return _mse(problem, client.x_train, client.y_train, q[B] @ q[A] + q["d"] @ q["c"])
 
                 detached = {k: v.detach() for k, v in upper.items()}
-                _, grads, stepped = bilevel_step(
+                _, grads, g_low = bilevel_step(
                     loss_with, detached, {k: v.detach() for k, v in lower.items()}, lower_lr
                 )
                 for name, p in upper.items():
                     p.grad = grads[name]
                 opt.step()
                 with torch.no_grad():
-                    for k, v in stepped.items():
-                        lower[k].copy_(v)
+                    for k, g in g_low.items():
+                        lower[k].sub_(lower_lr * g)
             own.update({k: v.detach() for k, v in lower.items()})
             states.append({k: v.detach() for k, v in upper.items()})
         common = {k: sum(s[k] for s in states) / len(states) for k in common}

@@ -403,6 +403,13 @@ class Method:
         """The tensors ``train.optimizer`` steps (default: every trainable one)."""
         return [*self.shared_names, *self.personal_names]
 
+    def sgd_rates(self) -> dict[str, float]:
+        """Tensors the method steps by plain SGD at a rate of its own, outside
+        ``train.optimizer`` and ``train.max_grad_norm`` (name -> rate; PF2LoRA's lower
+        level). Their gradients come with the step's others, so DP-SGD clips and noises
+        them with the rest. Default: none."""
+        return {}
+
     def private_steps(self, n: int) -> tuple[int, int]:
         """``(every round, once more)``: the most local steps a client of ``n`` training rows
         takes in each round it trains in, every phase counted, and the steps it takes on top
@@ -427,8 +434,10 @@ class Method:
 
     def step_gradients(self, model: TaskModel) -> GradientFn:
         """``(params, consts, batches) -> (loss, grads, replaced)``, one client's gradients
-        at a step as a pure function: by default backprop of the cross-entropy on the
-        step's batch, scaled by :data:`LOSS_SCALE` in float16."""
+        at a step as a pure function (``grads`` for :meth:`optimised_names` and
+        :meth:`sgd_rates`; ``replaced``: tensors set outright, which DP-SGD refuses): by
+        default backprop of the cross-entropy on the step's batch, scaled by
+        :data:`LOSS_SCALE` in float16."""
         loss = model_loss(model)
         return backprop(lambda params, consts, batches: loss(params, batches[0]), model_scale(model))
 

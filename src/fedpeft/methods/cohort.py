@@ -761,9 +761,10 @@ def apply_gradients(method: Method, model: torch.nn.Module):
     the method's. With SCAFFOLD (``train.correction``), ``correction`` (``c - c_i`` per
     shared tensor) is added to the clipped gradient, so the step follows ``g - c_i + c``
     (clipping bounds the stochastic gradient, not the drift estimate). Then the optimizer
-    step; ``replaced``: tensors the method sets itself."""
+    step, and plain SGD at the method's own rate on :meth:`Method.sgd_rates`'s tensors;
+    ``replaced``: tensors the method sets itself."""
     cfg, skip_overflow = method.train, model_scale(model) != 1.0
-    mu = cfg.prox_mu
+    mu, rates = cfg.prox_mu, method.sgd_rates()
 
     def apply(
         params: Tensors,
@@ -774,15 +775,17 @@ def apply_gradients(method: Method, model: torch.nn.Module):
         anchor: Tensors,
         correction: Tensors,
     ):
+        own = {n: params[n] - rates[n] * g for n, g in grads.items() if n in rates}
+        stepped = {n: g for n, g in grads.items() if n not in rates}
         if anchor:
-            grads = {n: g + mu * (params[n] - anchor[n]) if n in anchor else g for n, g in grads.items()}
+            stepped = {n: g + mu * (params[n] - anchor[n]) if n in anchor else g for n, g in stepped.items()}
         clipped = {}
-        for group in clip_groups(method, grads):  # each model of a client clipped on its own
+        for group in clip_groups(method, stepped):  # each model of a client clipped on its own
             clipped.update(clip_gradients(group, cfg.max_grad_norm))
         if correction:
             clipped = {n: g + correction[n] if n in correction else g for n, g in clipped.items()}
         updated, new_opt = optimizer_step(params, clipped, opt, cfg)
-        new_params = {**params, **updated, **replaced}
+        new_params = {**params, **updated, **own, **replaced}
         if skip_overflow:  # float16: a step with an overflowed gradient changes nothing
             finite = torch.stack([torch.isfinite(g).all() for g in grads.values()]).all()
             new_params = {n: torch.where(finite, t, params[n]) for n, t in new_params.items()}

@@ -22,8 +22,13 @@ round. The global export holds the common adapter (and a shared head) only; a cl
 own model (``export.personal``) is one PEFT adapter of rank ``r + r2`` holding both.
 ``bilevel: false`` is the paper's ablation: both adapters take plain gradients of
 the same loss. Reading of the paper: steps 1 and 3 use the same mini-batch (Algorithm 1
-draws one sample per step). Ephemeral state: the upper-level AdamW state lives for one
-round, or is kept by the client with ``train.optimizer_state: keep``.
+draws one sample per step). Under sample-level DP-SGD (``privacy.mode: sample``) each
+row of a batch takes its own bilevel step (Algorithm 1's one-sample step), and its
+hypergradient and lower-level gradient are clipped together and noised with the others
+(everything a row moves, the client adapter included, is bounded and noised); the step is
+their noisy mean. Without DP a batch takes one bilevel step, as above. Ephemeral state:
+the upper-level AdamW state lives for one round, or is kept by the client with
+``train.optimizer_state: keep``.
 """
 
 from __future__ import annotations
@@ -65,24 +70,25 @@ def bilevel_step(
     lower_lr: float,
     bilevel: bool = True,
 ) -> tuple[torch.Tensor, Tensors, Tensors]:
-    """One bilevel step as a pure function (``torch.func``, so it vmaps over clients):
-    the batch loss ``f(upper, lower)``, the hypergradient of
-    ``f(upper, lower - lower_lr * grad_lower f(upper, lower))`` with respect to each upper
-    tensor (through the lower step: one Hessian-vector product), and the stepped lower
-    tensors. ``loss(tensors)`` is the batch loss with ``tensors`` in place of the model's.
-    ``bilevel=False`` (the ablation): plain gradients of ``f`` for both levels."""
+    """One bilevel step as a pure function (``torch.func``, so it vmaps over clients and,
+    under DP-SGD, over a batch's rows): the batch loss ``f(upper, lower)``, the
+    hypergradient of ``f(upper, lower - lower_lr * grad_lower f(upper, lower))`` with
+    respect to each upper tensor (through the lower step: one Hessian-vector product),
+    and ``grad_lower f(upper, lower)``, the lower level's SGD step's gradient (the step,
+    ``lower - lower_lr * it``, is the caller's). ``loss(tensors)`` is the batch loss with
+    ``tensors`` in place of the model's. ``bilevel=False`` (the ablation): plain
+    gradients of ``f`` for both levels."""
     if not bilevel:
         grads, value = grad_and_value(loss)({**upper, **lower})
-        stepped = {n: t - lower_lr * grads[n] for n, t in lower.items()}
-        return value, {n: grads[n] for n in upper}, stepped
+        return value, {n: grads[n] for n in upper}, {n: grads[n] for n in lower}
 
     def after_lower_step(up: Tensors) -> tuple[torch.Tensor, tuple[torch.Tensor, Tensors]]:
         g_low, value = grad_and_value(lambda low: loss({**up, **low}))(lower)  # depends on up
         stepped = {n: t - lower_lr * g_low[n] for n, t in lower.items()}
-        return loss({**up, **stepped}), (value, stepped)
+        return loss({**up, **stepped}), (value, g_low)
 
-    hyper, (value, stepped) = grad(after_lower_step, has_aux=True)(upper)
-    return value, hyper, stepped
+    hyper, (value, g_low) = grad(after_lower_step, has_aux=True)(upper)
+    return value, hyper, g_low
 
 
 class PF2LoRA(FedAvgPeft):
@@ -141,15 +147,21 @@ class PF2LoRA(FedAvgPeft):
         lower = set(self.lower_names())
         return [n for n in [*self.shared_names, *self.personal_names] if n not in lower]
 
+    def sgd_rates(self) -> dict[str, float]:
+        """The lower level steps by plain SGD at ``lower_lr``."""
+        return dict.fromkeys(self.lower_names(), self.cfg.lower_lr)
+
     def step_gradients(self, model) -> GradientFn:
-        """The upper level's hypergradient and the lower level's SGD step (:func:`bilevel_step`)."""
+        """The upper level's hypergradient and the lower level's gradient, whose SGD step
+        the engine takes (:func:`bilevel_step`, :meth:`sgd_rates`)."""
         loss, lower_names = model_loss(model), self.lower_names()
         eta, bilevel = self.cfg.lower_lr, self.cfg.bilevel
 
         def gradients(params: Tensors, consts: Tensors, batches):
             upper = {n: t for n, t in params.items() if n not in lower_names}
             lower = {n: params[n] for n in lower_names}
-            return bilevel_step(lambda p: loss(p, batches[0]), upper, lower, eta, bilevel)
+            value, hyper, g_low = bilevel_step(lambda p: loss(p, batches[0]), upper, lower, eta, bilevel)
+            return value, {**hyper, **g_low}, {}
 
         return gradients
 
