@@ -44,14 +44,14 @@ def test_per_example_gradients_are_a_loop_of_single_example_gradients(step):
     loop = {n: torch.zeros_like(p) for n, p in params.items()}
     losses = []
     for i in range(ROWS):
-        value, g, _ = gradients(params, {}, ({k: v[i : i + 1] for k, v in batch.items()},))
+        value, g = gradients(params, {}, ({k: v[i : i + 1] for k, v in batch.items()},))
         losses.append(float(value))
         loop = {n: loop[n] + g[n] / ROWS for n in loop}
     for name in params:
         torch.testing.assert_close(grads[name], loop[name], rtol=1e-4, atol=1e-7)
     assert float(loss) == pytest.approx(sum(losses) / ROWS, rel=1e-5)
     # and the batch's own gradient (a mean over its rows) is their mean
-    _, whole, _ = gradients(params, {}, (batch,))
+    _, whole = gradients(params, {}, (batch,))
     for name in params:
         torch.testing.assert_close(grads[name], whole[name], rtol=1e-3, atol=1e-6)
 
@@ -104,7 +104,7 @@ def test_each_per_example_gradient_is_clipped_on_its_own(step):
     for name in params:
         torch.testing.assert_close(padded[name], sum(g[name] for g in clipped[:3]) / 3, rtol=1e-4, atol=1e-7)
     # which is not the batch's gradient cut to C once
-    _, whole, _ = gradients(params, {}, (batch,))
+    _, whole = gradients(params, {}, (batch,))
     once = torch.cat([(t * min(1.0, clip / flat_norm(whole))).flatten() for t in whole.values()])
     assert not torch.allclose(torch.cat([grads[n].flatten() for n in params]), once, rtol=1e-3, atol=1e-6)
 

@@ -107,7 +107,7 @@ def test_the_loss_is_the_papers_combination(fedmcp):
     params = {n: t + 0.05 * torch.randn(t.shape, generator=gen) for n, t in start.params.items()}
     received = start.consts
     batch = next(iter(method.step_inputs(job.client, 1, job.generator())))[0]
-    value, grads, _ = method.step_gradients(model)(params, received, (batch,))
+    value, grads = method.step_gradients(model)(params, received, (batch,))
 
     features = model_features(model)
     ce = torch.nn.functional.cross_entropy
@@ -134,9 +134,9 @@ def test_contrast_equation_anchors_on_the_private_path(tiny_config):
     start = prose.method.cohort_start(prose.model, job)
     params = {n: t + 0.05 * torch.randn(t.shape, generator=gen) for n, t in start.params.items()}
     batch = next(iter(prose.method.step_inputs(job.client, 1, job.generator())))[0]
-    v_prose, _, _ = prose.method.step_gradients(prose.model)(params, start.consts, (batch,))
+    v_prose, _ = prose.method.step_gradients(prose.model)(params, start.consts, (batch,))
     prose.method.cfg = prose.method.cfg.model_copy(update={"contrast": "equation"})
-    v_eq, _, _ = prose.method.step_gradients(prose.model)(params, start.consts, (batch,))
+    v_eq, _ = prose.method.step_gradients(prose.model)(params, start.consts, (batch,))
     features = model_features(prose.model)
     with torch.no_grad():
         with adapter_mode(prose.model, "global"):

@@ -433,9 +433,8 @@ class Method:
         return (tuple(d.batch() for d in draws) for draws in self.step_draws(client, steps, generator))
 
     def step_gradients(self, model: TaskModel) -> GradientFn:
-        """``(params, consts, batches) -> (loss, grads, replaced)``, one client's gradients
-        at a step as a pure function (``grads`` for :meth:`optimised_names` and
-        :meth:`sgd_rates`; ``replaced``: tensors set outright, which DP-SGD refuses): by
+        """``(params, consts, batches) -> (loss, grads)``, one client's gradients at a step
+        as a pure function (of :meth:`optimised_names` and :meth:`sgd_rates`'s tensors): by
         default backprop of the cross-entropy on the step's batch, scaled by
         :data:`LOSS_SCALE` in float16."""
         loss = model_loss(model)

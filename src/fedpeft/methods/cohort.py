@@ -49,9 +49,10 @@ if TYPE_CHECKING:
 Batch = dict[str, torch.Tensor]
 #: One local step's input for one client: one batch, or more (Per-FedAvg's D1, D2).
 StepInput = tuple[Batch, ...]
-#: ``(params, consts, batches) -> (loss, gradients of the optimised tensors, other tensors'
-#: new values)``; the optimised tensors are those the gradients name.
-GradientFn = Callable[["Tensors", "Tensors", StepInput], tuple[torch.Tensor, "Tensors", "Tensors"]]
+#: ``(params, consts, batches) -> (loss, gradients)``: the gradients of the tensors the step
+#: moves (``train.optimizer`` steps them, or SGD at a rate of the method's own:
+#: :meth:`Method.sgd_rates`); the others stay as they are.
+GradientFn = Callable[["Tensors", "Tensors", StepInput], tuple[torch.Tensor, "Tensors"]]
 
 OPT = "opt."  # personal keys of a kept optimizer state: opt.<state key>.<parameter name>
 OWN = "own."  # personal keys of a client's private copy of a model: own.<parameter name>
@@ -337,10 +338,7 @@ def private_gradients(
     (batch,) = batches
 
     def one(row: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Tensors]:
-        loss, grads, replaced = gradients(params, consts, ({k: v.unsqueeze(0) for k, v in row.items()},))
-        if replaced:
-            raise ValueError("privacy.mode sample: this method's step replaces tensors besides its gradients")
-        return loss, grads
+        return gradients(params, consts, ({k: v.unsqueeze(0) for k, v in row.items()},))
 
     losses, per_row = vmap(one)(batch)
     norms = torch.stack([g.flatten(1).square().sum(1) for g in per_row.values()]).sum(0).sqrt()
@@ -355,8 +353,8 @@ def private_gradients(
 
 def backprop(loss: Callable[[Tensors, Tensors, StepInput], torch.Tensor], scale: float = 1.0) -> GradientFn:
     """The gradient of ``loss(params, consts, batches)`` with respect to every tensor of
-    ``params`` (none replaced otherwise); taken of ``scale * loss`` and divided back, so
-    that float16 gradients do not underflow."""
+    ``params``; taken of ``scale * loss`` and divided back, so that float16 gradients do
+    not underflow."""
 
     def gradients(params: Tensors, consts: Tensors, batches: StepInput):
         def scaled(p: Tensors) -> tuple[torch.Tensor, torch.Tensor]:
@@ -364,7 +362,7 @@ def backprop(loss: Callable[[Tensors, Tensors, StepInput], torch.Tensor], scale:
             return value * scale, value
 
         grads, value = first_order_grad(scaled, params)
-        return value, {n: g / scale for n, g in grads.items()} if scale != 1.0 else grads, {}
+        return value, {n: g / scale for n, g in grads.items()} if scale != 1.0 else grads
 
     return gradients
 
@@ -404,7 +402,7 @@ def backprop_reporting(
             return value * scale, reported
 
         grads, reported = first_order_grad(scaled, params)
-        return reported, {n: g / scale for n, g in grads.items()} if scale != 1.0 else grads, {}
+        return reported, {n: g / scale for n, g in grads.items()} if scale != 1.0 else grads
 
     return gradients
 
@@ -745,24 +743,22 @@ def local_step(method: Method, model: torch.nn.Module):
     ):
         if dp is not None:
             loss, grads = private_gradients(gradients, dp, params, consts, batches, noise)
-            replaced = {}
         else:
-            loss, grads, replaced = gradients(params, consts, batches)
-        return apply(params, opt, loss, grads, replaced, anchor, correction)
+            loss, grads = gradients(params, consts, batches)
+        return apply(params, opt, loss, grads, anchor, correction)
 
     return step
 
 
 def apply_gradients(method: Method, model: torch.nn.Module):
-    """``apply(params, opt, loss, grads, replaced, anchor, correction) -> (params, opt, loss)``:
+    """``apply(params, opt, loss, grads, anchor, correction) -> (params, opt, loss)``:
     what one client's local step does with its gradients, as a pure function. With FedProx
     (Li et al. 2020; ``train.prox_mu``), the gradient of ``mu/2 ||w - anchor||^2`` over the
     shared tensors joins the method's gradient before clipping; the loss reported stays
     the method's. With SCAFFOLD (``train.correction``), ``correction`` (``c - c_i`` per
     shared tensor) is added to the clipped gradient, so the step follows ``g - c_i + c``
     (clipping bounds the stochastic gradient, not the drift estimate). Then the optimizer
-    step, and plain SGD at the method's own rate on :meth:`Method.sgd_rates`'s tensors;
-    ``replaced``: tensors the method sets itself."""
+    step, and plain SGD at the method's own rate on :meth:`Method.sgd_rates`'s tensors."""
     cfg, skip_overflow = method.train, model_scale(model) != 1.0
     mu, rates = cfg.prox_mu, method.sgd_rates()
 
@@ -771,7 +767,6 @@ def apply_gradients(method: Method, model: torch.nn.Module):
         opt: Tensors,
         loss: torch.Tensor,
         grads: Tensors,
-        replaced: Tensors,
         anchor: Tensors,
         correction: Tensors,
     ):
@@ -785,7 +780,7 @@ def apply_gradients(method: Method, model: torch.nn.Module):
         if correction:
             clipped = {n: g + correction[n] if n in correction else g for n, g in clipped.items()}
         updated, new_opt = optimizer_step(params, clipped, opt, cfg)
-        new_params = {**params, **updated, **own, **replaced}
+        new_params = {**params, **updated, **own}
         if skip_overflow:  # float16: a step with an overflowed gradient changes nothing
             finite = torch.stack([torch.isfinite(g).all() for g in grads.values()]).all()
             new_params = {n: torch.where(finite, t, params[n]) for n, t in new_params.items()}

@@ -198,6 +198,6 @@ def folded_step(method: Method, model: nn.Module):
         (batch,) = batches
         losses, grads = folded_gradients(model, params, batch, scale)
         grads = {n: g for n, g in grads.items() if n in optimised}
-        return apply(params, opt, losses, grads, {}, anchor, correction)
+        return apply(params, opt, losses, grads, anchor, correction)
 
     return step

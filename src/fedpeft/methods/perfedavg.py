@@ -91,8 +91,7 @@ class PerFedAvg(FedAvgPeft):
         loss, cfg = model_loss(model), self.cfg
 
         def gradients(params: Tensors, consts: Tensors, batches):
-            value, grads = maml_grads(loss, params, *batches, cfg.inner_lr, cfg.order)
-            return value, grads, {}
+            return maml_grads(loss, params, *batches, cfg.inner_lr, cfg.order)
 
         return gradients
 

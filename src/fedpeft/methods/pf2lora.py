@@ -161,7 +161,7 @@ class PF2LoRA(FedAvgPeft):
             upper = {n: t for n, t in params.items() if n not in lower_names}
             lower = {n: params[n] for n in lower_names}
             value, hyper, g_low = bilevel_step(lambda p: loss(p, batches[0]), upper, lower, eta, bilevel)
-            return value, {**hyper, **g_low}, {}
+            return value, {**hyper, **g_low}
 
         return gradients
 
