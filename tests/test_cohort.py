@@ -425,3 +425,27 @@ def test_auto_cohort_size_is_one_on_a_cpu(tiny_config, tmp_path):
     assert records[0]["setup"]["cohort_size"] == 1.0 and summary["device"] == "cpu"
     with pytest.raises(Exception, match="cohort_size"):
         tiny_config(**{"train.cohort_size": 0})
+
+
+@pytest.mark.parametrize("name", [*VECTORISED, "fedsb"])
+def test_the_cohort_probe_runs_every_vectorised_method_from_its_first_state(tiny_config, name):
+    """``train.cohort_size: auto`` measures (on a GPU) one training step and one scoring
+    batch of cohorts of 1 and 4 clients, from the server's first state: Fed-SB's is its
+    setup round's, whose downlink is a mark and no model tensor. Here on the CPU, each
+    measured run is run and counted in place of measuring its peak memory."""
+    from fedpeft.engines.inprocess import probe_peaks
+
+    setup = build(tiny_config(method={"name": name, **MIXED_RANKS.get(name, {})}))
+    engine = make_engine(setup, None)
+    server = engine.method.init_server(engine.model)
+    engine.method.join(engine.model, engine.method.join_message(server))
+    train = engine.method.train
+    ran = []
+
+    def peak(run) -> int:
+        run()
+        ran.append(run)
+        return len(ran)
+
+    assert probe_peaks(engine, server, peak) == (2, 4)
+    assert engine.method.train == train  # the probe's one-step copy, not the run's method

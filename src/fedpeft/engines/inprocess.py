@@ -590,34 +590,44 @@ def fitting_cohort(free: int, fixed: float, per_client: float, limit: int, headr
 
 def probe_cohort_size(engine: InProcessEngine, server: ServerState) -> int:
     """``train.cohort_size: auto``. On a GPU: the peak memory of one local step and of
-    one scoring batch for cohorts of 1 and 4 clients, measured on the largest client's
-    longest rows, gives the cost per client; the cohort is the most clients that fit 80 %
-    of the free memory (at most the clients per round). Elsewhere, or for a method that
-    trains one client at a time: 1 (on a CPU, batching clients gains nothing)."""
-    model, s = engine.model, engine.schedule
-    device = next(model.parameters()).device
+    one scoring batch for cohorts of 1 and 4 clients (:func:`probe_peaks`) gives the cost
+    per client; the cohort is the most clients that fit 80 % of the free memory (at most
+    the clients per round). Elsewhere, or for a method that trains one client at a time:
+    1 (on a CPU, batching clients gains nothing)."""
+    s = engine.schedule
+    device = next(engine.model.parameters()).device
     if device.type != "cuda" or not engine.method.vectorised or s.clients_per_round == 1:
         return 1
+    one, four = probe_peaks(engine, server, lambda run: measure_peak_cuda(run, device))
+    per_client = (four - one) / 3
+    free, _ = torch.cuda.mem_get_info(device)
+    return fitting_cohort(free, one - per_client, per_client, s.clients_per_round)
+
+
+def probe_peaks(
+    engine: InProcessEngine, server: ServerState, peak: Callable[[Callable[[], object]], int]
+) -> tuple[int, int]:
+    """The memory that cohorts of 1 and of 4 clients need, as ``peak(run)`` measures
+    ``run``: the larger of one local step and one scoring batch, on the largest client's
+    longest rows."""
+    model, s = engine.model, engine.schedule
     method = probe_copy(engine.method, model)  # the probe's steps leave the run's method as it was
     client = max(engine.clients, key=lambda c: len(c.train))
     longest = torch.argsort(client.train.lengths, descending=True)
     train_rows = client.train.subset(longest[: method.train.batch_size])
     probe = ClientData(client.cid, train_rows, client.train.subset(longest[: s.eval_batch_size]))
     # what the client would be sent and what it holds, as its next round pairs them (a
-    # resumed run's client may hold state its downlink then leaves out: Fed-SB's B, A)
+    # resumed run's client may hold state its downlink then leaves out: Fed-SB's B, A),
+    # and what it scores with (not the downlink itself: Fed-SB's setup round sends a mark)
     received = method.downlink(server, client.cid)
     personal = engine.probed_state(client)
-    state = {**received, **method.params_of(personal)}
+    state = method.eval_state(model, received, personal, client)
     method.train = method.train.model_copy(update={"local_steps": 1})
-
-    def peak(run: Callable[[], object]) -> int:
-        return measure_peak_cuda(run, device)
-
-    costs = []
-    for n in (1, 4):
-        fit = peak(lambda n=n: method.fit_cohort(model, [Job(received, personal, probe, 0)] * n))
-        score = peak(lambda n=n: predict_cohort(model, [state] * n, [probe.test] * n, s.eval_batch_size))
-        costs.append(max(fit, score))
-    per_client = (costs[1] - costs[0]) / 3
-    free, _ = torch.cuda.mem_get_info(device)
-    return fitting_cohort(free, costs[0] - per_client, per_client, s.clients_per_round)
+    one, four = (
+        max(
+            peak(lambda n=n: method.fit_cohort(model, [Job(received, personal, probe, 0)] * n)),
+            peak(lambda n=n: predict_cohort(model, [state] * n, [probe.test] * n, s.eval_batch_size)),
+        )
+        for n in (1, 4)
+    )
+    return one, four
