@@ -337,6 +337,7 @@ def test_flexlora_sends_each_client_its_rank_of_the_svd_of_the_mean_update(tiny_
     assert ranks == [1, 4, 2]
     results = method.fit_cohort(model, _jobs(setup, [0, 1, 2]))
     for r, rank in zip(results, ranks, strict=True):
+        assert set(r.uplink) == set(method.shared_names)  # every factor and the head; nothing else
         assert {t.shape[0] for n, t in r.uplink.items() if ".lora_A." in n} == {rank}
         assert {t.shape[1] for n, t in r.uplink.items() if ".lora_B." in n} == {rank}
     weights = np.array([r.num_examples for r in results], dtype=float)
@@ -346,6 +347,7 @@ def test_flexlora_sends_each_client_its_rank_of_the_svd_of_the_mean_update(tiny_
         got = module_updates(
             model, method.eval_state(model, method.downlink(new, cid), {}, setup.clients[cid])
         )
+        assert set(method.downlink(new, cid)) == set(method.shared_names)
         assert {t.shape[0] for n, t in method.downlink(new, cid).items() if ".lora_A." in n} == {rank}
         for name, (a, b, scale) in method.modules.items():
             mean = sum(
@@ -457,8 +459,16 @@ def test_lorafair_corrects_b_towards_the_mean_update(tiny_config, similarity):
 def test_lorafair_sends_what_fedlr_sends_and_refuses_other_rules(tiny_config):
     from fedpeft.config import ConfigError
 
-    fair, lr = (build(tiny_config(method={"name": n})).method for n in ("lorafair", "fedlr"))
+    setup = build(tiny_config(method={"name": "lorafair"}, **{"train.local_steps": 2}))
+    fair, model, lr = setup.method, setup.model, build(tiny_config(method={"name": "fedlr"})).method
     assert fair.shared_names == lr.shared_names and fair.personal_names == lr.personal_names
+    lora = {n for n in fair.shared_names if ".lora_A." in n or ".lora_B." in n}
+    assert lora and lora < set(fair.shared_names)  # the factors and the head
+    results = fair.fit_cohort(model, _jobs(setup, [0, 1]))
+    for r in results:  # what a client sends: every factor and the head, nothing it keeps
+        assert set(r.uplink) == set(fair.shared_names) and not r.personal.keys() & r.uplink.keys()
+    server = fair.aggregate(fair.init_server(model), results, 1)
+    assert set(fair.downlink(server, 0)) == set(fair.shared_names)
     with pytest.raises(ConfigError, match="server.aggregation"):
         build(tiny_config(method={"name": "lorafair"}, **{"server.aggregation": "median"}))
 
