@@ -844,11 +844,11 @@ def test_a_second_round_as_one_cohort_equals_one_at_a_time(tiny_config, method):
     assert_cohort_equals_alone(setup, cids, method["name"], jobs=jobs)
 
 
-@pytest.mark.slow  # two methods' cohorts
+@pytest.mark.slow  # three methods' cohorts
 @pytest.mark.parametrize(
     "method",
-    [FLEX, FLORA, {**FLEX, "lora": {"r": 4, "use_dora": True}}],
-    ids=["flexlora", "flora", "flexlora+dora"],
+    [FLEX, FLORA, {**FLEX, "name": "hetlora", "r_min": 1}, {**FLEX, "lora": {"r": 4, "use_dora": True}}],
+    ids=["flexlora", "flora", "hetlora", "flexlora+dora"],
 )
 def test_clients_of_mixed_ranks_train_exactly_their_ranks_inside_a_cohort(tiny_config, method):
     """Ranks 1, 4 and 2 inside r_max = 4, vmapped as one cohort (under DoRA, one at a
