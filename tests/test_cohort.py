@@ -430,22 +430,30 @@ def test_auto_cohort_size_is_one_on_a_cpu(tiny_config, tmp_path):
 @pytest.mark.parametrize("name", [*VECTORISED, "fedsb"])
 def test_the_cohort_probe_runs_every_vectorised_method_from_its_first_state(tiny_config, name):
     """``train.cohort_size: auto`` measures (on a GPU) one training step and one scoring
-    batch of cohorts of 1 and 4 clients, from the server's first state: Fed-SB's is its
-    setup round's, whose downlink is a mark and no model tensor. Here on the CPU, each
-    measured run is run and counted in place of measuring its peak memory."""
-    from fedpeft.engines.inprocess import probe_peaks
+    batch of cohorts of 1 and 4 clients, in a round that trains, from the server's first
+    state: Fed-SB's is its setup round's, which trains nothing and sends a mark (no model
+    tensor) down, so the probe measures a round as after it, vmapped. Here on the CPU,
+    each measured run is run and counted in place of measuring its peak memory."""
+    from fedpeft.engines.memory import cohort_peaks
 
     setup = build(tiny_config(method={"name": name, **MIXED_RANKS.get(name, {})}))
     engine = make_engine(setup, None)
     server = engine.method.init_server(engine.model)
     engine.method.join(engine.model, engine.method.join_message(server))
-    train = engine.method.train
-    ran = []
+    train, before = engine.method.train, {n: t.clone() for n, t in engine.model.state_dict().items()}
+    outputs = []
 
-    def peak(run) -> int:
-        run()
-        ran.append(run)
-        return len(ran)
+    def measure(run) -> int:
+        outputs.append(run())
+        return len(outputs)
 
-    assert probe_peaks(engine, server, peak) == (2, 4)
+    assert cohort_peaks(engine, server, measure) == (2, 4)
+    steps = [out for out in outputs[::2]]  # step, score, step, score
+    assert [len(results) for results in steps] == [1, 4]
+    for result in steps[1]:  # a training round's messages, not a setup round's gradient sums
+        assert not any(n.startswith("grad.") for n in result.uplink)
+        if name == "fedsb":
+            assert set(result.uplink) == set(engine.method.shared_names)  # R and the head
     assert engine.method.train == train  # the probe's one-step copy, not the run's method
+    after = engine.model.state_dict()
+    assert all(torch.equal(after[n], t) for n, t in before.items())  # the model as it was

@@ -410,3 +410,25 @@ def test_gathered_head_on_smollm2_gives_the_full_logits_loss_and_gradients():
     torch.testing.assert_close(losses, full, rtol=1e-5, atol=0)
     for name in params:
         torch.testing.assert_close(grads[name], full_grads[name], rtol=1e-3, atol=1e-6)
+
+
+def test_the_memory_check_measures_fedsbs_setup_round_and_a_round_that_trains(tiny_config, monkeypatch):
+    """Fed-SB's first round sums full-weight gradients one client at a time and trains
+    nothing; the rounds after it train ``R`` as a vmapped cohort. The check measures both
+    before the setup, and one state once it is done."""
+    if memory.rss() is None:
+        pytest.skip("no /proc here")
+    fedsb = {"name": "fedsb", "lora": {"r": 4, "alpha": 4}, "init_samples": 12}
+    engine, server = _engine(tiny_config(method=fedsb, **{"train.cohort_size": 2}))
+    probed, build_probe = [], memory._Probe.__init__
+
+    def spy(self, engine, state, measure=None):
+        probed.append(engine.method.is_set_up(state))
+        build_probe(self, engine, state, measure)
+
+    monkeypatch.setattr(memory._Probe, "__init__", spy)
+    assert check_memory(engine, server)["step_mb"] >= 0
+    assert probed == [False, True]
+    probed.clear()
+    check_memory(engine, engine.method.training_server(server))
+    assert probed == [True]

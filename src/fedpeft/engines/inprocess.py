@@ -29,7 +29,7 @@ from fedpeft.data.task import Encoded, make_batch
 from fedpeft.engines import compress, guard, privacy, scaffold, schedule
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
 from fedpeft.engines.faults import corrupt
-from fedpeft.engines.memory import check_memory, measure_peak_cuda, probe_copy
+from fedpeft.engines.memory import check_memory, cohort_peaks
 from fedpeft.engines.server_opt import as_weighted, server_step
 from fedpeft.engines.store import ClientStore, StoreError
 from fedpeft.methods.base import (
@@ -44,7 +44,7 @@ from fedpeft.methods.base import (
     restrict_heads,
     tensor_bytes,
 )
-from fedpeft.methods.cohort import SampleDP, derive_seed, predict_cohort
+from fedpeft.methods.cohort import SampleDP, derive_seed
 from fedpeft.metrics.cka import linear_cka
 from fedpeft.metrics.classification import mean_scores, pooled, spread
 from fedpeft.metrics.scorers import ClassificationScorer, Scorer
@@ -590,44 +590,15 @@ def fitting_cohort(free: int, fixed: float, per_client: float, limit: int, headr
 
 def probe_cohort_size(engine: InProcessEngine, server: ServerState) -> int:
     """``train.cohort_size: auto``. On a GPU: the peak memory of one local step and of
-    one scoring batch for cohorts of 1 and 4 clients (:func:`probe_peaks`) gives the cost
-    per client; the cohort is the most clients that fit 80 % of the free memory (at most
-    the clients per round). Elsewhere, or for a method that trains one client at a time:
-    1 (on a CPU, batching clients gains nothing)."""
+    one scoring batch for cohorts of 1 and 4 clients (:func:`~fedpeft.engines.memory.cohort_peaks`)
+    gives the cost per client; the cohort is the most clients that fit 80 % of the free
+    memory (at most the clients per round). Elsewhere, or for a method that trains one
+    client at a time: 1 (on a CPU, batching clients gains nothing)."""
     s = engine.schedule
     device = next(engine.model.parameters()).device
     if device.type != "cuda" or not engine.method.vectorised or s.clients_per_round == 1:
         return 1
-    one, four = probe_peaks(engine, server, lambda run: measure_peak_cuda(run, device))
+    one, four = cohort_peaks(engine, server)
     per_client = (four - one) / 3
     free, _ = torch.cuda.mem_get_info(device)
     return fitting_cohort(free, one - per_client, per_client, s.clients_per_round)
-
-
-def probe_peaks(
-    engine: InProcessEngine, server: ServerState, peak: Callable[[Callable[[], object]], int]
-) -> tuple[int, int]:
-    """The memory that cohorts of 1 and of 4 clients need, as ``peak(run)`` measures
-    ``run``: the larger of one local step and one scoring batch, on the largest client's
-    longest rows."""
-    model, s = engine.model, engine.schedule
-    method = probe_copy(engine.method, model)  # the probe's steps leave the run's method as it was
-    client = max(engine.clients, key=lambda c: len(c.train))
-    longest = torch.argsort(client.train.lengths, descending=True)
-    train_rows = client.train.subset(longest[: method.train.batch_size])
-    probe = ClientData(client.cid, train_rows, client.train.subset(longest[: s.eval_batch_size]))
-    # what the client would be sent and what it holds, as its next round pairs them (a
-    # resumed run's client may hold state its downlink then leaves out: Fed-SB's B, A),
-    # and what it scores with (not the downlink itself: Fed-SB's setup round sends a mark)
-    received = method.downlink(server, client.cid)
-    personal = engine.probed_state(client)
-    state = method.eval_state(model, received, personal, client)
-    method.train = method.train.model_copy(update={"local_steps": 1})
-    one, four = (
-        max(
-            peak(lambda n=n: method.fit_cohort(model, [Job(received, personal, probe, 0)] * n)),
-            peak(lambda n=n: predict_cohort(model, [state] * n, [probe.test] * n, s.eval_batch_size)),
-        )
-        for n in (1, 4)
-    )
-    return one, four

@@ -23,7 +23,7 @@ import copy
 import ctypes
 import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -175,10 +175,16 @@ def probe_copy(method: Method, model: torch.nn.Module) -> Method:
 
 class _Probe:
     """One local step and one scoring batch of an engine's largest client, on its longest
-    rows, at any number of rows and clients; each returns the peak memory it took."""
+    rows, at any number of rows and clients; each returns the peak memory it took (as
+    ``measure(run)`` gives it, when given: a test's stand-in)."""
 
-    def __init__(self, engine: InProcessEngine, server: ServerState):
-        self.engine, self.model = engine, engine.model
+    def __init__(
+        self,
+        engine: InProcessEngine,
+        server: ServerState,
+        measure: Callable[[Callable[[], object]], int | None] | None = None,
+    ):
+        self.engine, self.model, self.measure = engine, engine.model, measure
         self.method = probe_copy(engine.method, engine.model)
         self.device = next(engine.model.parameters()).device
         self.client = max(engine.clients, key=lambda c: len(c.train))
@@ -197,6 +203,8 @@ class _Probe:
         self.step_size = min(self.method.train.batch_size, len(self.client.train))
 
     def peak(self, run: Callable[[], object]) -> int | None:
+        if self.measure is not None:
+            return self.measure(run)
         if self.device.type == "cuda":
             return measure_peak_cuda(run, self.device)
         release_free_heap()
@@ -311,6 +319,36 @@ def _advice(probe: _Probe, figures: dict[str, float], clients: int) -> str:
     )
 
 
+@contextlib.contextmanager
+def probing(engine: InProcessEngine, device: torch.device) -> Iterator[None]:
+    """Around a probe: the random streams, and which client's tensors the model holds,
+    left as they were."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            yield
+        finally:
+            engine._loaded = ()  # a scoring probe loads a client's tensors into the model
+
+
+def cohort_peaks(
+    engine: InProcessEngine,
+    server: ServerState,
+    measure: Callable[[Callable[[], object]], int | None] | None = None,
+) -> tuple[int | None, int | None]:
+    """The peak memory of cohorts of 1 and of 4 clients, each the larger of one local step
+    and one scoring batch of the largest client's longest rows, in a round that trains
+    (:meth:`~fedpeft.methods.base.Method.training_server`)."""
+    device = next(engine.model.parameters()).device
+    with probing(engine, device):
+        probe = _Probe(engine, engine.method.training_server(server), measure)
+        one, four = (
+            [probe.step(n, probe.step_size), probe.score(n, probe.score_size)] for n in (1, 4)
+        )  # fmt: skip
+    if None in one + four:
+        return None, None
+    return max(one), max(four)
+
+
 def check_memory(engine: InProcessEngine, server: ServerState, limit_mb: float | None = None) -> dict:
     """Whether ``engine``'s run fits in memory, checked before its first round (the
     module docstring): the peak of one local step of its largest client on its longest
@@ -333,15 +371,18 @@ def check_memory(engine: InProcessEngine, server: ServerState, limit_mb: float |
     if limit_mb is not None or os.environ.get(LIMIT_ENV):
         source = f"limit_mb {limit_mb}" if limit_mb is not None else f"{LIMIT_ENV}={os.environ[LIMIT_ENV]}"
     clients = engine.cohort_size if engine.method.vectorised else 1
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        try:
-            probe = _Probe(engine, server)
-            step, step_how = _estimate(probe.step, clients, probe.step_size, has - held)
-            score, score_how = _estimate(probe.score, probe.score_clients, probe.score_size, has - held)
-        finally:
-            engine._loaded = ()  # the probe loaded a client's tensors into the model
-    if step is None or score is None:
+    # the first round, and the rounds that train where they differ (after Fed-SB's setup)
+    servers = list({id(x): x for x in (server, engine.method.training_server(server))}.values())
+    peaks = []
+    with probing(engine, device):
+        for state in servers:
+            probe = _Probe(engine, state)
+            step = _estimate(probe.step, clients, probe.step_size, has - held)
+            score = _estimate(probe.score, probe.score_clients, probe.score_size, has - held)
+            peaks.append((step, score))
+    if any(peak is None for step, score in peaks for peak, _ in (step, score)):
         return {"skipped": "the probe's peak memory could not be read"}
+    (step, step_how), (score, score_how) = (max((p[i] for p in peaks), key=lambda e: e[0]) for i in (0, 1))
     need = held + max(step, score)
     figures = {
         "held_mb": held / MIB,

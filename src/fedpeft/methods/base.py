@@ -261,6 +261,12 @@ class Method:
     def downlink(self, server: ServerState, cid: int) -> Tensors:
         return server.tensors
 
+    def training_server(self, server: ServerState) -> ServerState:
+        """A server state of the rounds that train, for the memory probes to measure a
+        round from: ``server`` itself (default), or, before a first round unlike the
+        others (Fed-SB's setup round, which trains nothing), a state as after it."""
+        return server
+
     def join_message(self, server: ServerState) -> Tensors:
         """Tensors each client receives once, at first contact (FeDeRA's initial ``A, B``)."""
         return {}

@@ -194,6 +194,21 @@ class FedSB(FedAvgPeft):
             return {GRAD + w: torch.empty(shape) for w, shape in self.frozen.items()}
         return {n: shared[n] for n in self.shared_names}
 
+    def training_server(self, server: ServerState) -> ServerState:
+        """Before the setup, a state of its shapes as after it (``B``, ``A`` and ``R``
+        zero): the rounds that train ``R``, vmapped, not the setup's gradient sums."""
+        if self.is_set_up(server):
+            return server
+        tensors, r = dict(server.tensors), self.cfg.lora.r
+        for w, a, b, latent, _ in self.modules.values():
+            d_out, d_in = self.frozen[w]
+            tensors[b], tensors[a], tensors[latent] = (
+                torch.zeros(d_out, r),
+                torch.zeros(r, d_in),
+                torch.zeros(r, r),
+            )
+        return ServerState(tensors, server.extras)
+
     def downlink(self, server: ServerState, cid: int) -> Tensors:
         """The setup's mark before the setup; then ``R`` and the head, and ``B``, ``A`` to a
         client that does not hold them yet."""
