@@ -372,17 +372,16 @@ def check_memory(engine: InProcessEngine, server: ServerState, limit_mb: float |
         source = f"limit_mb {limit_mb}" if limit_mb is not None else f"{LIMIT_ENV}={os.environ[LIMIT_ENV]}"
     clients = engine.cohort_size if engine.method.vectorised else 1
     # the first round, and the rounds that train where they differ (after Fed-SB's setup)
-    servers = list({id(x): x for x in (server, engine.method.training_server(server))}.values())
-    peaks = []
+    trains = engine.method.training_server(server)
+    steps, scores = [], []
     with probing(engine, device):
-        for state in servers:
+        for state in [server] if trains is server else [server, trains]:
             probe = _Probe(engine, state)
-            step = _estimate(probe.step, clients, probe.step_size, has - held)
-            score = _estimate(probe.score, probe.score_clients, probe.score_size, has - held)
-            peaks.append((step, score))
-    if any(peak is None for step, score in peaks for peak, _ in (step, score)):
+            steps.append(_estimate(probe.step, clients, probe.step_size, has - held))
+            scores.append(_estimate(probe.score, probe.score_clients, probe.score_size, has - held))
+    if any(peak is None for peak, _ in steps + scores):
         return {"skipped": "the probe's peak memory could not be read"}
-    (step, step_how), (score, score_how) = (max((p[i] for p in peaks), key=lambda e: e[0]) for i in (0, 1))
+    (step, step_how), (score, score_how) = (max(found, key=lambda e: e[0]) for found in (steps, scores))
     need = held + max(step, score)
     figures = {
         "held_mb": held / MIB,
