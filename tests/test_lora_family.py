@@ -805,14 +805,16 @@ def test_fedsb_resumes_after_its_clients_hold_b_and_a_with_the_memory_check_on(
 
     probed, probe = [], memory._Probe.__init__
 
-    def counted(self, engine, server):
-        probe(self, engine, server)
-        probed.append(1)
+    def counted(self, engine, server, measure=None):
+        probe(self, engine, server, measure)
+        probed.append(engine.method.is_set_up(server))
 
     monkeypatch.setattr(memory._Probe, "__init__", counted)
     extra = {"method": FEDSB, "train.rounds": 3, "partition.num_clients": 2, "train.memory_check": True}
     a, b, (whole, cut) = whole_and_resumed(tiny_config, tmp_path, **extra)
-    assert len(probed) == 3  # the whole run, the killed one and the resumed one each probed
+    # the whole run and the killed one probe the setup round and a round as after it; the
+    # resumed one, past the setup, the state it resumes from
+    assert probed == [False, True, False, True, True]
     assert [r["loss"] for r in a] == [r["loss"] for r in b] and [r["global"] for r in a] == [
         r["global"] for r in b
     ]
