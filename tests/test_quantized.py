@@ -6,6 +6,7 @@ the same way, with HF PEFT as with fedpeft."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -53,7 +54,7 @@ def test_the_exported_adapter_loads_onto_a_base_quantised_the_same_way(tiny_conf
     from transformers import AutoModelForCausalLM
 
     import fedpeft
-    from fedpeft.models.backbone import quantization_config
+    from fedpeft.models.backbone import keep_4bit_layout, quantization_config
 
     cfg = lm_config(tiny_config, tiny_decoder, **{"model.quantization": "nf4", "train.rounds": 1})
     run(cfg)
@@ -61,6 +62,7 @@ def test_the_exported_adapter_loads_onto_a_base_quantised_the_same_way(tiny_conf
     base = AutoModelForCausalLM.from_pretrained(
         str(tiny_decoder), quantization_config=quantization_config(cfg.model), device_map={"": "cpu"}
     )
+    keep_4bit_layout(base)  # as the README's PEFT recipe says (bitsandbytes' CPU repacking off)
     peft_model = PeftModel.from_pretrained(base, str(adapter)).eval()
     loaded = fedpeft.load_export(adapter)
     ids = torch.tensor([[5, 17, 99, 1000, 2000, 7]])
@@ -72,6 +74,40 @@ def test_the_exported_adapter_loads_onto_a_base_quantised_the_same_way(tiny_conf
     trained = torch.load(cfg.output_dir / "checkpoint.pt", weights_only=True)["server"]["tensors"]
     lora_b = [n for n in trained if "lora_B" in n]
     assert lora_b and any(bool(trained[n].abs().sum() > 0) for n in lora_b)
+
+
+def test_an_nf4_base_narrower_than_its_block_trains(tiny_config, tiny_decoder):
+    """Every projection of the tiny decoder (hidden 32) is narrower than bitsandbytes'
+    64-element block, which its CPU repacking cannot lay out ("shape '[32, 0]' is
+    invalid"): the run trains and is scored all the same."""
+    cfg = lm_config(tiny_config, tiny_decoder, **{"model.quantization": "nf4", "train.rounds": 2})
+    setup = build(cfg)
+    nf4 = [m for m in setup.model.modules() if type(m).__module__ == "bitsandbytes.nn.modules"]
+    assert nf4 and all(type(m).__name__ == "Linear4bit" for m in nf4)
+    assert any(m.in_features < m.weight.quant_state.blocksize for m in nf4)  # q, k, v, o, gate, up
+    initial = dict(setup.initial)
+    run(cfg, setup=setup)
+    trained = torch.load(cfg.output_dir / "checkpoint.pt", weights_only=True)["server"]["tensors"]
+    assert any("lora_B" in n and not torch.equal(t, initial[n]) for n, t in trained.items())
+    assert all(math.isfinite(r["loss"]) for r in read_records(cfg.output_dir))
+
+
+def test_an_nf4_base_scores_as_it_trains_and_survives_its_state_dict(tiny_config, tiny_decoder):
+    """Inference (eval, no gradients) computes the same logits as a training pass, and
+    reading the model's ``state_dict`` (checkpoints, exports) leaves the base as it was:
+    bitsandbytes' CPU repacking would do neither (``keep_4bit_layout``)."""
+    cfg = lm_config(tiny_config, tiny_decoder, **{"model.quantization": "nf4", "data.max_length": 64})
+    model = build(cfg).model
+    ids = torch.tensor([[5, 17, 99, 1000, 2000, 7]])
+    model.train()
+    trained = model.backbone(input_ids=ids).logits.detach()
+    model.eval()
+    with torch.no_grad():
+        scored = model.backbone(input_ids=ids).logits
+        model.state_dict()
+        again = model.backbone(input_ids=ids).logits
+    torch.testing.assert_close(scored, trained, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again, trained, rtol=1e-5, atol=1e-5)
 
 
 def test_a_quantised_base_cohorts_only_methods_that_fold(tiny_config, tiny_decoder):
@@ -123,6 +159,7 @@ def test_the_flowertune_recipes_adapter_loads_onto_the_4bit_base_with_peft(tmp_p
         SMOLLM2_GGUF,
         bundled_smollm2_dir,
         dequantised_gguf,
+        keep_4bit_layout,
         quantization_config,
     )
 
@@ -135,6 +172,7 @@ def test_the_flowertune_recipes_adapter_loads_onto_the_4bit_base_with_peft(tmp_p
     base = AutoModelForCausalLM.from_pretrained(
         str(base_dir), quantization_config=quantization_config(cfg.model), device_map={"": "cpu"}
     )
+    keep_4bit_layout(base)
     peft_model = PeftModel.from_pretrained(base, str(cfg.output_dir / "adapter")).eval()
     loaded = fedpeft.load_export(cfg.output_dir / "adapter")
     ids = torch.tensor([[1, 200, 3000, 45, 9, 77]])

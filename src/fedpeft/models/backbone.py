@@ -9,6 +9,7 @@ simulated clients of a run.
 from __future__ import annotations
 
 import importlib.util
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -77,6 +78,49 @@ def quantization_config(cfg: ModelConfig):
     return BitsAndBytesConfig(load_in_8bit=True)
 
 
+@contextmanager
+def gguf_progress(active: bool = True):
+    """transformers draws its GGUF conversion bar ("Converting and de-quantizing GGUF
+    tensors...") with ``tqdm.auto`` itself, past the switch that turns its other bars off
+    (``transformers.utils.logging.disable_progress_bar``: ``fedpeft`` without --verbose)
+    and onto a log file or pipe as carriage-return frames. Within this block (``active``:
+    a GGUF file is loaded) it goes through that switch, and is drawn only where its
+    stream (stderr) is a terminal."""
+    if not active:
+        yield
+        return
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    def tqdm(*args, **kwargs):
+        kwargs.setdefault("disable", None)  # tqdm's None: off where its stream is not a terminal
+        return hf_logging.tqdm(*args, **kwargs)
+
+    original = gguf_utils.tqdm
+    gguf_utils.tqdm = tqdm
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
+
+
+def keep_4bit_layout(model: nn.Module) -> None:
+    """Every NF4 linear of ``model`` computes as it trains, in inference too.
+
+    On a CPU with AVX512-BF16, bitsandbytes (0.50) repacks a ``Linear4bit``'s weight for a
+    faster kernel at its first forward pass in eval mode without gradients, with the
+    blocks' scales (absmax) rounded to bfloat16 and transposed. Two things follow: the
+    model scored is not the model trained (the bundled SmolLM2's logits move by up to 3.8),
+    and the next ``state_dict()`` unpacks the weight but, for scales not quantised twice,
+    leaves them in the packed layout, so every later pass, training included, dequantises
+    with scrambled scales (logits off by up to 46). The repacking also fails outright for
+    a layer narrower than the 64-element block ("shape '[32, 0]' is invalid"). Turned off
+    here, the layer dequantises as it does under training, at every width."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
 def dequantised_gguf(source: str, gguf: str) -> Path:
     """A GGUF backbone as a safetensors checkpoint: transformers dequantises a GGUF file on
     load and will not quantise it again with bitsandbytes, so it is dequantised once into
@@ -91,7 +135,8 @@ def dequantised_gguf(source: str, gguf: str) -> Path:
     if not (target / "config.json").is_file():
         partial = target.with_name(target.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
-        model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf, dtype=torch.float32)
+        with gguf_progress():
+            model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf, dtype=torch.float32)
         # transformers will not save a model it read from GGUF: the weights (a tied one once)
         # and the config, less the GGUF quantisation the weights no longer have
         partial.mkdir(parents=True)
@@ -123,9 +168,12 @@ def load_backbone(
         kwargs |= {"quantization_config": quantization_config(cfg), "device_map": {"": device or "cpu"}}
     auto = AutoModelForCausalLM if lm_head else AutoModel
     try:
-        body = auto.from_pretrained(source, dtype=getattr(torch, cfg.dtype), **kwargs)
+        with gguf_progress("gguf_file" in kwargs):
+            body = auto.from_pretrained(source, dtype=getattr(torch, cfg.dtype), **kwargs)
     except (OSError, ValueError) as err:
         raise BackboneError(f"model.backbone {cfg.backbone!r}: cannot load from {source!r}: {err}") from err
+    if cfg.quantization == "nf4":
+        keep_4bit_layout(body)
     if getattr(body, "pooler", None) is not None:  # unused: TaskModel pools token states itself
         body.pooler = None
     if cfg.dropout is not None:
