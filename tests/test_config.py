@@ -73,3 +73,16 @@ def test_overrides_and_round_trip(tmp_path: Path):
     path = tmp_path / "resolved.yaml"
     path.write_text(dump_config(cfg))
     assert load_config(path) == cfg
+
+
+def test_the_config_registry_names_the_runtime_registrys_methods_and_classes():
+    """fedpeft.config.methods (no torch: what the config is checked by) and the methods
+    themselves (fedpeft.methods.REGISTRY) name the same methods, in the same order, with
+    the same config classes, each in its method's leaf module."""
+    from fedpeft.config.methods import CONFIGS
+    from fedpeft.methods import REGISTRY
+
+    assert list(CONFIGS) == list(REGISTRY)
+    for name, method in REGISTRY.items():
+        assert CONFIGS[name] is method.config_cls, name
+        assert method.config_cls.__module__ == f"fedpeft.config.methods.{method.__module__.rsplit('.', 1)[1]}"

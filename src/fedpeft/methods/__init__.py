@@ -1,9 +1,11 @@
-"""The method registry: one line per method (its module holds config and algorithm)."""
+"""The method registry: one line per method (its module holds the algorithm; its options,
+the config class, are in ``fedpeft.config.methods.<name>``, importable without torch)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING
 
+from fedpeft.config.methods import method_config_union
 from fedpeft.methods.adamix import AdaMix
 from fedpeft.methods.base import Method, MethodConfig
 from fedpeft.methods.c2a import C2A
@@ -74,11 +76,6 @@ REGISTRY: dict[str, type[Method]] = {
         FedSB,
     )
 }
-
-
-def method_config_union():
-    """``Union`` of every registered method's config, for the discriminated ``method`` key."""
-    return Union[tuple(cls.config_cls for cls in REGISTRY.values())]  # noqa: UP007
 
 
 def build_method(cfg: MethodConfig, train: TrainConfig, seed: int = 0) -> Method:

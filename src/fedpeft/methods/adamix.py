@@ -48,14 +48,13 @@ Choices for fedpeft:
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal
 
 import torch
-from pydantic import Field
 from torch.func import functional_call
 
+from fedpeft.config.methods.adamix import AdaMixConfig
 from fedpeft.data.task import IGNORE, Draw, take_rows
-from fedpeft.methods.base import ClientData, Method, MethodConfig, Tensors
+from fedpeft.methods.base import ClientData, Method, Tensors
 from fedpeft.methods.cohort import (
     GradientFn,
     StepInput,
@@ -64,23 +63,10 @@ from fedpeft.methods.cohort import (
     model_inputs,
     model_scale,
 )
-from fedpeft.peft.adamix import AdaMixAdapter, AdaMixSpec, add_adamix, routed_mixes
+from fedpeft.peft.adamix import AdaMixAdapter, add_adamix, routed_mixes
 
 ROUTE = "route"  # a step batch's routing: (passes, sites, 2) expert indices, down and up
 ROUTE_STREAM = 0xADA  # key of the routing generator's stream, beside the client's batch stream
-
-
-class AdaMixConfig(MethodConfig):
-    """AdaMix adapters under FedAvg. Paper: Wang et al. (2022), a C2A baseline."""
-
-    name: Literal["adamix"] = "adamix"
-    adapter: AdaMixSpec = Field(default_factory=AdaMixSpec)
-    consistency: float = Field(
-        1.0,
-        ge=0,
-        description="Weight of the consistency term between two stochastically routed passes (AdaMix: 1 "
-        "for classification); 0 drops the second pass.",
-    )
 
 
 def consistency_loss(model, a: torch.Tensor, b: torch.Tensor, batch: dict) -> torch.Tensor:

@@ -33,12 +33,12 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
+from fedpeft.config.methods.base import MethodConfig
 from fedpeft.data.task import Draw, Encoded, sample_draws, take_draws
 from fedpeft.methods.cohort import (
     OPT,
@@ -59,17 +59,6 @@ if TYPE_CHECKING:
     from fedpeft.models.backbone import TaskModel
 
 Tensors = dict[str, torch.Tensor]
-
-
-class MethodConfig(BaseModel):
-    """Options common to every method; each method subclasses this with its own."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-    head: Literal["shared", "personal"] = Field(
-        "shared", description="Whether the classification head is aggregated or kept per client."
-    )
 
 
 @dataclass

@@ -22,26 +22,12 @@ adapter rank ``r = 16`` (``adapter.bottleneck``).
 
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import Field
 from torch.func import functional_call
 
-from fedpeft.methods.base import Method, MethodConfig, Tensors
+from fedpeft.config.methods.c2a import C2AConfig
+from fedpeft.methods.base import Method, Tensors
 from fedpeft.methods.cohort import GradientFn, backprop, model_scale
-from fedpeft.peft import AdapterSpec
-from fedpeft.peft.hyper import HyperSpec, add_hyper_adapters
-
-
-class C2AConfig(MethodConfig):
-    """Hypernetwork-generated Houlsby adapters under FedAvg. Paper: C2A (Kim et al., 2023)."""
-
-    name: Literal["c2a"] = "c2a"
-    hyper: HyperSpec = Field(default_factory=HyperSpec)
-    adapter: AdapterSpec = Field(
-        default_factory=lambda: AdapterSpec(bottleneck=16),
-        description="Sites and rank r of the generated adapters (paper: r 16, GELU); the activation is GELU.",
-    )
+from fedpeft.peft.hyper import add_hyper_adapters
 
 
 class C2A(Method):

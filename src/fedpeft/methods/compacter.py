@@ -22,19 +22,9 @@ Readings and choices:
 
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import Field
-
-from fedpeft.methods.base import Method, MethodConfig
-from fedpeft.peft.compacter import CompacterSpec, add_compacter
-
-
-class CompacterConfig(MethodConfig):
-    """Compacter adapters under FedAvg. Paper: Karimi Mahabadi et al. (2021), a C2A baseline."""
-
-    name: Literal["compacter"] = "compacter"
-    adapter: CompacterSpec = Field(default_factory=CompacterSpec)
+from fedpeft.config.methods.compacter import CompacterConfig
+from fedpeft.methods.base import Method
+from fedpeft.peft.compacter import add_compacter
 
 
 class Compacter(Method):

@@ -55,12 +55,10 @@ Readings and choices:
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from pydantic import Field
 
-from fedpeft.methods.base import ClientData, FitResult, Job, MethodConfig, Tensors, local_steps
+from fedpeft.config.methods.ditto import DittoConfig
+from fedpeft.methods.base import ClientData, FitResult, Job, Tensors, local_steps
 from fedpeft.methods.cohort import (
     OWN,
     GradientFn,
@@ -72,26 +70,8 @@ from fedpeft.methods.cohort import (
     optimizer_state,
 )
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.peft import AdapterSpec, LoraSpec, Trainable
 
 ANCHOR = "anchor."  # step constants: the global model w^t received this round
-
-
-class DittoConfig(MethodConfig):
-    """Global model by FedAvg + a personal model regularised towards it. Paper: Ditto (Li et al., 2021)."""
-
-    name: Literal["ditto"] = "ditto"
-    trainable: Trainable = Field("lora", description="What both models train (the head always).")
-    lora: LoraSpec = Field(default_factory=LoraSpec)
-    adapter: AdapterSpec = Field(default_factory=AdapterSpec)
-    lam: float = Field(
-        1.0, ge=0, description="lambda: v minimises F_i(v) + lambda/2 ||v - w^t||^2 (0: v trains alone)."
-    )
-    personal_init: Literal["initial", "received"] = Field(
-        "initial",
-        description="Where the personal model v starts: the initial model w^0 (the paper), or the first "
-        "global model the client receives.",
-    )
 
 
 def proximal(v: Tensors, anchor: Tensors) -> torch.Tensor:

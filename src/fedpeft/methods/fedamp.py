@@ -62,41 +62,14 @@ What is implemented here, and the readings made:
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from pydantic import Field
 
-from fedpeft.methods.base import ClientData, FitResult, Job, MethodConfig, ServerState, Tensors, local_steps
+from fedpeft.config.methods.fedamp import FedAMPConfig
+from fedpeft.methods.base import ClientData, FitResult, Job, ServerState, Tensors, local_steps
 from fedpeft.methods.cohort import OWN, GradientFn, Start, backprop, model_loss, model_scale, optimizer_state
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.peft import AdapterSpec, LoraSpec, Trainable
 
 UPLOAD = "w."  # server extras: the latest upload of client c, flattened, as w.<c>
-
-
-class FedAMPConfig(MethodConfig):
-    """Personalised cloud models by attentive message passing. Paper: FedAMP (Huang et al., 2021)."""
-
-    name: Literal["fedamp"] = "fedamp"
-    trainable: Trainable = Field("lora", description="What each client's model w_i trains (the head always).")
-    lora: LoraSpec = Field(default_factory=LoraSpec)
-    adapter: AdapterSpec = Field(default_factory=AdapterSpec)
-    alpha_k: float = Field(
-        1.0,
-        gt=0,
-        description="alpha_k, step size of the message-passing step: xi_ij = alpha_k A'(||w_i - w_j||^2); "
-        "the proximal weight is lam / (2 alpha_k).",
-    )
-    sigma: float = Field(
-        10.0,
-        gt=0,
-        description="sigma of A(x) = 1 - exp(-x / sigma): the squared distance at which attention fades; "
-        "xi_ii >= 0 for any distances while alpha_k (uploaded clients - 1) / sigma <= 1.",
-    )
-    lam: float = Field(
-        1.0, ge=0, description="lambda: the local objective is F_i(w) + lam / (2 alpha_k) ||w - u_i||^2."
-    )
 
 
 # ---------------------------------------------------------------- the server's math

@@ -23,28 +23,16 @@ message*; each client, at first contact, derives its residual from that message
 from __future__ import annotations
 
 import time
-from typing import Literal
 
 import torch
-from pydantic import Field
 
-from fedpeft.methods.base import MethodConfig, ServerState, Tensors, read_tensors
+from fedpeft.config.methods.federa import FeDeRAConfig
+from fedpeft.methods.base import ServerState, Tensors, read_tensors
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.peft import LoraSpec
 from fedpeft.peft.lora import LoraTerm, lora_layers
 from fedpeft.peft.svd_init import residual, svd_factors
 
 _JOIN = "join."
-
-
-class FeDeRAConfig(MethodConfig):
-    """LoRA with SVD initialisation under FedAvg. Paper: FeDeRA (Yan et al., 2024)."""
-
-    name: Literal["federa"] = "federa"
-    lora: LoraSpec = Field(
-        default_factory=lambda: LoraSpec(r=8, alpha=8),
-        description="Rank r and beta (= lora.alpha); the paper uses beta = r, i.e. scale 1.",
-    )
 
 
 class FeDeRA(FedAvgPeft):

@@ -22,24 +22,13 @@ client's step as a constant (no gradient), never sent back.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from pydantic import Field
 
-from fedpeft.methods.base import FitResult, MethodConfig, ServerState, Tensors, read_tensors
+from fedpeft.config.methods.fedexlora import FedExLoRAConfig
+from fedpeft.methods.base import FitResult, ServerState, Tensors, read_tensors
 from fedpeft.methods.cohort import GradientFn, group_backprop
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.peft import LoraSpec
 from fedpeft.peft.lora import LoraTerm, full_rank_terms, lora_layers
-
-
-class FedExLoRAConfig(MethodConfig):
-    """FedAvg of LoRA plus the residual folded into the frozen weights. Paper: FedEx-LoRA
-    (Singhal et al., ACL 2025)."""
-
-    name: Literal["fedexlora"] = "fedexlora"
-    lora: LoraSpec = Field(default_factory=LoraSpec)
 
 
 class FedExLoRA(FedAvgPeft):

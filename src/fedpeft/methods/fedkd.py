@@ -95,19 +95,17 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Literal
 
 import torch
-from pydantic import Field
 from torch import nn
 from torch.func import functional_call
 
+from fedpeft.config.methods.fedkd import FedKDConfig
 from fedpeft.data.task import IGNORE
 from fedpeft.methods.base import (
     ClientData,
     FitResult,
     Job,
-    MethodConfig,
     ServerState,
     Tensors,
     local_steps,
@@ -125,7 +123,6 @@ from fedpeft.methods.cohort import (
     row_mean,
 )
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.peft import LoraSpec
 from fedpeft.peft.svd import DELTA, FACTORS, SVD_U, compress, decompress, reconstruct
 
 MENTOR = "mentor"  # the PEFT adapter name of the mentor
@@ -136,48 +133,6 @@ VERSION = "version"
 UPDATE = "update."  # server extras: the latest global update's factors, update.<name>.svd_*
 SYNCED = "synced."  # server extras: synced.<client> = the version the client last trained from
 EPS = 1e-6  # floor of L_t + L_s in the adaptive weight
-
-
-class FedKDConfig(MethodConfig):
-    """Local mentor + shared mentee, mutual distillation, SVD-compressed updates.
-    Paper: FedKD (Wu et al., 2022)."""
-
-    name: Literal["fedkd"] = "fedkd"
-    lora: LoraSpec = Field(
-        default_factory=LoraSpec, description="The mentee (shared): rank r, alpha, targets, dropout."
-    )
-    mentor_rank: int = Field(32, ge=1, description="Rank of the mentor (personal), on the mentee's targets.")
-    mentor_alpha: float | None = Field(
-        None,
-        gt=0,
-        description="The mentor's LoRA alpha (None: the mentee's scale alpha / r, i.e. alpha r_m / r).",
-    )
-    energy: float = Field(
-        0.95,
-        gt=0,
-        le=1,
-        description="T: the share of an update's energy (sum of s^2) its SVD keeps; T_start.",
-    )
-    energy_end: float | None = Field(
-        0.98,
-        gt=0,
-        le=1,
-        description="T_end: T rises linearly from energy to energy_end over train.rounds (None: T fixed).",
-    )
-    compress_downlink: bool = Field(
-        True, description="Send the global update SVD-compressed too (clients that trained last round)."
-    )
-    hidden_distillation: bool = Field(
-        True, description="Distil every transformer layer's hidden states (MSE) besides the predictions (KL)."
-    )
-    stop_gradient: bool = Field(
-        True,
-        description="Each model learns from the other's outputs as targets, the adaptive weight detached "
-        "(false: the authors' code, the summed loss with nothing detached).",
-    )
-    personal_model: Literal["mentor", "mentee"] = Field(
-        "mentor", description="The model a client predicts with; the other is scored as local_<other>."
-    )
 
 
 # ---------------------------------------------------------------- distillation

@@ -29,11 +29,8 @@ each client predicts with its full model and ``g1``.
 
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import Field
-
-from fedpeft.methods.base import FitResult, MethodConfig, ServerState, Tensors
+from fedpeft.config.methods.fedmcp import FedMCPConfig
+from fedpeft.methods.base import FitResult, ServerState, Tensors
 from fedpeft.methods.cohort import (
     GradientFn,
     Job,
@@ -45,31 +42,9 @@ from fedpeft.methods.cohort import (
 )
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.metrics.cka import linear_cka
-from fedpeft.peft import AdapterSpec
 from fedpeft.peft.adapters import AdapterPair, adapter_mode, add_adapters
 
 GLOBAL_HEAD = "global_head."  # g2, the global path's classifier
-
-
-class FedMCPConfig(MethodConfig):
-    """Global + private Houlsby adapters, two heads, CKA contrast. Paper: FedMCP, sec. 3."""
-
-    name: Literal["fedmcp"] = "fedmcp"
-    head: Literal["personal"] = Field(
-        "personal", description="Both classifiers stay on the client (the paper shares none across tasks)."
-    )
-    adapter: AdapterSpec = Field(
-        default_factory=lambda: AdapterSpec(bottleneck=16),
-        description="Both adapters (paper: bottleneck 16).",
-    )
-    gamma: float = Field(0.5, ge=0, le=1, description="Weight of L_b, the global path's loss.")
-    mu: float = Field(0.05, ge=0, description="Weight of L_c, the contrastive term.")
-    contrast: Literal["prose", "equation"] = Field(
-        "prose",
-        description="prose: L_c = CKA(X, Y) - CKA(X, Z), as the paper's text describes (pull the global "
-        "path to the received average, push it from the private one); equation: CKA(X, Y) - CKA(Y, Z), "
-        "the paper's eq. 5 as printed.",
-    )
 
 
 class FedMCP(FedAvgPeft):

@@ -44,9 +44,8 @@ import math
 from dataclasses import replace
 from typing import Literal
 
-from pydantic import Field
-
-from fedpeft.methods.base import FitResult, Job, MethodConfig, Tensors, local_steps
+from fedpeft.config.methods.fedrep import FedRepConfig
+from fedpeft.methods.base import FitResult, Job, Tensors, local_steps
 from fedpeft.methods.cohort import (
     GradientFn,
     Start,
@@ -57,7 +56,6 @@ from fedpeft.methods.cohort import (
     run_cohort,
 )
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.peft import AdapterSpec, LoraSpec, Trainable
 
 Phase = Literal["head", "body"]
 
@@ -67,22 +65,6 @@ HEAD_NEEDED = {
     "token_classification": "FedRep is defined for a sequence classifier's head (METHODS.md)",
     "extractive_qa": "FedRep is defined for a sequence classifier's head (METHODS.md)",
 }
-
-
-class FedRepConfig(MethodConfig):
-    """Shared body, personal head, trained head first then body. Paper: FedRep (Collins et al., 2021)."""
-
-    name: Literal["fedrep"] = "fedrep"
-    head: Literal["personal"] = Field(
-        "personal", description="Always personal: FedRep's head never leaves the client."
-    )
-    trainable: Trainable = Field("lora", description="The shared body: what the body phase trains.")
-    lora: LoraSpec = Field(default_factory=LoraSpec)
-    adapter: AdapterSpec = Field(default_factory=AdapterSpec)
-    head_epochs: int = Field(10, ge=1, description="Epochs of the head phase (body frozen) each round.")
-    head_steps: int | None = Field(
-        None, ge=1, description="Steps of the head phase each round (overrides head_epochs)."
-    )
 
 
 class FedRep(FedAvgPeft):

@@ -44,13 +44,11 @@ Readings and choices:
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from pydantic import Field
 from torch import nn
 
-from fedpeft.methods.base import ClientData, Job, MethodConfig, ServerState, Tensors, local_steps
+from fedpeft.config.methods.fedrod import FedRoDConfig
+from fedpeft.methods.base import ClientData, Job, ServerState, Tensors, local_steps
 from fedpeft.methods.cohort import (
     Batch,
     GradientFn,
@@ -64,7 +62,6 @@ from fedpeft.methods.cohort import (
     row_mean,
 )
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.peft import AdapterSpec, LoraSpec, Trainable
 
 PERSONAL = "personal_head."  # parameter prefix of the personal head
 LOG_PRIOR = "log_prior"  # step constant: the client's log label prior (C,)
@@ -76,21 +73,6 @@ HEAD_NEEDED = {
     "labels are per token",
     "extractive_qa": "FedRoD's balanced loss uses a prior over class labels; span extraction has none",
 }
-
-
-class FedRoDConfig(MethodConfig):
-    """Generic model (balanced softmax) + personal head. Paper: FedRoD (Chen & Chao, ICLR 2022)."""
-
-    name: Literal["fedrod"] = "fedrod"
-    trainable: Trainable = Field("lora", description="The body of the generic model.")
-    lora: LoraSpec = Field(default_factory=LoraSpec)
-    adapter: AdapterSpec = Field(default_factory=AdapterSpec)
-    prior_floor: float = Field(
-        0.1,
-        gt=0,
-        description="Label count given to a class absent from a client's training data in its prior "
-        "(balanced softmax takes log pi_c).",
-    )
 
 
 def label_log_prior(labels: torch.Tensor, num_classes: int, floor: float) -> torch.Tensor:

@@ -16,24 +16,10 @@ There is no single global model: each client predicts with the shared ``A`` and 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
-from pydantic import Field
-
-from fedpeft.methods.base import Method, MethodConfig, Tensors
+from fedpeft.config.methods.fedsalora import FedSALoRAConfig
+from fedpeft.methods.base import Method, Tensors
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.peft import LoraSpec
-
-
-class FedSALoRAConfig(MethodConfig):
-    """``A`` averaged, ``B`` (and by default the head) per client. Paper: FedSA-LoRA (Guo et
-    al., ICLR 2025)."""
-
-    name: Literal["fedsalora"] = "fedsalora"
-    head: Literal["shared", "personal"] = Field(
-        "personal", description="The classifier per client (the authors' setting) or averaged with A."
-    )
-    lora: LoraSpec = Field(default_factory=LoraSpec)
 
 
 class FedSALoRA(FedAvgPeft):

@@ -27,18 +27,16 @@ plain PEFT LoRA (``B R``, ``A``).
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
-from pydantic import Field
 from torch import nn
 
+from fedpeft.config.methods.fedsb import FedSBConfig
 from fedpeft.data.task import make_batch
 from fedpeft.methods.base import (
     ClientData,
     FitResult,
     Job,
-    MethodConfig,
     ServerState,
     Tensors,
     local_steps,
@@ -56,7 +54,6 @@ from fedpeft.methods.cohort import (
     optimizer_state,
 )
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.peft import LoraSpec
 from fedpeft.peft.lora import LoraTerm, lora_layers
 
 #: the downlink's mark of the setup round: the examples each client sums gradients over
@@ -84,29 +81,6 @@ class LatentB(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base(self.latent(x))
-
-
-def lora_sb() -> LoraSpec:
-    return LoraSpec(r=64, alpha=64)
-
-
-class FedSBConfig(MethodConfig):
-    """Only LoRA-SB's ``r x r`` matrix trained and averaged. Paper: Fed-SB (Singhal et al., 2025)."""
-
-    name: Literal["fedsb"] = "fedsb"
-    lora: LoraSpec = Field(
-        default_factory=lora_sb,
-        description="rank r of B R A (default 64: R costs r^2 a module) and alpha (the authors: alpha = r).",
-    )
-    init_samples: int = Field(
-        170, ge=1, description="Examples the setup round sums gradients over, all its clients together."
-    )
-    init_lr: float = Field(
-        1e-4,
-        gt=0,
-        description="lr0 of the approximated first step -lr0 sign(G) (Adam's first step is lr sign(g)): a "
-        "full fine-tuning rate, not R's (the authors: their schedule's first-step rate).",
-    )
 
 
 class FedSB(FedAvgPeft):

@@ -13,14 +13,11 @@ message, so that clients on other machines hold the very same ``A``.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from pydantic import Field
 
-from fedpeft.methods.base import MethodConfig, ServerState, Tensors, read_tensors
+from fedpeft.config.methods.ffalora import FFALoRAConfig
+from fedpeft.methods.base import ServerState, Tensors, read_tensors
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.peft import LoraSpec
 from fedpeft.peft.lora import LoraTerm, lora_layers
 
 _JOIN = "join."
@@ -33,13 +30,6 @@ def frozen_a_names(model) -> list[str]:
         for name, layer in lora_layers(model).items()
         for adapter in layer.lora_A
     ]
-
-
-class FFALoRAConfig(MethodConfig):
-    """LoRA with ``A`` frozen, ``B`` trained and averaged. Paper: FFA-LoRA (Sun et al., ICLR 2024)."""
-
-    name: Literal["ffalora"] = "ffalora"
-    lora: LoraSpec = Field(default_factory=LoraSpec)
 
 
 class FFALoRA(FedAvgPeft):

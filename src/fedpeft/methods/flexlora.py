@@ -22,15 +22,13 @@ magnitudes are averaged as the head).
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
+from fedpeft.config.methods.flexlora import FlexLoRAConfig
 from fedpeft.methods.base import FitResult, Job, ServerState, Tensors, local_steps
 from fedpeft.methods.cohort import OPT, Start, optimizer_state
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.methods.ranks import (
-    RankedLoraConfig,
     client_rank,
     is_a,
     is_b,
@@ -41,13 +39,6 @@ from fedpeft.methods.ranks import (
     truncate,
 )
 from fedpeft.peft.lora import lora_layers
-
-
-class FlexLoRAConfig(RankedLoraConfig):
-    """Clients of any rank, the server's SVD of their mean update. Paper: FlexLoRA (Bai et
-    al., NeurIPS 2024)."""
-
-    name: Literal["flexlora"] = "flexlora"
 
 
 def best_factors(update: torch.Tensor, rank: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,10 +33,10 @@ with the round it merged up to (``own.merged_round``).
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 
+from fedpeft.config.methods.flora import FLoRAConfig
 from fedpeft.methods.base import (
     ClientData,
     FitResult,
@@ -48,7 +48,7 @@ from fedpeft.methods.base import (
 )
 from fedpeft.methods.cohort import OPT, OWN, GradientFn, Start, group_backprop, optimizer_state
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.methods.ranks import RankedLoraConfig, client_rank, is_a, is_b, pad, padded_uplink, truncate
+from fedpeft.methods.ranks import client_rank, is_a, is_b, pad, padded_uplink, truncate
 from fedpeft.peft.lora import LoraTerm, full_rank_terms, lora_layers
 
 STACK, MERGED = "stack.", "merged."
@@ -60,13 +60,6 @@ FROZEN_ROUND = OWN + "merged_round"
 #: last round merged into the server's weights
 SEEN, LAST = "seen.", "merged_round"
 PRUNED = "pruned_round"  # the newest round whose stack the server no longer keeps (0: none)
-
-
-class FLoRAConfig(RankedLoraConfig):
-    """Stacked LoRA factors merged into the frozen weights each round, clients of any rank.
-    Paper: FLoRA (Wang et al., NeurIPS 2024)."""
-
-    name: Literal["flora"] = "flora"
 
 
 def stack(

@@ -54,16 +54,14 @@ shapes of what clients send.
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
-from pydantic import Field, model_validator
 
+from fedpeft.config.methods.hetlora import HETLoRAConfig
 from fedpeft.methods.base import (
     ClientData,
     FitResult,
     Job,
-    MethodConfig,
     ServerState,
     Tensors,
     local_steps,
@@ -81,9 +79,6 @@ from fedpeft.methods.cohort import (
 )
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.methods.ranks import (
-    RankDraw,
-    Ranks,
-    check_ranks,
     client_rank,
     is_a,
     is_b,
@@ -94,50 +89,6 @@ from fedpeft.methods.ranks import (
     rank_of,
     truncate,
 )
-from fedpeft.peft import LoraSpec
-
-
-class HETLoRAConfig(MethodConfig):
-    """Heterogeneous-rank LoRA. Paper: HETLoRA (Cho et al., 2024), PF2LoRA baselines."""
-
-    name: Literal["hetlora"] = "hetlora"
-    lora: LoraSpec = Field(default_factory=LoraSpec, description="lora.r is r_max, the server's rank.")
-    r_min: int = Field(2, ge=1, description="Smallest client rank (and the floor of self-pruning).")
-    rank_seed: int = Field(0, ge=0, description="Seed of the per-client rank draw.")
-    ranks: Ranks = Field(
-        None,
-        description="The clients' ranks (fedpeft.methods.ranks: a list repeated over the clients, or "
-        "{uniform: [lo, hi]} / {choice: [...]} drawn per client); default: uniform in r_min..lora.r, "
-        "seeded by rank_seed.",
-    )
-    gamma: float = Field(0.9, gt=0, lt=1, description="Sparsity factor: a prune keeps floor(gamma r_i).")
-    penalty: float = Field(1e-3, ge=0, description="lambda of the rank-tail regulariser.")
-    prune_rule: Literal["mean", "share"] = Field(
-        "mean",
-        description="mean: prune when the tail's mean component energy is under prune_ratio times the "
-        "kept components' mean; share: when the tail holds under prune_ratio of the total energy.",
-    )
-    prune_ratio: float = Field(0.1, gt=0, lt=1, description="Threshold of the pruning rule.")
-    personal_model: Literal["own", "global"] = Field(
-        "own",
-        description="The client model scored as personalised: its own last trained adapter (own), or "
-        "the global adapter truncated to its rank (global); the other is reported as local_<other>.",
-    )
-
-    @model_validator(mode="after")
-    def _ranks(self) -> HETLoRAConfig:
-        if self.r_min > self.lora.r:
-            raise ValueError(f"method.r_min: {self.r_min} exceeds r_max = method.lora.r = {self.lora.r}")
-        check_ranks(self.ranks, self.lora.r)
-        return self
-
-    def rank_draw(self) -> Ranks:
-        """``ranks``, or the paper's uniform draw in ``r_min..r_max`` when not given."""
-        return (
-            self.ranks
-            if self.ranks is not None
-            else RankDraw(uniform=(self.r_min, self.lora.r), seed=self.rank_seed)
-        )
 
 
 def update_norm(tensors: Tensors) -> float:

@@ -4,22 +4,9 @@ All trainable tensors are personal. There is no global model: scores on the glob
 test set are the mean over clients of each client's own model.
 """
 
-from typing import Literal
-
-from pydantic import Field
-
-from fedpeft.methods.base import FitResult, MethodConfig, ServerState, Tensors
+from fedpeft.config.methods.local import LocalConfig
+from fedpeft.methods.base import FitResult, ServerState, Tensors
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.peft import AdapterSpec, LoraSpec, Trainable
-
-
-class LocalConfig(MethodConfig):
-    """Each client fine-tunes its own copy of the trainable tensors."""
-
-    name: Literal["local"] = "local"
-    trainable: Trainable = Field("lora", description="What each client trains.")
-    lora: LoraSpec = Field(default_factory=LoraSpec)
-    adapter: AdapterSpec = Field(default_factory=AdapterSpec)
 
 
 class LocalOnly(FedAvgPeft):

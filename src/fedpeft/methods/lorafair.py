@@ -21,30 +21,12 @@ uplink and downlink are FedLR's, byte for byte.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from pydantic import Field
 
-from fedpeft.methods.base import FitResult, MethodConfig, ServerState
+from fedpeft.config.methods.lorafair import LoRAFAIRConfig
+from fedpeft.methods.base import FitResult, ServerState
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.peft import LoraSpec
 from fedpeft.peft.lora import lora_layers
-
-
-class LoRAFAIRConfig(MethodConfig):
-    """FedAvg of LoRA with the server's correction of ``B``. Paper: LoRA-FAIR (Bian et al.,
-    ICCV 2025)."""
-
-    name: Literal["lorafair"] = "lorafair"
-    lora: LoraSpec = Field(default_factory=LoraSpec)
-    similarity: Literal["cosine", "frobenius"] = Field(
-        "cosine",
-        description="The distance of (B_bar + dB) A_bar to the mean update: 1 - cosine (the paper's), or "
-        "the squared Frobenius norm (a ridge regression, solved in closed form).",
-    )
-    lam: float = Field(0.01, ge=0, description="lambda, the weight of ||dB||_F^2 (the paper's 0.01).")
-    max_iter: int = Field(100, ge=1, description="similarity cosine: L-BFGS iterations at most, per module.")
 
 
 def ridge_correction(

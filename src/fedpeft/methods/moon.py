@@ -46,12 +46,10 @@ Readings and choices:
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from pydantic import Field
 
-from fedpeft.methods.base import ClientData, FitResult, Job, MethodConfig, Tensors, local_steps
+from fedpeft.config.methods.moon import MOONConfig
+from fedpeft.methods.base import ClientData, FitResult, Job, Tensors, local_steps
 from fedpeft.methods.cohort import (
     OWN,
     GradientFn,
@@ -65,7 +63,6 @@ from fedpeft.methods.cohort import (
     row_mean,
 )
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.peft import AdapterSpec, LoraSpec, Trainable
 
 GLOB, PREV = "glob.", "prev."  # step constants: the received global and the previous local model
 
@@ -77,17 +74,6 @@ CLASSIFICATION_ONLY = {
     "extractive_qa": "MOON's contrastive loss compares one pooled representation per example; span "
     "extraction reads one per token",
 }
-
-
-class MOONConfig(MethodConfig):
-    """FedAvg with a model-contrastive loss. Paper: MOON (Li, He, Song, CVPR 2021)."""
-
-    name: Literal["moon"] = "moon"
-    trainable: Trainable = Field("lora", description="What each client trains (the head always).")
-    lora: LoraSpec = Field(default_factory=LoraSpec)
-    adapter: AdapterSpec = Field(default_factory=AdapterSpec)
-    mu: float = Field(1.0, ge=0, description="Weight of the model-contrastive loss (0: FedAvg).")
-    tau: float = Field(0.5, gt=0, description="Temperature of the model-contrastive loss.")
 
 
 def contrastive_loss(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor, tau: float) -> torch.Tensor:

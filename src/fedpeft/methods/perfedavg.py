@@ -19,31 +19,15 @@ training data, then tests. The global model's score is reported beside it, unada
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
-from pydantic import Field
 from torch.func import grad, grad_and_value
 
+from fedpeft.config.methods.perfedavg import PerFedAvgConfig
 from fedpeft.data.task import make_batch, take_draws
-from fedpeft.methods.base import ClientData, MethodConfig, Tensors, load_tensors
+from fedpeft.methods.base import ClientData, Tensors, load_tensors
 from fedpeft.methods.cohort import GradientFn, model_inputs, model_loss, prepare_step
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.peft import LoraSpec
-
-
-class PerFedAvgConfig(MethodConfig):
-    """MAML over LoRA under FedAvg. Paper: Per-FedAvg (Fallah et al., 2020), PF2LoRA baselines."""
-
-    name: Literal["perfedavg"] = "perfedavg"
-    lora: LoraSpec = Field(default_factory=LoraSpec)
-    order: Literal[1, 2] = Field(1, description="1: first-order MAML; 2: through the inner step (HVP).")
-    inner_lr: float = Field(0.3, gt=0, description="alpha, the adaptation step size (SGD).")
-    split_batch: bool = Field(
-        False,
-        description="False: D1 and D2 are two batches of train.batch_size (the paper; twice the "
-        "examples per step of other methods); True: the two halves of one batch (equal budgets).",
-    )
 
 
 def maml_grads(

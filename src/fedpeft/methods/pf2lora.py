@@ -34,33 +34,17 @@ the upper-level AdamW state lives for one round, or is kept by the client with
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
-from pydantic import Field
 from torch.func import grad, grad_and_value
 
-from fedpeft.methods.base import FitResult, MethodConfig, ServerState, Tensors
+from fedpeft.config.methods.pf2lora import PF2LoRAConfig
+from fedpeft.methods.base import FitResult, ServerState, Tensors
 from fedpeft.methods.cohort import GradientFn, model_loss
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.peft import LoraSpec
 from fedpeft.peft.lora import lora_layers
 
 CLIENT = "client"  # the PEFT adapter name of the personal adapter
-
-
-class PF2LoRAConfig(MethodConfig):
-    """Common LoRA (shared) + client LoRA (personal), bilevel. Paper: PF2LoRA, Algorithm 1."""
-
-    name: Literal["pf2lora"] = "pf2lora"
-    lora: LoraSpec = Field(default_factory=LoraSpec, description="The common adapter (A, B).")
-    client_rank: int = Field(2, ge=1, description="r2, rank of the client adapter (C_i, D_i).")
-    client_alpha: float = Field(4.0, gt=0, description="alpha2: the client update is (alpha2/r2) D C.")
-    lower_lr: float = Field(0.1, gt=0, description="eta_low, SGD step of the lower level.")
-    bilevel: bool = Field(True, description="False: plain gradients for both adapters (ablation).")
-    rank_tol: float = Field(
-        0.01, gt=0, lt=1, description="Effective rank: singular values above rank_tol * the largest."
-    )
 
 
 def bilevel_step(

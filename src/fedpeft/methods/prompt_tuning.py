@@ -26,19 +26,9 @@ Readings and choices:
 
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import Field
-
-from fedpeft.methods.base import Method, MethodConfig
-from fedpeft.peft.prompt import PromptedBackbone, PromptSpec
-
-
-class PromptTuningConfig(MethodConfig):
-    """A soft prompt under FedAvg. Paper: Lester et al. (2021), a C2A baseline."""
-
-    name: Literal["prompt_tuning"] = "prompt_tuning"
-    prompt: PromptSpec = Field(default_factory=PromptSpec)
+from fedpeft.config.methods.prompt_tuning import PromptTuningConfig
+from fedpeft.methods.base import Method
+from fedpeft.peft.prompt import PromptedBackbone
 
 
 class PromptTuning(Method):

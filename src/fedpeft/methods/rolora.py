@@ -14,22 +14,10 @@ both.
 
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import Field
-
-from fedpeft.methods.base import FitResult, Job, MethodConfig, ServerState, Start, Tensors
+from fedpeft.config.methods.rolora import RoLoRAConfig
+from fedpeft.methods.base import FitResult, Job, ServerState, Start, Tensors
 from fedpeft.methods.cohort import GradientFn, carry_kept_state, group_backprop, optimizer_state
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.peft import LoraSpec
-
-
-class RoLoRAConfig(MethodConfig):
-    """LoRA's ``B`` (odd rounds) and ``A`` (even rounds) trained and averaged in turn.
-    Paper: RoLoRA (Chen et al., NeurIPS 2025)."""
-
-    name: Literal["rolora"] = "rolora"
-    lora: LoraSpec = Field(default_factory=LoraSpec)
 
 
 def half_of_round(rnd: int) -> str:

@@ -7,12 +7,9 @@ fine-tuning into requires-grad flags and inserted modules; methods call it in
 
 from __future__ import annotations
 
-from typing import Literal
-
+from fedpeft.config.methods.specs import Trainable
 from fedpeft.peft.adapters import AdapterSpec, add_adapters
 from fedpeft.peft.lora import LoraSpec, add_lora
-
-Trainable = Literal["full", "bitfit", "adapter", "lora"]
 
 __all__ = ["AdapterSpec", "LoraSpec", "Trainable", "make_trainable"]
 

@@ -20,21 +20,10 @@ pretrained one; the routing makes them differ.
 from __future__ import annotations
 
 import torch
-from pydantic import Field
 from torch import nn
 
-from fedpeft.peft.adapters import AdapterSpec, add_adapters
-
-
-class AdaMixSpec(AdapterSpec):
-    """Options of AdaMix adapters (the Houlsby options plus the mixture's)."""
-
-    bottleneck: int = Field(16, ge=1, description="Width r of each expert's bottleneck (C2A's adapters: 16).")
-    experts: int = Field(4, ge=1, description="Number M of experts per projection and site (AdaMix: 4).")
-    share_down: bool = Field(False, description="One down-projection for all experts (no routing there).")
-    share_up: bool = Field(
-        False, description="One up-projection for all experts (AdaMix's released BERT/RoBERTa recipe)."
-    )
+from fedpeft.config.methods.specs import AdaMixSpec
+from fedpeft.peft.adapters import add_adapters
 
 
 class ExpertLinear(nn.Module):

@@ -14,26 +14,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
+
+from fedpeft.config.methods.specs import AdapterSpec
 
 # Sites per architecture (model_type -> regexes over module names).
 HOULSBY_SITES: dict[str, tuple[str, ...]] = {
     "bert": (r"layer\.\d+\.attention\.output\.dense$", r"layer\.\d+\.output\.dense$"),
     "llama": (r"layers\.\d+\.self_attn\.o_proj$", r"layers\.\d+\.mlp\.down_proj$"),
 }
-
-
-class AdapterSpec(BaseModel):
-    """Options of a Houlsby adapter."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    bottleneck: int = Field(64, ge=1, description="Width r of the bottleneck.")
-    activation: str = Field("gelu", pattern="^(gelu|relu|tanh)$")
-    sites: list[str] | None = Field(
-        None, description="Regexes of module names to adapt (None: Houlsby sites of the backbone)."
-    )
 
 
 class Adapter(nn.Module):

@@ -24,23 +24,10 @@ factors Glorot-uniform, biases 0; and, as every fedpeft adapter, the up-projecti
 from __future__ import annotations
 
 import torch
-from pydantic import Field
 from torch import nn
 
-from fedpeft.peft.adapters import AdapterSpec, add_adapters
-
-
-class CompacterSpec(AdapterSpec):
-    """Options of Compacter adapters (the Houlsby options plus the PHM ones)."""
-
-    bottleneck: int = Field(
-        16, ge=1, description="Width r of the bottleneck (C2A's adapters: 16); a multiple of n."
-    )
-    n: int = Field(4, ge=1, description="Number n of Kronecker products (Compacter: 4); divides d and r.")
-    rank: int = Field(1, ge=1, description="Rank k of each fast weight B_i = s_i t_i^T (Compacter: 1).")
-    rule_init_std: float = Field(
-        1e-4, gt=0, description="Standard deviation of the shared A_i at the start (reference code: 1e-4)."
-    )
+from fedpeft.config.methods.specs import CompacterSpec
+from fedpeft.peft.adapters import add_adapters
 
 
 def phm_weight(rule: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:

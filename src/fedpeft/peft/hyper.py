@@ -40,50 +40,12 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from fedpeft.config.methods.specs import HyperSpec
 from fedpeft.peft.adapters import AdapterSpec, add_adapters
-
-
-class HyperSpec(BaseModel):
-    """Options of C2A's hypernetwork (paper defaults: t 8, s 64, r 16)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    embedding_dim: int = Field(8, ge=1, description="t, the size of the client embeddings.")
-    factor_dim: int = Field(64, ge=1, description="s, the latent factor of the factorised hypernetwork.")
-    label_embedding: bool = Field(True, description="Use the label embedding L (ablation: off).")
-    context_embedding: bool = Field(True, description="Use the context embeddings F_l (ablation: off).")
-    factorise: bool = Field(True, description="W_U = F_U S_U (ablation: one (d r) x t matrix).")
-    normalise: bool = Field(True, description="Divide W_U by its Frobenius norm (ablation: off).")
-    # the authors' code (yeachan-kr/c2a, blocks.py) where it departs from the paper's equations
-    normalise_scope: Literal["matrix", "slice"] = Field(
-        "matrix",
-        description="'matrix': norm_F of the whole W_U (the paper); 'slice': each of its t "
-        "(d x r) slices to unit norm (the authors' code).",
-    )
-    generator_bias: bool = Field(
-        False,
-        description="A zero-initialised (d x r) bias added to every slice of W_U before "
-        "normalising (the authors' code; the paper has none).",
-    )
-    tie: Literal["transpose", "view"] = Field(
-        "transpose",
-        description="The down-projection: U^T (the paper) or U's entries read as an "
-        "(r x d) matrix (the authors' code).",
-    )
-    adapter_bias: bool = Field(
-        False, description="Two shared, zero-initialised adapter biases, r and d (the authors' code)."
-    )
-    context_pool: Literal["max", "mean"] = Field(
-        "max",
-        description="Pooling of the examples' contexts over the batch: max (the paper's "
-        "equation 4) or mean (the authors' code).",
-    )
 
 
 class Hypernetwork(nn.Module):

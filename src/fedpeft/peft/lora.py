@@ -10,32 +10,9 @@ import copy
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-
-class LoraSpec(BaseModel):
-    """Options of a LoRA module (Hu et al., 2022)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    r: int = Field(8, ge=1, description="Rank r of B A.")
-    alpha: float = Field(16.0, gt=0, description="Scale numerator: the update is (alpha / r) B A.")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch input.")
-    use_dora: bool = Field(
-        False,
-        description="DoRA (Liu et al., ICML 2024; HF PEFT's): each adapted weight as a trained magnitude "
-        "per output times the direction of W0 + s B A; for the LoRA methods it composes with (fedlr, "
-        "federa, ffalora, fedsalora, rolora, lorafair, flexlora, hetlora, local, centralized; any other "
-        "refuses it, saying why).",
-    )
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["query", "value"],
-        description="Module names to adapt; [query, value] (the papers'): the attention's query and "
-        "value projections in every known family (q_proj/v_proj, Phi-3's qkv_proj, ...); [all-linear]: "
-        "every linear layer.",
-    )
-
+from fedpeft.config.methods.specs import LoraSpec
 
 #: The attention's query and value projections (the papers' ``query``/``value``) in each
 #: family fedpeft has checked (tests/test_decoder_families.py builds a tiny one of each);

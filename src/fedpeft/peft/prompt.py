@@ -17,30 +17,10 @@ in HF PEFT, so ``P + L`` must fit the backbone's position table.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-
-class PromptSpec(BaseModel):
-    """Options of a soft prompt."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    num_virtual_tokens: int = Field(
-        20,
-        ge=1,
-        description="Number P of virtual tokens. C2A does not state it; its parameter share for prompt "
-        "tuning (0.024 % of DistilBERT's 66M) is 20 x 768 values.",
-    )
-    init: Literal["sample_vocab", "uniform"] = Field(
-        "sample_vocab",
-        description="sample_vocab: each virtual token starts as the embedding of a random vocabulary "
-        "token (HF PEFT's SAMPLE_VOCAB; Lester et al. sample from the 5,000 commonest tokens); "
-        "uniform: U(-0.5, 0.5), Lester et al.'s random initialisation.",
-    )
+from fedpeft.config.methods.specs import PromptSpec
 
 
 def extend_bias(bias: torch.Tensor, prompt_len: int, causal: bool) -> torch.Tensor:

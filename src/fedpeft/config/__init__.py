@@ -5,8 +5,9 @@ evaluation, output) is declared here with pydantic. Unknown keys, wrong types an
 impossible values fail *before* any training, with an error that names the key, e.g.
 ``train.clients_per_round: 12 clients per round but partition.num_clients is 10``.
 
-Method options live in each method's own module (``fedpeft.methods.<name>``); the
-``method`` block is a union discriminated by ``method.name`` over the registry.
+Method options live in one module per method (``fedpeft.config.methods.<name>``); the
+``method`` block is a union discriminated by ``method.name`` over their registry
+(``fedpeft.config.methods.CONFIGS``). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from fedpeft.methods import method_config_union
+from fedpeft.config.methods import method_config_union
 
 Strict = ConfigDict(extra="forbid", validate_assignment=True)
 
