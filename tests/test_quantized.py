@@ -132,6 +132,41 @@ def test_a_quantised_base_cohorts_only_methods_that_fold(tiny_config, tiny_decod
         )
 
 
+def test_bitsandbytes_is_imported_only_by_a_run_that_quantises(tiny_config, tiny_decoder, tmp_path):
+    """A run with ``model.quantization: none`` (LoRA through peft, which imports
+    bitsandbytes wherever it finds it) neither imports bitsandbytes nor prints its CPU
+    kernels warning; an NF4 run after it in the same process finds it and trains."""
+    import subprocess
+    import sys
+
+    from fedpeft.config import dump_config
+
+    plain = tiny_config(output_dir=str(tmp_path / "plain"))
+    nf4 = lm_config(tiny_config, tiny_decoder, **{"model.quantization": "nf4", "train.rounds": 1,
+                                                  "output_dir": str(tmp_path / "nf4")})  # fmt: skip
+    (tmp_path / "plain.yaml").write_text(dump_config(plain))
+    (tmp_path / "nf4.yaml").write_text(dump_config(nf4))
+    script = """
+import sys
+from typer.testing import CliRunner
+from fedpeft.cli import app
+for path in sys.argv[1:]:
+    result = CliRunner().invoke(app, ["--verbose", "run", path])
+    assert result.exit_code == 0, result.output
+    print(f"after {path}: bitsandbytes imported: {sys.modules.get('bitsandbytes') is not None}",
+          file=sys.stderr, flush=True)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "plain.yaml"), str(tmp_path / "nf4.yaml")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    plain_part, _, nf4_part = out.stderr.partition("plain.yaml: bitsandbytes imported: False")
+    assert nf4_part, out.stderr[-3000:]  # the plain run ended without bitsandbytes
+    assert "gemm_4bit" not in plain_part  # bitsandbytes' CPU warning (--verbose: nothing silenced)
+    assert "nf4.yaml: bitsandbytes imported: True" in nf4_part
+
+
 def test_the_flowertune_recipe_has_flowertunes_settings():
     from fedpeft.config import load_config
 

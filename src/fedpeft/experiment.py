@@ -38,6 +38,7 @@ from fedpeft.metrics.scorers import scorer_for
 from fedpeft.metrics.variation import lora_variations
 from fedpeft.models.backbone import TaskModel, build_model, enable_checkpointing, resolve_backbone
 from fedpeft.models.device import autocast_dtype, resolve_device
+from fedpeft.optional import bitsandbytes_unless, uses_bitsandbytes
 from fedpeft.report import results as R
 from fedpeft.report.tracking import Tracking
 
@@ -169,6 +170,11 @@ class Setup:
 
 def build(cfg: ExperimentConfig, model: TaskModel | None = None, tokenizer=None) -> Setup:
     """Data, partition, model and method for ``cfg`` (a given model/tokenizer is reused)."""
+    with bitsandbytes_unless(uses_bitsandbytes(cfg)):
+        return _build(cfg, model, tokenizer)
+
+
+def _build(cfg: ExperimentConfig, model: TaskModel | None, tokenizer) -> Setup:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     corpus = load_silos(cfg.data, cfg.seed) if cfg.data.silos else load_corpus(cfg.data, cfg.seed)
@@ -495,6 +501,18 @@ def run(
     ``resume_from``'s); ``say``: where the run reports what a user must know (a checkpoint
     it skipped). A run that diverges raises :class:`DivergedError` after exporting its last
     good global model."""
+    with bitsandbytes_unless(uses_bitsandbytes(cfg)):
+        return _run(cfg, resume, on_round, setup, resume_from, say)
+
+
+def _run(
+    cfg: ExperimentConfig,
+    resume: bool,
+    on_round: Callable[[dict], None] | None,
+    setup: Setup | None,
+    resume_from: int | None,
+    say: Callable[[str], None] | None,
+) -> dict:
     resume = resume or resume_from is not None
     if resume and not cfg.checkpoint.enabled:
         raise ResumeError("--resume needs checkpoints, but the config sets checkpoint: false")

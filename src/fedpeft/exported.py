@@ -118,13 +118,15 @@ def load_export(
     """
     from fedpeft.experiment import place
     from fedpeft.models.device import PRECISIONS
+    from fedpeft.optional import bitsandbytes_unless
 
     d = Path(path)
     info = read_info(d)
     cfg = export_config(d, info, backbone)
     if precision is not None and precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
-    with torch.random.fork_rng(devices=[]):  # the build seeds torch: leave the caller's stream alone
+    fork = torch.random.fork_rng(devices=[])  # the build seeds torch: leave the caller's stream alone
+    with fork, bitsandbytes_unless(cfg.model.quantization != "none"):
         if (d / TENSORS).is_file() or not (d / PEFT_CONFIG).is_file():
             model, tokenizer, filled = load_tensors_export(d, cfg, info)
         else:

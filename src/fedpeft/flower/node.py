@@ -37,6 +37,7 @@ from fedpeft.methods.cohort import SampleDP
 from fedpeft.metrics.scorers import Scorer, SpanScorer, scorer_for
 from fedpeft.models.backbone import TaskModel, build_model, load_tokenizer
 from fedpeft.models.device import resolve_device
+from fedpeft.optional import bitsandbytes_unless, uses_bitsandbytes
 
 KEEP_SNAPSHOTS = 2
 
@@ -162,8 +163,9 @@ class Node:
             tags = self.scoring.get("tag_names")  # NER: one output per tag, as in-process
             outputs = len(tags) if tags is not None else len(self.class_names)
             device = str(resolve_device(self.cfg.train.device))  # a quantised backbone loads in place
-            model, _ = build_model(self.cfg.model, outputs, self.cfg.seed, self.cfg.data.task, device)
-            method, initial = attach_method(self.cfg, model)
+            with bitsandbytes_unless(uses_bitsandbytes(self.cfg)):
+                model, _ = build_model(self.cfg.model, outputs, self.cfg.seed, self.cfg.data.task, device)
+                method, initial = attach_method(self.cfg, model)
             device = place(model, self.cfg.train)
             self.client = ClientData(self.cid, self.client.train.to(device), self.client.test.to(device))
             if self.global_test is not None:
