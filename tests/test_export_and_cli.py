@@ -37,6 +37,7 @@ def test_cli_run_partition_report_methods(tiny_config, tmp_path, monkeypatch):
     rounds = [line for line in res.output.splitlines() if line.startswith("round ")]
     assert [line.split(" |")[0] for line in rounds] == ["round 1", "round 2"]
     assert "setting up" not in res.output
+    assert "\r" not in res.output and "\x1b[" not in res.output  # no frames, no cursor moves (issue 61)
 
     res = runner.invoke(
         app,
@@ -177,9 +178,42 @@ def test_time_to_target_by_hand():
     assert r95["round"] is None and r99["round"] is None  # 0.8075 and 0.8415 never reached
 
 
+def names_in_tables(text: str) -> list[list[str]]:
+    """Per table in ``text`` (as ``fedpeft.cli.print_fitted`` prints them: header, a rule,
+    rows, a blank line), the names in its first column, read back from their lines: a
+    row's first line holds the name's start and the row's other cells (two or more
+    spaces apart), the lines under it the rest of the name alone. A line that ends in
+    ``-`` or ``_`` joins the next directly, any other with a space: so a name broken
+    mid-word (or anywhere but after ``-``, ``_`` or a space) does not read back whole."""
+    import re
+
+    tables: list[list[str]] = []
+    rows: list[list[str]] | None = None
+    for line in text.splitlines():
+        if set(line.strip()) == {"─"}:
+            rows = []
+        elif rows is not None and not line.strip():
+            tables.append([_join(pieces) for pieces in rows])
+            rows = None
+        elif rows is not None:
+            fields = re.split(r"\s{2,}", line.strip())
+            if len(fields) > 1 or not rows:
+                rows.append([fields[0]])
+            else:
+                rows[-1].append(fields[0])
+    return tables
+
+
+def _join(pieces: list[str]) -> str:
+    name = pieces[0]
+    for piece in pieces[1:]:
+        name += piece if name.endswith(("-", "_")) else " " + piece
+    return name
+
+
 def test_the_results_table_holds_every_number_and_name_at_80_columns(monkeypatch):
-    """Issue 35: at 80 columns no score, byte count or time is cut; a long run name folds
-    onto more lines, whole."""
+    """Issues 35 and 61: at 80 columns no score, byte count or time is cut; a long run
+    name breaks onto more lines only after a ``-`` or ``_`` (or a space), never mid-word."""
     import io
 
     from rich.console import Console
@@ -194,7 +228,8 @@ def test_the_results_table_holds_every_number_and_name_at_80_columns(monkeypatch
              "total_bytes": 87_412_345, "time_train": 275.33}  # fmt: skip
     long = {**short, "name": "a-very-long-experiment-name-for-the-cross-silo-comparison", "method": "fedmcp",
             "total_bytes": 1_234_567_890, "time_train": 12345.6}  # fmt: skip
-    cli._print_summaries([short, long])
+    snake = {**short, "name": "cross_silo_fedmcp_beta0.1_seed2", "method": "fedmcp"}
+    cli._print_summaries([short, long, snake])
     text = buf.getvalue()
     assert "…" not in text and all(len(line) <= 80 for line in text.splitlines())
     for number in (
@@ -209,14 +244,106 @@ def test_the_results_table_holds_every_number_and_name_at_80_columns(monkeypatch
         "12345.6",
     ):
         assert number in text
-    rows = [line for line in text.splitlines()[4:] if line.strip()]
-    first_column = "".join(line.split()[0] for line in rows)
-    assert "default-fedlr" in first_column
-    assert "a-very-long-experiment-name-for-the-cross-silo-comparison(fedmcp)" in first_column
+    assert names_in_tables(text) == [
+        [
+            "default-fedlr",
+            "a-very-long-experiment-name-for-the-cross-silo-comparison (fedmcp)",
+            "cross_silo_fedmcp_beta0.1_seed2",
+        ]
+    ]
+    assert "fedlr" in [line.strip() for line in text.splitlines()]  # "default-fedlr" did break, at "-"
+    for header in ("run", "rnds", "acc", "F1", "MCC", "local acc", "best@rnd", "MB", "train s"):
+        assert header in text.replace("\n", " "), header
+
+    # where the names fit, they are never broken
+    buf.truncate(0), buf.seek(0)
+    cli._print_summaries([short])
+    assert "default-fedlr    12  0.658" in buf.getvalue()
+
+
+def test_a_name_breaks_only_after_a_dash_underscore_or_space():
+    from fedpeft.report.tables import break_name
+
+    assert break_name("default-fedlr", 13) == "default-fedlr"
+    assert break_name("default-fedlr", 10) == "default-\nfedlr"
+    assert break_name("cross_silo_fedmcp seed2", 12) == "cross_silo_\nfedmcp seed2"
+    assert break_name("a-b-c-d", 4) == "a-b-\nc-d"
+    # only a piece wider than the whole column (which no layout gives it) is folded
+    assert break_name("flowertune", 4) == "flow\nertu\nne"
+
+
+def test_a_causal_lm_runs_results_table_is_whole_at_80_columns(
+    tiny_config, tiny_decoder, tmp_path, monkeypatch
+):
+    """Issue 61: the results table of a causal-LM run (four scores, the FlowerTune recipe's
+    global-only evaluation) at 80 columns: every header whole, and the run column, with
+    the run named, in each of the two tables its columns take; the run writes no
+    carriage-return progress frames where there is no terminal."""
+    import io
+
+    from rich.console import Console
+
+    from fedpeft import cli
+    from fedpeft.config import dump_config
+    from fedpeft.report.results import read_summary, results_table
+
+    cfg = tiny_config(**{"name": "flowertune-smollm2_nf4", "model.backbone": str(tiny_decoder),
+                         "data.task": "causal_lm", "data.max_length": 32, "data.max_samples": 60,
+                         "data.max_test_samples": 6, "eval.generation.max_new_tokens": 4,
+                         "eval.generation.samples": 2, "eval.local": False, "train.rounds": 1})  # fmt: skip
+    path = tmp_path / "lm.yaml"
+    path.write_text(dump_config(cfg))
+    buf = io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(width=80, file=buf))
+    res = CliRunner().invoke(app, ["run", str(path)])
+    assert res.exit_code == 0, res.output
+    text = buf.getvalue()
+    assert "\r" not in text and "\r" not in res.output  # no progress frames off a terminal
+    header, _ = results_table([read_summary(cfg.output_dir)])
+    assert header[2] == "ROUGE-L"
+    results = text[text.index("results") :]
+    assert "…" not in results and all(len(line) <= 80 for line in results.splitlines())
+    for title in header:
+        assert title in results, title  # whole, on one line
+    tables = names_in_tables(results)
+    assert tables and all(names == ["flowertune-smollm2_nf4 (fedlr)"] for names in tables)
+    assert sum(line.startswith("run ") for line in results.splitlines()) == len(tables)
+
+
+@pytest.mark.slow
+def test_a_smollm2_run_into_a_file_writes_no_progress_frames(tmp_path):
+    """Issue 61: `fedpeft run flowertune` (shrunk; the bundled SmolLM2 loaded from its GGUF
+    file, which transformers converts under a tqdm bar of its own) with its output in a
+    file: no carriage-return frames, no cursor moves, and the results whole at 80 columns."""
+    import os
+    import subprocess
+    import sys
+
+    sets = {"train.rounds": 1, "model.quantization": "none", "train.local_steps": 1, "train.batch_size": 2,
+            "data.max_samples": 40, "data.max_test_samples": 4, "eval.generation.samples": 2,
+            "eval.generation.max_new_tokens": 4, "partition.num_clients": 2, "log.plots": False,
+            "name": "flowertune-smollm2_tiny", "output_dir": str(tmp_path / "run")}  # fmt: skip
+    args = [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
+    log = tmp_path / "out.log"
+    cmd = [sys.executable, "-c", "from fedpeft.cli import app; app()", "run", "flowertune", *args]
+    with log.open("w") as out:
+        env = {**os.environ, "COLUMNS": "80"}
+        subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, check=True, timeout=1500)
+    text = log.read_text()
+    assert "\r" not in text and "\x1b[" not in text, text
+    assert "Converting and de-quantizing GGUF" not in text and "round 1 |" in text
+    results = text[text.index("results") :]
+    assert "…" not in results and all(len(line) <= 80 for line in results.splitlines())
+    titles = ("run", "rnds", "ROUGE-L", "BLEU", "chrF", "ppl", "local ROUGE-L", "best@rnd", "MB", "train s")
+    for title in titles:
+        assert title in results, title
+    tables = names_in_tables(results)
+    assert tables and all(names == ["flowertune-smollm2_tiny (fedlr)"] for names in tables)
 
 
 def test_the_partition_and_sweep_tables_hold_every_number_and_name_at_80_columns(tiny_config, tmp_path):
-    """Issue 35: the other tables at 80 columns: nothing cut ("…"), long names fold whole."""
+    """Issues 35 and 61: the other tables at 80 columns: nothing cut ("…"), a grid point
+    broken only after a space, ``-`` or ``_``."""
     import io
 
     from rich.console import Console
@@ -242,15 +369,14 @@ def test_the_partition_and_sweep_tables_hold_every_number_and_name_at_80_columns
     assert "…" not in text and all(len(line) <= 80 for line in text.splitlines())
     for cell in ("1,234,567", "987.7", "0.658±0.012", "0.345±0.046"):
         assert cell in text
-    body = text.split("sweep (")[1].splitlines()[4:]  # after the title, a blank line, header and rule
-    folded = "".join(line.split()[0] for line in body if line.strip())
-    assert folded.startswith("partition.alpha=0.1,method.lora.r=16")
+    assert names_in_tables(text.split("sweep (")[1]) == [["partition.alpha=0.1, method.lora.r=16"]]
     partition = text.split("sweep")[0]
     assert "Jensen-Shannon" in partition and partition.count("\n") > 5
 
 
 def test_the_report_tables_hold_every_number_and_name_at_80_columns(monkeypatch):
-    """Issue 35: `fedpeft report`'s time-to-target and rounds-to-target tables at 80 columns."""
+    """Issues 35 and 61: `fedpeft report`'s time-to-target and rounds-to-target tables at 80
+    columns, the runs' names broken only after a ``-`` or a space."""
     import io
 
     from rich.console import Console
@@ -275,9 +401,12 @@ def test_the_report_tables_hold_every_number_and_name_at_80_columns(monkeypatch)
     assert "…" not in text and all(len(line) <= 80 for line in text.splitlines())
     for cell in ("740.74", "1234.57", "3703.5", "3822.0", "6370.0", "×1.67", "fedap-seed0"):
         assert cell in text, cell
-    first = text.split("rounds to target")[0].splitlines()
-    timed = first[next(i for i, line in enumerate(first) if "──" in line) + 1 :]  # rows under the rule
-    assert long.replace(" ", "") in "".join(line.split()[0] for line in timed if line.strip())
-    boxed = text.split("rounds to target")[1]
-    names = "".join(line.split("│")[1].strip() for line in boxed.splitlines() if "│" in line)
-    assert long.replace(" ", "") in names.replace(" ", "")
+    assert names_in_tables(text.split("rounds to target")[0]) == [[long] * 3 + ["fedap (fedap-seed0)"] * 3]
+    boxed: list[list[str]] = []  # per row, the run's lines (a row starts where its rounds cell does)
+    for line in text.split("rounds to target")[1].splitlines():
+        cells = [cell.strip() for cell in line.split("│")[1:-1]]
+        if cells and cells[0] != "run" and cells[2]:
+            boxed.append([cells[0]])
+        elif cells and cells[0] != "run":
+            boxed[-1].append(cells[0])
+    assert [_join(pieces) for pieces in boxed] == [long, "fedap (fedap-seed0)"]  # broken after "-" alone

@@ -49,31 +49,43 @@ def test_a_quantised_base_stays_while_its_adapters_train(
     assert info["quantization"] == quantization
 
 
-def test_the_exported_adapter_loads_onto_a_base_quantised_the_same_way(tiny_config, tiny_decoder):
+@pytest.mark.parametrize("quantization", ["nf4", "int8"])
+def test_the_exported_adapter_loads_onto_a_base_quantised_the_same_way(
+    tiny_config, tiny_decoder, quantization
+):
+    """The export of a run on a quantised base gives the trained model's logits, loaded by
+    ``fedpeft.load_export`` and by HF PEFT onto a base quantised alike."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     import fedpeft
+    from fedpeft.methods.base import load_tensors
     from fedpeft.models.backbone import keep_4bit_layout, quantization_config
 
-    cfg = lm_config(tiny_config, tiny_decoder, **{"model.quantization": "nf4", "train.rounds": 1})
-    run(cfg)
+    cfg = lm_config(tiny_config, tiny_decoder, **{"model.quantization": quantization, "train.rounds": 1})
+    setup = build(cfg)
+    run(cfg, setup=setup)
+    trained = torch.load(cfg.output_dir / "checkpoint.pt", weights_only=True)["server"]["tensors"]
+    lora_b = [n for n in trained if "lora_B" in n]
+    assert lora_b and any(bool(trained[n].abs().sum() > 0) for n in lora_b)
+    load_tensors(setup.model, trained)  # the run's own model (it trained and was scored), as trained
     adapter = cfg.output_dir / "adapter"
     base = AutoModelForCausalLM.from_pretrained(
         str(tiny_decoder), quantization_config=quantization_config(cfg.model), device_map={"": "cpu"}
     )
-    keep_4bit_layout(base)  # as the README's PEFT recipe says (bitsandbytes' CPU repacking off)
+    keep_4bit_layout(base)  # as docs/tasks.md's PEFT recipe says (bitsandbytes' CPU repacking off)
     peft_model = PeftModel.from_pretrained(base, str(adapter)).eval()
     loaded = fedpeft.load_export(adapter)
     ids = torch.tensor([[5, 17, 99, 1000, 2000, 7]])
+    setup.model.eval()
     with torch.no_grad():
         theirs = peft_model(input_ids=ids).logits
         ours = loaded.model.backbone(input_ids=ids).logits
-    assert "Linear4bit" in {type(m).__name__ for m in peft_model.modules()}
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-    trained = torch.load(cfg.output_dir / "checkpoint.pt", weights_only=True)["server"]["tensors"]
-    lora_b = [n for n in trained if "lora_B" in n]
-    assert lora_b and any(bool(trained[n].abs().sum() > 0) for n in lora_b)
+        run_model = setup.model.backbone(input_ids=ids).logits
+    layer = {"nf4": "Linear4bit", "int8": "Linear8bitLt"}[quantization]
+    assert layer in {type(m).__name__ for m in peft_model.modules()}
+    torch.testing.assert_close(ours, run_model, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(theirs, run_model, rtol=1e-5, atol=1e-5)
 
 
 def test_an_nf4_base_narrower_than_its_block_trains(tiny_config, tiny_decoder):
@@ -135,7 +147,8 @@ def test_a_quantised_base_cohorts_only_methods_that_fold(tiny_config, tiny_decod
 def test_bitsandbytes_is_imported_only_by_a_run_that_quantises(tiny_config, tiny_decoder, tmp_path):
     """A run with ``model.quantization: none`` (LoRA through peft, which imports
     bitsandbytes wherever it finds it) neither imports bitsandbytes nor prints its CPU
-    kernels warning; an NF4 run after it in the same process finds it and trains."""
+    kernels warning; an NF4 run after it in the same process finds it and trains, its
+    warning silenced as other libraries' are (no --verbose)."""
     import subprocess
     import sys
 
@@ -150,9 +163,10 @@ def test_bitsandbytes_is_imported_only_by_a_run_that_quantises(tiny_config, tiny
 import sys
 from typer.testing import CliRunner
 from fedpeft.cli import app
-for path in sys.argv[1:]:
-    result = CliRunner().invoke(app, ["--verbose", "run", path])
+for path, loud in zip(sys.argv[1:], (["--verbose"], [])):
+    result = CliRunner().invoke(app, [*loud, "run", path])
     assert result.exit_code == 0, result.output
+    print(result.output, file=sys.stderr)  # the command's stdout and stderr, as a terminal shows them
     print(f"after {path}: bitsandbytes imported: {sys.modules.get('bitsandbytes') is not None}",
           file=sys.stderr, flush=True)
 """
@@ -165,6 +179,7 @@ for path in sys.argv[1:]:
     assert nf4_part, out.stderr[-3000:]  # the plain run ended without bitsandbytes
     assert "gemm_4bit" not in plain_part  # bitsandbytes' CPU warning (--verbose: nothing silenced)
     assert "nf4.yaml: bitsandbytes imported: True" in nf4_part
+    assert "gemm_4bit" not in nf4_part  # without --verbose, not even where bitsandbytes is used
 
 
 def test_the_flowertune_recipe_has_flowertunes_settings():

@@ -1,9 +1,17 @@
-"""The ``fedpeft`` command: run, partition, methods, report, sweep; serve, join, certs (Flower)."""
+"""The ``fedpeft`` command: run, partition, methods, report, sweep; serve, join, certs (Flower).
+
+Importing this module, ``fedpeft --help`` and a config's errors load no model library
+(torch, transformers, flwr, ...): a command imports what it needs when it runs
+(tests/test_cli_help.py checks it). Its help is plain, rewrapped text
+(:mod:`fedpeft.cli_help`).
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import sys
 import warnings
 from pathlib import Path
 from typing import Annotated
@@ -14,12 +22,19 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from fedpeft.cli_help import HelpGroup
 from fedpeft.config import ConfigError, ExperimentConfig, load_config
 from fedpeft.report.results import headline
 
+HELP = """Federated, parameter-efficient fine-tuning of language models.
+
+'fedpeft run CONFIG' runs an experiment (a YAML file; no CONFIG: the built-in one) and
+'fedpeft report RUN...' compares finished runs; serve, superlink and join run one over
+Flower. 'fedpeft COMMAND --help' tells more."""
+
 # an error that escapes a command is one traceback, never a dump of every frame's locals
 app = typer.Typer(
-    add_completion=False, no_args_is_help=False, help=__doc__, pretty_exceptions_show_locals=False
+    cls=HelpGroup, add_completion=False, no_args_is_help=False, help=HELP, pretty_exceptions_show_locals=False
 )
 warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 console = Console()
@@ -45,15 +60,24 @@ def options(
 
 def quiet_libraries() -> None:
     """Other libraries' progress bars ("Loading weights"), info logs and warnings off;
-    fedpeft's own warnings stay."""
-    from huggingface_hub.utils import disable_progress_bars
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    disable_progress_bars()
+    fedpeft's own warnings stay. Through the variables each library reads when it is
+    imported, so that a command that loads no model (and every --help) imports none of
+    them; a library imported already is told directly."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bars follow the hub's
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # read when mlflow is imported (log.to)
     os.environ.setdefault("WANDB_SILENT", "true")
+    # bitsandbytes (a quantised run) logs at import that its CPU kernels cannot be fetched
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
     warnings.filterwarnings("ignore")
     warnings.filterwarnings("default", module=r"fedpeft(\.|$)")
 
@@ -70,6 +94,15 @@ def _overrides(sets: list[str] | None) -> dict:
 
 def _config(path: Path | None, sets: list[str] | None) -> ExperimentConfig:
     return load_config(path, _overrides(sets))
+
+
+def _checked_config(path: Path | None, sets: list[str] | None) -> ExperimentConfig:
+    """The config, or exit 2 saying what is wrong with it: called before a command imports
+    torch and the rest, so that a bad key is named at once."""
+    try:
+        return _config(path, sets)
+    except ConfigError as err:
+        _fail(err)
 
 
 def _fail(err: Exception | str) -> None:
@@ -107,13 +140,10 @@ def run(
     set_: SetOpt = None,
 ) -> None:
     """Run a federated experiment and write its results directory."""
+    cfg = _checked_config(config, [*(set_ or []), *(["export.personal=true"] if export_personal else [])])
     from fedpeft.experiment import run as run_experiment
     from fedpeft.report.runlog import LOG_FILE, close_log, is_expected, one_line, open_log
 
-    try:
-        cfg = _config(config, [*(set_ or []), *(["export.personal=true"] if export_personal else [])])
-    except ConfigError as err:
-        _fail(err)
     log = open_log(Path(cfg.output_dir))
     start = "resume" if resume or resume_from is not None else "start"
     log.info("%s %s: method %s, %d rounds", start, cfg.name, cfg.method.name, cfg.train.rounds)
@@ -178,6 +208,7 @@ def run(
 @app.command()
 def partition(config: ConfigArg = None, set_: SetOpt = None) -> None:
     """Print per-client sizes, label histograms and the mean pairwise JS divergence; save a heatmap."""
+    cfg = _checked_config(config, set_)
     import numpy as np
 
     from fedpeft.data import partition as P
@@ -185,7 +216,6 @@ def partition(config: ConfigArg = None, set_: SetOpt = None) -> None:
     from fedpeft.experiment import make_split
 
     try:
-        cfg = _config(config, set_)
         corpus = load_corpus(cfg.data, cfg.seed)
         split = make_split(cfg, corpus)
     except (ConfigError, ValueError, FileNotFoundError) as err:
@@ -223,6 +253,7 @@ def methods(config: ConfigArg = None, set_: SetOpt = None) -> None:
     """List the registered methods with their parameter counts on the configured backbone.
 
     One line per method (an 80-column terminal shows it whole), reasons as notes below."""
+    cfg = _checked_config(config, set_)
     import copy
 
     from rich import box
@@ -231,18 +262,17 @@ def methods(config: ConfigArg = None, set_: SetOpt = None) -> None:
     from fedpeft.experiment import param_counts
     from fedpeft.methods import REGISTRY, build_method
     from fedpeft.models.backbone import build_model
+    from fedpeft.report.tables import Column
 
     try:
-        cfg = _config(config, set_)
         num_classes = load_corpus(cfg.data, cfg.seed).num_classes
         base, _ = build_model(cfg.model, num_classes, cfg.seed, cfg.data.task)
     except (ConfigError, ValueError, FileNotFoundError) as err:
         _fail(err)
     task, quantized = cfg.data.task, cfg.model.quantization != "none"
-    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
-    for col, right in (("method", False), ("sent", True), ("personal", True), ("% model", True),
-                       ("cohorts", False), ("tasks", False), ("notes", False)):  # fmt: skip
-        table.add_column(col, justify="right" if right else "left", no_wrap=True)
+    columns = [Column("method", name=True, justify="left"), *map(Column, ("sent", "personal", "% model")),
+               *(Column(col, justify="left") for col in ("cohorts", "tasks", "notes"))]  # fmt: skip
+    rows: list[list[str]] = []
     notes: list[str] = []
 
     def note(text: str) -> str:
@@ -264,10 +294,10 @@ def methods(config: ConfigArg = None, set_: SetOpt = None) -> None:
             method.prepare(model)
         except ValueError as err:  # e.g. BitFit on a decoder without biases
             marks.append(note(f"{name}: not on this backbone: {err}"))
-            table.add_row(name, "-", "-", "-", "-", tasks, ", ".join(marks))
+            rows.append([name, "-", "-", "-", "-", tasks, ", ".join(marks)])
             continue
         c = param_counts(model, method)
-        table.add_row(
+        rows.append([
             name,
             f"{c['shared']:,}",
             f"{c['personal']:,}",
@@ -275,11 +305,11 @@ def methods(config: ConfigArg = None, set_: SetOpt = None) -> None:
             COHORT_CODES[cohorts(method, model, quantized)],
             tasks,
             ", ".join(marks),
-        )
+        ])  # fmt: skip
     console.print(
         f"methods on {cfg.model.backbone}, task {task}, {num_classes} classes or domains", soft_wrap=True
     )
-    console.print(table)
+    print_fitted(None, columns, rows, box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
     console.print(
         "sent: trained parameters shared with the server; personal: trained and kept on the client; "
         "cohorts (train.cohort_mode): v vmap, f folded (the frozen backbone once on the folded batch; on a "
@@ -311,19 +341,31 @@ def narrow_table(title: str) -> Table:
     return Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True)
 
 
+def print_fitted(title: str | None, columns: list, rows: list[list[str]], **style) -> None:
+    """A table that fits the console's width whole (issue 61; fedpeft.report.tables): a
+    name breaks only after ``-``/``_``/a space, numbers and headers are never cut, and
+    columns that do not fit side by side go to a second table under the first (which
+    repeats the names). ``style``: rich ``Table`` options (default: ``narrow_table``'s)."""
+    from rich import box
+
+    from fedpeft.report.tables import fit_tables
+
+    style = style or {"box": box.SIMPLE_HEAD, "padding": (0, 1), "pad_edge": False, "collapse_padding": True,
+                      "show_edge": False}  # fmt: skip
+    for table in fit_tables(title, columns, rows, console.width, **style):
+        console.print(table)
+        if not style.get("show_edge", True):
+            console.print()  # a blank line under each (and between stacked ones), as an edge would
+
+
 def _print_summaries(summaries: list[dict]) -> None:
-    """The results table, whole at 80 columns: numbers never cut (a long run name folds
-    onto a second line)."""
+    """The results table, whole at 80 columns: numbers and headers never cut, a long run
+    name broken only after a ``-``/``_``/space (a causal LM's many scores: two tables)."""
     from fedpeft.report.results import results_table
+    from fedpeft.report.tables import Column
 
     header, rows = results_table(summaries)
-    table = narrow_table("results")
-    table.add_column(header[0], overflow="fold", min_width=10)
-    for col in header[1:]:
-        table.add_column(col, justify="right", no_wrap=True)
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
+    print_fitted("results", [Column(header[0], name=True, justify="left"), *map(Column, header[1:])], rows)
 
 
 @app.command()
@@ -355,9 +397,12 @@ def report(
         ),
     ] = None,
 ) -> None:
-    """Compare finished runs: a results table, time to 90/95/99 % of a target, rounds to the
-    target with speed-ups over a baseline (--baseline), and plots with every run on one figure
-    (accuracy vs rounds and bytes; LoRA update variation; client drift); --html: a page of it all."""
+    """Compare finished runs: a results table, the time to a target score, and plots.
+
+    The time to 90/95/99 % of the target (--target); with --baseline, the rounds each run
+    took to reach it and its speed-up over the baseline. The plots put every run on one
+    figure: accuracy against rounds and bytes, LoRA update variation, client drift. --html:
+    a page of it all."""
     from fedpeft.report import results as R
     from fedpeft.report.efficiency import Link, time_to_target
     from fedpeft.report.plots import plot_accuracy, plot_drift, plot_variation
@@ -390,11 +435,12 @@ def report(
 
 
 def _print_time_to_target(records: dict, target: float, name: str, link, time_to_target) -> None:
+    from fedpeft.report.tables import Column
+
     link_text = f"link {link.bandwidth_mbit:g} Mbit/s, {link.latency_ms:g} ms"
-    table = narrow_table(f"time to target ({name} {target:.3f}; {link_text})")
-    table.add_column("run", overflow="fold", min_width=10)  # a long name folds; numbers are never cut
-    for col in ("target", "round", "MB", "train s", "comm s", "decomp s", "total s"):
-        table.add_column(col, justify="right", no_wrap=True)
+    columns = [Column("run", name=True, justify="left")]  # a long name breaks after -/_; numbers whole
+    columns += map(Column, ("target", "round", "MB", "train s", "comm s", "decomp s", "total s"))
+    rows = []
     for label, recs in records.items():
         for row in time_to_target(recs, target, link, metric=name):
             cells = ["-"] * 6
@@ -407,8 +453,8 @@ def _print_time_to_target(records: dict, target: float, name: str, link, time_to
                     f"{row['decompose_s']:.2f}",
                     f"{row['total_s']:.1f}",
                 ]
-            table.add_row(label, f"{row['fraction']:.0%}", *cells)
-    console.print(table)
+            rows.append([label, f"{row['fraction']:.0%}", *cells])
+    print_fitted(f"time to target ({name} {target:.3f}; {link_text})", columns, rows)
 
 
 def _baseline_run(baseline: str, summaries: list[dict], runs: list[Path], labels: list[str]) -> str:
@@ -436,23 +482,23 @@ def _baseline_run(baseline: str, summaries: list[dict], runs: list[Path], labels
 
 def _print_rounds_to_target(records: dict, methods: dict, target: float, name: str, base: str) -> None:
     """The C2A paper's Table 4 for one target: rounds to reach it, and speed-up over ``base``."""
-    from fedpeft.report.efficiency import rounds_to_target
+    from rich import box
 
-    table = Table(
-        title=f"rounds to target ({name} {target:.3f}); speed-up = rounds of {base} / rounds of the run"
-    )
-    table.add_column("run", overflow="fold", min_width=10)
-    table.add_column("method", overflow="fold")
-    for col in ("rounds", "speed-up"):
-        table.add_column(col, no_wrap=True)
+    from fedpeft.report.efficiency import rounds_to_target
+    from fedpeft.report.tables import Column
+
+    columns = [Column("run", name=True, justify="left"), Column("method", name=True, justify="left")]
+    columns += [Column("rounds", justify="left"), Column("speed-up", justify="left")]
+    rows = []
     for row in rounds_to_target(records, target, base, name):
         rounds = str(row["round"]) if row["round"] is not None else f"not reached (> {row['rounds_run']})"
         speedup = "-"
         if row["speedup"] is not None:
             prefix = {"=": "", "<=": "≤ ", ">=": "≥ "}[row["bound"]]
             speedup = f"{prefix}×{row['speedup']:.2f}"
-        table.add_row(row["run"], methods[row["run"]], rounds, speedup)
-    console.print(table)
+        rows.append([row["run"], methods[row["run"]], rounds, speedup])
+    title = f"rounds to target ({name} {target:.3f}); speed-up = rounds of {base} / rounds of the run"
+    print_fitted(title, columns, rows, box=box.HEAVY_HEAD)
 
 
 @app.command()
@@ -466,12 +512,13 @@ def sweep(
     """Run an experiment over a grid of config values; one table and one plot per metric
     (mean ± std over seeds). Finished points are skipped, so a sweep can be resumed."""
     from fedpeft import sweep as S
-    from fedpeft.experiment import run as run_experiment
 
     try:
         points = S.expand(config, S.parse_grid(grid), _overrides(set_))
     except (ConfigError, ValueError) as err:
         _fail(err)
+    from fedpeft.experiment import run as run_experiment
+
     console.print(f"sweep: {len(points)} runs")
     done = S.run_sweep(points, lambda cfg: run_experiment(cfg))
     rows = S.aggregate(done)
@@ -483,17 +530,19 @@ def sweep(
 
 
 def _print_sweep(rows: list[dict], metrics: tuple[str, ...]) -> None:
-    """The sweep's table, whole at 80 columns: a grid point's settings fold, numbers never cut."""
-    table = narrow_table("sweep (final global scores, mean±std over seeds)")
-    table.add_column("point", overflow="fold", min_width=12)
-    for col in ("runs", "trainable", "MB", *metrics):
-        table.add_column(col, justify="right", no_wrap=True)
+    """The sweep's table, whole at 80 columns: a grid point's settings break after a
+    space, ``-`` or ``_``; numbers are never cut."""
+    from fedpeft.report.tables import Column
+
+    columns = [Column("point", name=True, justify="left")]
+    columns += map(Column, ("runs", "trainable", "MB", *metrics))
+    cells = []
     fmt = lambda r, m: "-" if r[f"{m}_mean"] is None else f"{r[f'{m}_mean']:.3f}±{r[f'{m}_std']:.3f}"  # noqa: E731
     for r in rows:
         point = ", ".join(f"{k}={v}" for k, v in r["point"].items())
         sizes = [str(r["runs"]), f"{r['trainable']:,}", f"{r['bytes'] / 1e6:.1f}"]
-        table.add_row(point, *sizes, *(fmt(r, m) for m in metrics))
-    console.print(table)
+        cells.append([point, *sizes, *(fmt(r, m) for m in metrics)])
+    print_fitted("sweep (final global scores, mean±std over seeds)", columns, cells)
 
 
 # ---------------------------------------------------------------- Flower deployment
@@ -586,6 +635,20 @@ def _public_address(host: str, port: int) -> str:
     return join_address("<this host>" if host in WILDCARDS else host, port)
 
 
+def _serve_stopped(stop, cfg: ExperimentConfig) -> None:
+    """``fedpeft serve`` stopped by a signal: what became of the run; the shell's exit code."""
+    again = (
+        "`fedpeft serve` with the same options and --resume continues it from its last completed round"
+        if cfg.checkpoint.enabled
+        else "it kept no checkpoint (checkpoint: false): run it again from the start"
+    )
+    console.print(
+        f"fedpeft serve: stopped by {stop.name}, the run with it, and every process serve started; {again}",
+        soft_wrap=True,
+    )
+    raise typer.Exit(stop.exit_code)
+
+
 @app.command()
 def serve(
     config: ConfigArg = None,
@@ -619,9 +682,12 @@ def serve(
     """Run the experiment over Flower and follow it until its last round; results land in
     the config's output_dir as with ``fedpeft run``. Clients join with ``fedpeft join`` and
     receive the config from here. Without --superlink a SuperLink is started for this run
-    and stopped after it; with --superlink the run goes to a long-lived one."""
+    and stopped after it; with --superlink the run goes to a long-lived one. Stopped
+    (Ctrl-C, SIGTERM, SIGHUP, its shell gone), it stops the run and everything it started;
+    --resume continues the run."""
     from fedpeft.flower import deploy
     from fedpeft.flower.connect import local_address, wait_for_superlink
+    from fedpeft.flower.processes import CommandProcesses, Stopped
 
     try:
         cfg = _config(config, set_)
@@ -641,30 +707,38 @@ def serve(
     work = (workdir or Path(cfg.output_dir) / "flower").resolve()
     link = None
     try:
-        if superlink is None:
-            link = deploy.start_superlink(  # for this run only: its state in memory
-                work, host, port, tls, log=work / "superlink.log", auth=authenticate, persistent=False
-            )
-            superlink = local_address(host, port, tls)
-            if authenticate:
-                _enrol_folder(superlink, enrolled, tls, work)
-            log = work / "superlink.log"
-            console.print(f"SuperLink on {host}:{port} for this run (log: {log})", soft_wrap=True)
-            hint = _join_hint(_public_address(host, port), ca, authenticate)
-            console.print(f"clients join with: {hint}", soft_wrap=True)
-        else:
-            wait_for_superlink(superlink, tls, max_wait=max_wait, say=_say("fedpeft serve"))
-        status = deploy.submit(cfg, superlink, workdir=work, tls=tls, resume=resume)
-    except deploy.DeployError as err:
-        _fail(err)
-    finally:
-        if link is not None:
-            deploy.stop(link)
-            console.print(
-                "SuperLink stopped. Nodes wait up to their --max-wait for the next `fedpeft serve` on this "
-                "port; for several runs keep one up with `fedpeft superlink` and use `serve --superlink`.",
-                soft_wrap=True,
-            )
+        with CommandProcesses():  # on leaving, however: no process it started is left
+            try:
+                if superlink is None:
+                    link = deploy.start_superlink(  # for this run only: its state in memory
+                        work, host, port, tls, log=work / "superlink.log", auth=authenticate, persistent=False
+                    )
+                    superlink = local_address(host, port, tls)
+                    if authenticate:
+                        _enrol_folder(superlink, enrolled, tls, work)
+                    log = work / "superlink.log"
+                    console.print(f"SuperLink on {host}:{port} for this run (log: {log})", soft_wrap=True)
+                    hint = _join_hint(_public_address(host, port), ca, authenticate)
+                    console.print(f"clients join with: {hint}", soft_wrap=True)
+                else:
+                    wait_for_superlink(superlink, tls, max_wait=max_wait, say=_say("fedpeft serve"))
+                # its own SuperLink, stopped, ends the run; a long-lived one is asked to
+                status = deploy.submit(
+                    cfg, superlink, workdir=work, tls=tls, resume=resume, stop_if_interrupted=link is None
+                )
+            except deploy.DeployError as err:
+                _fail(err)
+            finally:
+                if link is not None:
+                    deploy.stop(link)
+                    console.print(
+                        "SuperLink stopped. Nodes wait up to their --max-wait for the next `fedpeft serve` "
+                        "on this port; for several runs keep one up with `fedpeft superlink` and use "
+                        "`serve --superlink`.",
+                        soft_wrap=True,
+                    )
+    except Stopped as stop:
+        _serve_stopped(stop, cfg)
     traffic = status.get("network-traffic", {})
     megabytes = traffic.get("total-bytes", 0) / 1e6
     console.print(f"run {status['run-id']}: {status['status']}, {megabytes:.2f} MB on the wire")
@@ -689,36 +763,39 @@ def superlink(
 ) -> None:
     """Run a long-lived SuperLink until stopped (Ctrl-C): nodes join it once and take part in
     every run submitted with ``fedpeft serve CONFIG --superlink HOST:PORT``. With TLS only
-    enrolled nodes join (``--enrolled`` at start, ``fedpeft enrol`` while it runs)."""
+    enrolled nodes join (``--enrolled`` at start, ``fedpeft enrol`` while it runs). Stopped
+    (Ctrl-C, SIGTERM, SIGHUP, its shell gone), it ends the SuperLink and everything it
+    started, the runs' ServerApps too."""
     from fedpeft.flower import deploy
     from fedpeft.flower.connect import local_address
+    from fedpeft.flower.processes import CommandProcesses, Stopped
 
     tls = _tls(ca, insecure, cert, key)
     authenticate = _auth(auth, tls, enrolled)
     work = workdir.resolve()
     try:
-        link = deploy.start_superlink(work, host, port, tls, log=work / "superlink.log", auth=authenticate)
-        try:
-            if authenticate:
-                _enrol_folder(local_address(host, port, tls), enrolled, tls, work)
-        except deploy.DeployError:
-            deploy.stop(link)
-            raise
-    except deploy.DeployError as err:
-        _fail(err)
-    address = _public_address(host, port)
-    console.print(
-        f"SuperLink listening on {host}:{port} until stopped (log: {work / 'superlink.log'})", soft_wrap=True
-    )
-    console.print(f"clients join with: {_join_hint(address, ca, authenticate)}", soft_wrap=True)
-    security = f"--ca {ca}" if ca is not None else "--insecure"
-    console.print(f"runs start with: fedpeft serve CONFIG --superlink {address} {security}", soft_wrap=True)
-    try:
-        code = link.wait()
-    except KeyboardInterrupt:
+        with CommandProcesses():  # on leaving, however: no process it started is left
+            try:
+                link = deploy.start_superlink(
+                    work, host, port, tls, log=work / "superlink.log", auth=authenticate
+                )
+                if authenticate:
+                    _enrol_folder(local_address(host, port, tls), enrolled, tls, work)
+            except deploy.DeployError as err:
+                _fail(err)
+            address = _public_address(host, port)
+            console.print(
+                f"SuperLink listening on {host}:{port} until stopped (log: {work / 'superlink.log'})",
+                soft_wrap=True,
+            )
+            console.print(f"clients join with: {_join_hint(address, ca, authenticate)}", soft_wrap=True)
+            security = f"--ca {ca}" if ca is not None else "--insecure"
+            console.print(
+                f"runs start with: fedpeft serve CONFIG --superlink {address} {security}", soft_wrap=True
+            )
+            code = link.wait()
+    except Stopped:
         code = 0
-    finally:
-        deploy.stop(link)
     if code:
         _fail(deploy.DeployError(f"flower-superlink exited with code {code} (log: {work / 'superlink.log'})"))
     console.print("SuperLink stopped")
@@ -765,13 +842,12 @@ def join(
     and keeps its personal state (never sent) in --state-dir, where its warm worker (the
     model, built once, and the data, across rounds and runs) logs to worker-N.log. It
     rejoins a restarted SuperLink, and gives up after --max-wait seconds without one,
-    saying why."""
-    import contextlib
-    import signal
-
+    saying why. Stopped (Ctrl-C, SIGTERM, SIGHUP, its shell gone), it ends the node and
+    everything it started, its worker too."""
     from fedpeft.flower import deploy
     from fedpeft.flower.connect import split_address
     from fedpeft.flower.join import run_node
+    from fedpeft.flower.processes import CommandProcesses, Stopped
 
     tls = _tls(ca, insecure)
     if data_file is not None and not data_file.is_file():
@@ -795,31 +871,28 @@ def join(
             key=key,
         )
 
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    with contextlib.suppress(ValueError):  # not the main thread (an embedding program): leave it
-        signal.signal(signal.SIGTERM, interrupt)
     console.print(
         f"client {partition_id} joining {superlink} ({'TLS' if tls else 'no TLS'}); state in {state_dir}",
         soft_wrap=True,
     )
     try:
-        run_node(
-            command,
-            deploy.flower_env(state / "flwr-home"),
-            superlink,
-            tls,
-            cid=partition_id,
-            max_wait=max_wait,
-            log_path=state / "supernode.log",
-            fixed_port=port,
-            say=_say("fedpeft join"),
-        )
-    except deploy.DeployError as err:
-        _fail(err)
-    except KeyboardInterrupt:
-        console.print(f"client {partition_id}: stopped")
+        with CommandProcesses():  # on leaving, however: no process it started is left
+            try:
+                run_node(
+                    command,
+                    deploy.flower_env(state / "flwr-home"),  # carries the processes' owner
+                    superlink,
+                    tls,
+                    cid=partition_id,
+                    max_wait=max_wait,
+                    log_path=state / "supernode.log",
+                    fixed_port=port,
+                    say=_say("fedpeft join"),
+                )
+            except deploy.DeployError as err:
+                _fail(err)
+    except Stopped as stop:
+        console.print(f"client {partition_id}: stopped ({stop.name})")
 
 
 @app.command()
@@ -833,9 +906,10 @@ def certs(
         int, typer.Option(min=0, help="Also a key pair per node, OUT/nodes/node-<i>.key and .pub, i < N.")
     ] = 0,
 ) -> None:
-    """Make a local certificate authority and a SuperLink certificate for TLS, and (``--nodes``)
-    the key pairs nodes sign with: the SuperLink enrols the ``.pub`` files, node ``i`` joins
-    with ``--key OUT/nodes/node-<i>.key``."""
+    """Make a local certificate authority and a SuperLink certificate for TLS.
+
+    With --nodes N, also the key pairs nodes sign with: the SuperLink enrols the .pub
+    files, node i joins with --key OUT/nodes/node-<i>.key."""
     from fedpeft.flower.certs import make_certificates, make_node_keys
 
     for name, path in make_certificates(out, host).items():
@@ -857,8 +931,9 @@ def enrol(
     ca: CaOpt = None,
     workdir: RegistryOpt = Path("runs/superlink"),
 ) -> None:
-    """Admit a node to a running SuperLink that authenticates nodes: prints the node id it
-    will hold (``fedpeft revoke`` takes it, or the key file)."""
+    """Admit a node to a running SuperLink that authenticates nodes.
+
+    Prints the node id it will hold, which 'fedpeft revoke' takes (or the key file)."""
     from fedpeft.flower import deploy
 
     tls = _tls(ca, False)
@@ -895,9 +970,11 @@ def keys(
     out: Annotated[Path, typer.Argument(help="Directory for node-<i>.key and node-<i>.pub.")],
     ids: Annotated[list[int], typer.Argument(help="The nodes (client ids) to make a key pair for.")],
 ) -> None:
-    """Make a node's key pair for a SuperLink that admits enrolled nodes only (``fedpeft certs
-    --nodes N`` makes those of nodes 0..N-1): the node joins with ``--key node-<i>.key``, the
-    SuperLink's operator enrols ``node-<i>.pub``. An existing pair is kept."""
+    """Make nodes' key pairs for a SuperLink that admits enrolled nodes only.
+
+    Node i joins with --key OUT/node-<i>.key, the SuperLink's operator enrols
+    OUT/node-<i>.pub ('fedpeft certs --nodes N' makes those of nodes 0..N-1 too). An
+    existing pair is kept."""
     from fedpeft.flower.certs import make_node_keys
 
     new = [i for i in ids if not (out / f"node-{i}.key").exists()]

@@ -13,7 +13,9 @@
 Every process gets its own ``FLWR_HOME`` and an environment that keeps Flower off the
 network (no telemetry, no update check, no dependency installation at run time: the
 package is already installed on every machine). Certificate paths are made absolute
-(:class:`Tls`), as are the config's paths: these processes run in other folders.
+(:class:`Tls`), as are the config's paths: these processes run in other folders. A
+command ends every process it started when it stops, however it stops
+(:mod:`fedpeft.flower.processes`); :func:`stop` ends one process and its tree.
 
 ``fedpeft superlink`` keeps one SuperLink up for run after run; ``fedpeft join`` checks
 the SuperLink's address and keeps its node joined (:mod:`fedpeft.flower.connect`,
@@ -37,6 +39,7 @@ from pathlib import Path
 import tomli_w
 
 from fedpeft.config import ConfigError, ExperimentConfig, dump_config
+from fedpeft.flower import processes
 
 CONNECTION = "fedpeft"
 
@@ -108,8 +111,8 @@ def _script(name: str) -> str:
 
 def _spawn(cmd: list[str], workdir: Path, home: Path, log: Path | None) -> subprocess.Popen:
     workdir.mkdir(parents=True, exist_ok=True)
-    out = open(log, "ab") if log else None  # noqa: SIM115 - handed to the child
-    return subprocess.Popen(cmd, cwd=workdir, env=flower_env(home), stdout=out, stderr=subprocess.STDOUT)
+    with open(log, "ab") if log else contextlib.nullcontext() as out:  # the child keeps its own copy
+        return processes.popen(cmd, cwd=workdir, env=flower_env(home), stdout=out, stderr=subprocess.STDOUT)
 
 
 def start_superlink(
@@ -229,36 +232,10 @@ def start_supernode(
     return _spawn(cmd, workdir, workdir / f"home-node-{partition_id}-{time.time_ns()}", log)
 
 
-def stop(proc: subprocess.Popen, timeout: float = 15) -> None:
-    """Stop a process and everything it started (SuperExec, app processes)."""
-    if proc.poll() is not None:
-        return
-    children = _descendants(proc.pid)
-    for pid in [proc.pid, *children]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    for pid in children:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _descendants(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
-    children: dict[int, list[int]] = {}
-    for line in out.splitlines():
-        p, pp = (int(x) for x in line.split())
-        children.setdefault(pp, []).append(p)
-    found, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            found.append(c)
-            todo.append(c)
-    return found
+def stop(proc: subprocess.Popen, timeout: float = processes.GRACE) -> None:
+    """Stop a process and everything it started (SuperExec, app processes): SIGTERM to all
+    of them at once, SIGKILL to those still there after ``timeout`` seconds."""
+    processes.end_tree(proc, timeout)
 
 
 # ---------------------------------------------------------------- the run
@@ -313,8 +290,12 @@ def write_connection(home: Path, superlink: str, tls: Tls | None) -> None:
     (home / "config.toml").write_text(tomli_w.dumps({"superlink": {"default": CONNECTION, CONNECTION: conn}}))
 
 
-def _flwr(home: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([_script("flwr"), *args], env=flower_env(home), capture_output=True, text=True)
+def _flwr(
+    home: Path, *args: str, check: bool = True, timeout: float | None = None
+) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [_script("flwr"), *args], env=flower_env(home), capture_output=True, text=True, timeout=timeout
+    )
     if check and proc.returncode != 0:
         said = proc.stderr[-1500:] or proc.stdout[-1500:]
         raise DeployError(f"flwr {' '.join(args[:2])} failed ({proc.returncode}): {said}")
@@ -422,32 +403,35 @@ def submit(
     resume: bool = False,
     timeout: float | None = None,
     echo: bool = True,
+    stop_if_interrupted: bool = True,
 ) -> dict:
     """Run ``cfg`` on the federation behind ``superlink`` (its Control API address) and
-    wait for the end; returns Flower's final record of the run (status, traffic)."""
+    wait for the end; returns Flower's final record of the run (status, traffic).
+    Interrupted (Ctrl-C, a stop signal: :class:`~fedpeft.flower.processes.Stopped`), the
+    run is stopped on the SuperLink (``flwr stop``) unless ``stop_if_interrupted`` is
+    false (a SuperLink about to be stopped ends its runs itself); it continues from its
+    last completed round with ``resume``."""
     check_deployable(cfg)
     cfg = absolute_paths(cfg)
     home = workdir / "home-cli"
     write_connection(home, superlink, tls)
     app = write_app(workdir / "app", cfg, resume)
-    reply = _flwr(home, "run", str(app), CONNECTION, "--format", "json")
-    try:
-        run_id = int(json.loads(reply.stdout)["run-id"])
-    except (json.JSONDecodeError, KeyError) as err:
-        raise DeployError(f"flwr run gave no run id: {reply.stdout[-800:]} {reply.stderr[-800:]}") from err
-    # the run's log: echoed, or kept in the work directory (its tail explains a failure)
-    log_file = workdir / f"run-{run_id}.log"
-    with contextlib.ExitStack() as files:
-        sink = None if echo else files.enter_context(open(log_file, "wb"))
-        logs = subprocess.Popen(
-            [_script("flwr"), "log", str(run_id), CONNECTION, "--stream"],
-            env=flower_env(home),
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-        )
-    said = lambda: "" if echo else f"; the run's log ({log_file}) ends:\n{_tail(log_file)}"  # noqa: E731
+    run_id, logs = None, None
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
+        with processes.deferred_stop():  # a run is stopped by its id: once submitted, it is known
+            run_id = _run_id(_flwr(home, "run", str(app), CONNECTION, "--format", "json"))
+        # the run's log: echoed, or kept in the work directory (its tail explains a failure)
+        log_file = workdir / f"run-{run_id}.log"
+        said = lambda: "" if echo else f"; the run's log ({log_file}) ends:\n{_tail(log_file)}"  # noqa: E731
+        with contextlib.ExitStack() as files:
+            sink = None if echo else files.enter_context(open(log_file, "wb"))
+            logs = processes.popen(
+                [_script("flwr"), "log", str(run_id), CONNECTION, "--stream"],
+                env=flower_env(home),
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+            )
         while not (status := run_status(home, run_id)).get("status", "").startswith("finished"):
             if deadline is not None and time.monotonic() > deadline:
                 _flwr(home, "stop", str(run_id), CONNECTION, check=False)
@@ -455,14 +439,30 @@ def submit(
                     f"run {run_id} still {status.get('status')} after {timeout:g} s; stopped{said()}"
                 )
             time.sleep(1)
+    except KeyboardInterrupt:
+        if logs is not None:
+            stop(logs)
+        if stop_if_interrupted and run_id is not None:  # else its ServerApp goes on writing the output
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                _flwr(home, "stop", str(run_id), CONNECTION, check=False, timeout=30)
+        raise
     finally:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            logs.wait(10)
-        stop(logs)
+        if logs is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                logs.wait(10)  # the stream ends with the run
+            stop(logs)
     status["run-id"] = run_id
     if status["status"] != "finished:completed":
         raise DeployError(f"run {run_id} {status['status']}: {status.get('status-details', '')}{said()}")
     return status
+
+
+def _run_id(reply: subprocess.CompletedProcess) -> int:
+    """The run id in ``flwr run --format json``'s reply."""
+    try:
+        return int(json.loads(reply.stdout)["run-id"])
+    except (json.JSONDecodeError, KeyError) as err:
+        raise DeployError(f"flwr run gave no run id: {reply.stdout[-800:]} {reply.stderr[-800:]}") from err
 
 
 def _tail(path: Path, chars: int = 3000) -> str:
@@ -550,7 +550,7 @@ class Federation:
     def kill_node(self, cid: int) -> None:
         """SIGKILL a node and its app processes: a crash, not a shutdown."""
         proc = self.nodes.pop(cid)
-        for pid in [*_descendants(proc.pid), proc.pid]:
+        for child in [*processes.descendants(proc.pid), proc]:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+                os.kill(child.pid, signal.SIGKILL)
         proc.wait()

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from fedpeft.flower import connect
+from fedpeft.flower import connect, processes
 from fedpeft.flower.deploy import DeployError, Tls, stop
 
 WATCH_SECONDS = 2.0  # how often a running node's SuperLink is checked
@@ -184,7 +184,7 @@ def run_node(
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "a") as log:
             echo = Echo(out, log)
-            proc = subprocess.Popen(command(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            proc = processes.popen(command(), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             reader = threading.Thread(target=_pump, args=(proc.stdout, echo), daemon=True)
             reader.start()
             try:
@@ -193,6 +193,7 @@ def run_node(
                 if proc.poll() is None:
                     stop(proc)
                 reader.join(10)
+                proc.stdout.close()
                 echo.close()
         # the node stopped by itself
         if echo.port_taken:  # another program took its port between choosing and binding it
