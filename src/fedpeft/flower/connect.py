@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedpeft.flower.deploy import DeployError, Tls
+from fedpeft.flower.tls import DeployError, Tls
 
 WILDCARDS = ("0.0.0.0", "::", "")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -40,34 +40,10 @@ import tomli_w
 
 from fedpeft.config import ConfigError, ExperimentConfig, dump_config
 from fedpeft.flower import processes
+from fedpeft.flower.connect import local_address, probe
+from fedpeft.flower.tls import DeployError, Tls
 
 CONNECTION = "fedpeft"
-
-
-class DeployError(RuntimeError):
-    """A deployment piece that failed to start or a run that did not complete."""
-
-
-@dataclass
-class Tls:
-    """Certificates for TLS: the CA every party trusts, and the SuperLink's own pair."""
-
-    ca: Path
-    cert: Path | None = None
-    key: Path | None = None
-
-    def __post_init__(self) -> None:
-        # absolute from here on: the SuperLink, the nodes and the ``flwr`` CLI run in other
-        # working directories than the command that was given the paths
-        self.ca = Path(self.ca).expanduser().resolve()
-        self.cert = None if self.cert is None else Path(self.cert).expanduser().resolve()
-        self.key = None if self.key is None else Path(self.key).expanduser().resolve()
-
-    def check(self) -> None:
-        """:class:`DeployError` naming the first of the given files that does not exist."""
-        for flag, path in (("--ca", self.ca), ("--cert", self.cert), ("--key", self.key)):
-            if path is not None and not path.is_file():
-                raise DeployError(f"{flag} {path}: no such file")
 
 
 def flower_env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -131,7 +107,6 @@ def start_superlink(
     ``persistent``: its state (runs, enrolled nodes) in ``workdir/superlink.db``, kept
     across its restarts; otherwise in memory, which answers the nodes' requests faster
     (a SuperLink that lives for one run or one federation needs nothing kept)."""
-    from fedpeft.flower.connect import local_address
 
     auth = tls is not None if auth is None else auth
     if auth and tls is None:
@@ -165,7 +140,6 @@ def wait_healthy(
     proc: subprocess.Popen, address: str, tls: Tls | None, log: Path | None, timeout: float = 120
 ) -> None:
     """Return once the SuperLink ``proc`` answers its health check at ``address``."""
-    from fedpeft.flower.connect import probe
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

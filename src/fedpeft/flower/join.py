@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import IO
 
 from fedpeft.flower import connect, processes
-from fedpeft.flower.deploy import DeployError, Tls, stop
+from fedpeft.flower.deploy import stop
+from fedpeft.flower.tls import DeployError, Tls
 
 WATCH_SECONDS = 2.0  # how often a running node's SuperLink is checked
 QUICK_EXIT_SECONDS = 30.0  # a node that stops sooner than this after starting stopped "at once"
