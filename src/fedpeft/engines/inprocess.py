@@ -255,6 +255,11 @@ class InProcessEngine:
             load_tensors(self.model, tensors)
             self._loaded = tuple(tensors.values())
 
+    def forget_loaded(self) -> None:
+        """The model's tensors may have changed outside :meth:`load` (a fit, a scorer, a
+        memory probe loads its own): the next ``load`` loads whatever it is given."""
+        self._loaded = ()
+
     # ------------------------------------------------------------ one round
     def job(self, server: ServerState, rnd: int, cid: int) -> tuple[Job, Tensors, int]:
         """Client ``cid``'s local round to run, the residual its uplink carries (error
@@ -305,7 +310,7 @@ class InProcessEngine:
             jobs.append(job)
             down += received_bytes
         results, fit_times, readouts, dropped, up = [], [], {}, {}, 0
-        self._loaded = ()  # a fit may load its own tensors
+        self.forget_loaded()  # a fit may load its own tensors
         for start in range(0, len(jobs), self.cohort_size):
             cohort = jobs[start : start + self.cohort_size]
             t0 = time.perf_counter()
@@ -365,9 +370,9 @@ class InProcessEngine:
         global model and its personal part) and any other models of it the method names."""
         received = self.method.downlink(server, client.cid)
         personal = self.personal_of(client)
-        self._loaded = ()  # eval_state may use the model (Per-FedAvg adapts one step)
+        self.forget_loaded()  # eval_state may use the model (Per-FedAvg adapts one step)
         extra = self.method.extra_eval_states(self.model, received, personal, client)
-        self._loaded = ()
+        self.forget_loaded()
         return self.method.eval_state(self.model, received, personal, client), extra
 
     def evaluate(self, server: ServerState, final: bool = False) -> dict:
@@ -389,7 +394,7 @@ class InProcessEngine:
         for start in range(0, len(self.eval_clients), size):
             clients = self.eval_clients[start : start + size]
             models = [self.client_model(server, client) for client in clients]
-            self._loaded = ()  # the scorer may load clients' tensors
+            self.forget_loaded()  # the scorer may load clients' tensors
             score_all = lambda states, data: scorer.score_clients(self.model, states, data, self.load)  # noqa: E731
             if global_tensors is None and has_global_test:  # no global model: each client's own
                 per_client_global += score_all([m for m, _ in models], self.global_test)
@@ -408,7 +413,7 @@ class InProcessEngine:
             per_client_local += score_all([models[i][0] for i in tested], data)
             for name in models[tested[0]][1]:
                 extra_local.setdefault(name, []).extend(score_all([models[i][1][name] for i in tested], data))
-        self._loaded = ()
+        self.forget_loaded()
         out["clients_evaluated"] = len(self.eval_clients)
         if per_client_global:
             out["global"] = mean_scores(per_client_global)
@@ -442,9 +447,9 @@ class InProcessEngine:
         state, combined as the method scores a client (:meth:`Method.eval_state`)."""
         method = self.method
         received = {**method.downlink(server, result.cid), **method.uplink_as_shared(result.uplink)}
-        self._loaded = ()  # eval_state may use the model (Per-FedAvg adapts one step)
+        self.forget_loaded()  # eval_state may use the model (Per-FedAvg adapts one step)
         state = method.eval_state(self.model, received, result.personal, self.clients[result.cid])
-        self._loaded = ()
+        self.forget_loaded()
         return state
 
     def drift(self, server: ServerState, results: list[FitResult]) -> dict:
@@ -473,7 +478,7 @@ class InProcessEngine:
         per_client = {}
         for r in results:
             per_client[str(r.cid)] = float(linear_cka(self.logits(self.local_model(server, r)), reference))
-        self._loaded = ()
+        self.forget_loaded()
         values = list(per_client.values())
         return {
             "mean": float(np.mean(values)),
@@ -556,7 +561,7 @@ class InProcessEngine:
                 updates = [r.control for r in results]
                 server = scaffold.update_control(self.method, previous, server, updates, len(self.clients))
             guard.check_aggregate(rnd, server, self.lr, previous)
-            self._loaded = ()
+            self.forget_loaded()
             t2 = time.perf_counter()
             for name, analyze in self.analyzers.items():
                 record[name] = analyze(previous.tensors, server.tensors)

@@ -327,7 +327,7 @@ def probing(engine: InProcessEngine, device: torch.device) -> Iterator[None]:
         try:
             yield
         finally:
-            engine._loaded = ()  # a scoring probe loads a client's tensors into the model
+            engine.forget_loaded()  # a scoring probe loads a client's tensors into the model
 
 
 def cohort_peaks(
