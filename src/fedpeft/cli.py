@@ -572,7 +572,7 @@ AuthOpt = Annotated[
 
 def _tls(ca: Path | None, insecure: bool, cert: Path | None = None, key: Path | None = None):
     """The TLS setting, its paths made absolute (Flower's processes run in other folders)."""
-    from fedpeft.flower.deploy import DeployError, Tls
+    from fedpeft.flower.tls import DeployError, Tls
 
     if insecure == (ca is not None):
         _fail(ValueError("give either --ca (TLS, the default for a deployment) or --insecure"))
