@@ -41,10 +41,10 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
+from records import read_records, read_summary
 from tuning import LR_GRID, TUNED_DIR, mean_std, read_tuned, run_all, run_or_reuse, tune_method, write_tuned
 
 from fedpeft.config import ExperimentConfig, load_config
-from fedpeft.report.results import read_records
 
 METHODS = {  # key: (row label, method config)
     "fedft": ("Full Fine-tuning", {"name": "fedft"}),
@@ -252,8 +252,6 @@ def pm(values: np.ndarray) -> str:
 
 
 def params_share(out: Path) -> float:
-    from fedpeft.report.results import read_summary
-
     params = read_summary(out)["params"]
     return 100 * params["trainable"] / params["total"]
 
@@ -342,6 +340,7 @@ def plot_drift(runs: dict[str, dict[float, list[Path]]], beta: float, path: Path
     ax.set_title(f"Client drift, beta {beta:g} (higher: less drift)")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the curves
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)  # the runs' directory: absent when every run was reused
     fig.savefig(path, dpi=120)
     plt.close(fig)
     print(f"\ndrift plot: {path}")

@@ -41,10 +41,10 @@ import json
 from pathlib import Path
 
 import numpy as np
+from records import read_records
 from tuning import TUNED_DIR, mean_std, read_tuned, run_or_reuse, tune_method, write_tuned
 
 from fedpeft.config import ExperimentConfig, load_config
-from fedpeft.report.results import read_records
 
 ADAPTER = {"bottleneck": 16}
 METHODS = {  # key: (row label, method config)

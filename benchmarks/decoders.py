@@ -104,11 +104,10 @@ def measure(row: dict, args: argparse.Namespace) -> dict:
     import torch
 
     from fedpeft.config import load_config
+    from fedpeft.engines.local import Job, enable_checkpointing, needs_plain_autograd
     from fedpeft.engines.memory import measure_peak_cuda, measure_peak_rss, release_free_heap
     from fedpeft.experiment import attach_method, place
-    from fedpeft.methods.base import Job
-    from fedpeft.methods.cohort import needs_plain_autograd
-    from fedpeft.models.backbone import build_model, enable_checkpointing
+    from fedpeft.models.backbone import build_model
     from fedpeft.models.device import resolve_device
 
     if args.threads:

@@ -36,10 +36,10 @@ import argparse
 from pathlib import Path
 
 import numpy as np
+from records import read_records
 from tuning import LR_GRID, TUNED_DIR, read_tuned, run_or_reuse, tune_method, write_tuned
 
 from fedpeft.config import load_config
-from fedpeft.report.results import read_records
 
 LORA = {"r": 8, "alpha": 16, "target_modules": ["query", "value"]}
 STAGE1_STEPS = 45  # the paper's 3 local epochs of stage 1, for a client of mean size (240 / 16 x 3)

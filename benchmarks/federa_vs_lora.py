@@ -23,10 +23,10 @@ import argparse
 from pathlib import Path
 
 import numpy as np
+from records import read_records, read_summary
 from tuning import LR_GRID, TUNED_DIR, mean_std, read_tuned, run_or_reuse, tune_method, write_tuned
 
 from fedpeft.config import load_config
-from fedpeft.report.results import read_records, read_summary
 
 METHODS = {
     "fedft": {"name": "fedft"},

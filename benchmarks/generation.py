@@ -30,10 +30,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+from records import read_records
 from tuning import TUNED_DIR, read_tuned, run_or_reuse, tune_method, write_tuned
 
 from fedpeft.config import load_config
-from fedpeft.report.results import read_records
 
 METHODS = {
     "fedlr": {"name": "fedlr", "lora": {"r": 8, "alpha": 16}},
@@ -177,8 +177,8 @@ def print_throughput(
     ``args.repeats``."""
     import torch
 
+    from fedpeft.engines.local import Job, derive_seed
     from fedpeft.experiment import build
-    from fedpeft.methods.cohort import Job, derive_seed
 
     torch.set_num_threads(args.threads)
     setups, jobs = {}, {}
@@ -186,7 +186,7 @@ def print_throughput(
         setup = build(config(name, 0, args.out / "throughput", args, tuned[name]))
         method, client = setup.method, setup.clients[0]
         server = method.init_server(setup.model)
-        method.join(setup.model, method.join_message(server))
+        method.messages.join(setup.model, method.messages.join_message(server))
         personal = method.init_client(setup.model, setup.initial, client)
         setups[name] = setup
         jobs[name] = Job(

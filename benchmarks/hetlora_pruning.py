@@ -17,9 +17,8 @@ from pathlib import Path
 
 import numpy as np
 from personalized import DEFAULT_TRAIN, TUNED_FILE, run_all, run_dir
+from records import read_records
 from tuning import read_tuned
-
-from fedpeft.report.results import read_records
 
 SETTINGS = {
     "no pruning": {"prune_rule": "mean", "prune_ratio": 1e-9},

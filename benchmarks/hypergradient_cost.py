@@ -19,6 +19,7 @@ import time
 import torch
 
 from fedpeft.config import load_config
+from fedpeft.engines.local import Job
 from fedpeft.experiment import build
 
 
@@ -41,7 +42,7 @@ def main() -> None:
 
     def local_round(bilevel: bool) -> float:
         method.cfg = method.cfg.model_copy(update={"bilevel": bilevel})
-        result = method.fit(setup.model, received, personal, client, torch.Generator().manual_seed(0))
+        (result,) = method.fit_cohort(setup.model, [Job(received, personal, client, seed=0)])
         return result.metrics["time_step"]
 
     local_round(True)  # warm-up

@@ -45,6 +45,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import numpy as np
+from records import read_records
 from tuning import (
     TUNED_DIR,
     failed_cell,
@@ -58,7 +59,6 @@ from tuning import (
 )
 
 from fedpeft.config import ExperimentConfig, load_config
-from fedpeft.report.results import read_records
 
 METHODS = {  # key: (row label, takes heterogeneous ranks)
     "fedlr": ("FedLR (FedIT)", False),

@@ -141,7 +141,7 @@ def fedpeft(phase: str, rows: int, length: int) -> tuple[int, int | None]:
         job = Job({n: initial[n] for n in method.shared_names}, {}, client, seed=0)
 
         def run():
-            method.fit(model, job)
+            method.fit_cohort(model, [job])
 
     else:
         test = encoded(SCORED_ROWS, length, vocab, seed=1)

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+from records import read_records, read_summary
 from tuning import TUNED_DIR, mean_std, read_tuned, run_or_reuse, tune_method, write_tuned
 
 from fedpeft.config import load_config
-from fedpeft.report.results import read_records, read_summary
 
 LORA = {"r": 8, "alpha": 16}
 PF2 = {"name": "pf2lora", "lora": LORA, "client_rank": 2, "client_alpha": 4, "lower_lr": 0.1}
@@ -260,6 +260,7 @@ def plot(pers: dict[str, dict[float, list[dict]]], path: Path, title: str) -> No
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)  # the runs' directory: absent when every run was reused
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

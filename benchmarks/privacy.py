@@ -63,6 +63,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+from records import read_records, read_summary
 from tuning import (
     LR_GRID,
     TUNED_DIR,
@@ -79,7 +80,6 @@ from tuning import (
 from fedpeft.config import ExperimentConfig, PrivacyConfig, load_config
 from fedpeft.engines.privacy import noise_multiplier
 from fedpeft.methods import REGISTRY
-from fedpeft.report.results import read_records, read_summary
 
 METHODS = {
     "fedlr": ("FedLR", {"name": "fedlr", "lora": {"r": 8, "alpha": 16}}),

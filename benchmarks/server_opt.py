@@ -55,6 +55,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+from records import read_records
 from tuning import (
     LR_GRID,
     TUNED_DIR,
@@ -69,7 +70,6 @@ from tuning import (
 )
 
 from fedpeft.config import ExperimentConfig, load_config
-from fedpeft.report.results import read_records
 
 METHODS = {
     "fedlr": ("FedLR", {"name": "fedlr", "lora": {"r": 8, "alpha": 16}}),

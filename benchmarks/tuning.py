@@ -24,16 +24,14 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-import yaml
+from records import diverged_row, finished_row, locate, put, read_records, row
 
 from fedpeft.config import ExperimentConfig, parse_config
 from fedpeft.engines.guard import DivergedError
 from fedpeft.experiment import fingerprint, run
-from fedpeft.report.results import read_records, read_summary
 
 LR_GRID = [1e-3, 2e-3, 5e-3]
 TUNED_DIR = Path(__file__).parent / "tuned"
-DIVERGED = "diverged.json"  # beside a run that stopped diverged: its config's fingerprint and why
 DIVERGED_SCORE = -math.inf  # a diverged run's tuning score: below every run that trained
 
 
@@ -43,7 +41,7 @@ class Busy(RuntimeError):
 
 class Diverged(RuntimeError):
     """A run stopped with no finite update (:class:`fedpeft.engines.guard.DivergedError`);
-    recorded in its directory, so a rerun of the benchmark does not train it again."""
+    recorded in the benchmark's records, so a rerun of the benchmark does not train it again."""
 
 
 def mean_std(values, scale: float = 1.0, digits: int = 3) -> str:
@@ -159,7 +157,7 @@ def read_tuned(path: Path, keys: list[str], untuned: dict | None = None) -> dict
 
 
 #: Options added with a default that changes what a method computed before: a recorded
-#: run of that method whose config.yaml lacks the option was made the old way (its
+#: run of that method whose config lacks the option was made the old way (its
 #: fingerprint, which leaves out options at their defaults, cannot tell) and is re-run.
 BEHAVIOUR_CHANGES = {
     ("fdlora", "average"): "FDLoRA's server mean became uniform over clients (the paper's Algorithm 1; "
@@ -168,7 +166,7 @@ BEHAVIOUR_CHANGES = {
 
 
 def made_the_old_way(recorded: dict) -> str | None:
-    """Why a recorded run (its config.yaml, as read) predates a change of behaviour, or None."""
+    """Why a recorded run (its resolved config, as stored) predates a change of behaviour, or None."""
     method = recorded.get("method") or {}
     for (name, key), why in BEHAVIOUR_CHANGES.items():
         if method.get("name") == name and key not in method:
@@ -191,9 +189,10 @@ def only_writer(out: Path):
 
 
 def run_or_reuse(cfg: ExperimentConfig) -> dict:
-    """The summary of ``cfg``'s run: the recorded one when ``cfg.output_dir`` holds a
-    finished run of this very config (a benchmark resumes where it stopped, also on
-    another machine), else a fresh run (picking up a cut-off one from its checkpoint). A
+    """The summary of ``cfg``'s run: the recorded one when the benchmark's records
+    (``records.py``) hold a finished run of this very config for ``cfg.output_dir`` (a
+    benchmark resumes where it stopped, also on another machine), else a fresh run in that
+    directory (picking up a cut-off one from its checkpoint), recorded when it finishes. A
     finished run of another config is an error: its figures must not stand in for these.
     One process at a time runs a directory (:func:`only_writer`); a finished one is read
     by any number at once (processes tuning rows beside each other all reuse FedAvg's)."""
@@ -206,32 +205,39 @@ def run_or_reuse(cfg: ExperimentConfig) -> dict:
 
 
 def _recorded(cfg: ExperimentConfig) -> dict | None:
-    """The summary of the finished run of ``cfg`` in its directory, or None; a recorded
-    divergence raises :class:`Diverged`."""
+    """The summary of the recorded run of ``cfg``, or None; a recorded divergence raises
+    :class:`Diverged`. A run that finished in its directory but was cut off before its
+    record was written is recorded now."""
     out = cfg.output_dir
-    if (out / DIVERGED).is_file():
-        recorded = json.loads((out / DIVERGED).read_text())
+    recorded = row(out)
+    if recorded is None and (out / "summary.json").is_file():
+        recorded = put(out, finished_row(out))
+    if recorded is None:
+        return None
+    store, key = locate(out)
+    where = f"{store}: {key}"
+    if "diverged" in recorded:
         if recorded["fingerprint"] == fingerprint(cfg):
-            raise Diverged(f"{out}: diverged: {recorded['error']}")
-    if (out / "summary.json").is_file():
-        raw = yaml.safe_load((out / "config.yaml").read_text())
-        recorded = parse_config(raw, str(out / "config.yaml"))
-        if fingerprint(recorded) != fingerprint(cfg):
-            raise SystemExit(f"{out}: holds a finished run of another config; remove it or use another --out")
-        if (why := made_the_old_way(raw)) is not None:
-            raise SystemExit(f"{out}: a run made before {why}; remove it (or use another --out) to re-run it")
-        return read_summary(out)
-    return None
+            raise Diverged(f"{where}: diverged: {recorded['diverged']}")
+        return None
+    drop = f"drop it (python benchmarks/records.py drop {out}) or use another --out"
+    if fingerprint(parse_config(recorded["config"], where)) != fingerprint(cfg):
+        raise SystemExit(f"{where}: holds a finished run of another config; {drop}")
+    if (why := made_the_old_way(recorded["config"])) is not None:
+        raise SystemExit(f"{where}: a run made before {why}; {drop} to re-run it")
+    return recorded["summary"]
 
 
 def _run(cfg: ExperimentConfig) -> dict:
+    """A fresh run of ``cfg`` (resumed from its checkpoint), recorded once it finished or diverged."""
     out = cfg.output_dir
     try:
-        return run(cfg, resume=(out / "checkpoint.pt").is_file())
+        summary = run(cfg, resume=(out / "checkpoint.pt").is_file())
     except DivergedError as err:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / DIVERGED).write_text(json.dumps({"fingerprint": fingerprint(cfg), "error": str(err)}) + "\n")
+        put(out, diverged_row(out, fingerprint(cfg), str(err)))
         raise Diverged(f"{out}: diverged: {err}") from err
+    put(out, finished_row(out))
+    return summary
 
 
 def failed_cell(outs: list[Path], failed: dict[Path, str]) -> str | None:

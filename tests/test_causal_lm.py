@@ -8,9 +8,11 @@ import math
 import pytest
 import torch
 
-from fedpeft.data.instructions import encode_instructions, instruction_columns, read_jsonl_messages
+from fedpeft.data.instructions import encode_instructions, instruction_columns
 from fedpeft.data.sources import DataError
+from fedpeft.data.tables import read_jsonl_messages
 from fedpeft.data.task import IGNORE, make_batch
+from fedpeft.methods.capabilities import refusal
 from fedpeft.models.causal import CausalLM, references_of
 
 
@@ -163,7 +165,7 @@ def test_lm_cohort_equals_one_at_a_time(tiny_config, tiny_decoder, name):
     from fedpeft.experiment import build
 
     # Under SGD: a lone client trains with the decoder's own attention kernel and a cohort
-    # with eager attention (cohort.training_attention), whose float rounding differs; Adam
+    # with eager attention (local.attention.training_attention), whose float rounding differs; Adam
     # turns that noise into steps of size lr where a gradient is near zero (one weight in
     # ~2,000 of AdaMix or FedAP lands 1.5e-5 apart), while under SGD they agree to 1e-5.
     over = {"train.local_steps": None, "train.local_epochs": 1, "train.optimizer": "sgd"}
@@ -193,7 +195,7 @@ def test_every_method_runs_on_instruction_tuning_or_says_why_not(tiny_config, ti
         with pytest.raises(ValueError, match="nothing to train on this backbone"):
             run(cfg)
         return
-    if "causal_lm" not in REGISTRY[name].tasks:  # defined for classification heads only: says why
+    if refusal(REGISTRY[name], "causal_lm"):  # defined for classification heads only: says why
         with pytest.raises(ConfigError, match=f"method.name {name}: not defined for data.task causal_lm; .+"):
             run(cfg)
         return

@@ -100,7 +100,7 @@ def test_help_has_no_rst_markup_and_rewraps_its_paragraphs():
 
 
 def test_plain_help_text():
-    from fedpeft.cli_help import first_sentence, plain
+    from fedpeft.cli.help import first_sentence, plain
 
     doc = """Join with ``fedpeft join`` (``--key K``),
     or `fedpeft certs` and :mod:`fedpeft.flower`.

@@ -35,16 +35,12 @@ import torch
 
 from fedpeft.data.task import IGNORE, Draw, Encoded, take_steps
 from fedpeft.engines.inprocess import derive_seed
+from fedpeft.engines.local import optimizer_init, predict_cohort
+from fedpeft.engines.local.attention import eager_attention
+from fedpeft.engines.local.batches import CohortBatches
+from fedpeft.engines.local.optimizer import clip_gradients, optimizer_step
 from fedpeft.experiment import build, make_engine, run
 from fedpeft.methods.base import Job, load_tensors, trainable_params
-from fedpeft.methods.cohort import (
-    CohortBatches,
-    clip_gradients,
-    eager_attention,
-    optimizer_init,
-    optimizer_step,
-    predict_cohort,
-)
 from fedpeft.metrics.classification import predict
 from fedpeft.peft.svd import FACTORS, decompress
 from fedpeft.report.results import read_records
@@ -439,7 +435,7 @@ def test_the_cohort_probe_runs_every_vectorised_method_from_its_first_state(tiny
     setup = build(tiny_config(method={"name": name, **MIXED_RANKS.get(name, {})}))
     engine = make_engine(setup, None)
     server = engine.method.init_server(engine.model)
-    engine.method.join(engine.model, engine.method.join_message(server))
+    engine.method.messages.join(engine.model, engine.method.messages.join_message(server))
     train, before = engine.method.train, {n: t.clone() for n, t in engine.model.state_dict().items()}
     outputs = []
 

@@ -86,3 +86,86 @@ def test_the_config_registry_names_the_runtime_registrys_methods_and_classes():
     for name, method in REGISTRY.items():
         assert CONFIGS[name] is method.config_cls, name
         assert method.config_cls.__module__ == f"fedpeft.config.methods.{method.__module__.rsplit('.', 1)[1]}"
+
+
+def test_importing_the_config_loads_no_method_and_no_torch():
+    """The method configs are read from their registry when a config validates, not when
+    ``fedpeft.config`` is imported."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys, fedpeft.config as c\n"
+        "loaded = lambda: sorted(m for m in sys.modules if m.startswith('fedpeft.config.methods.'))\n"
+        "before = loaded()\n"
+        "c.parse_config({'method': {'name': 'hetlora'}})\n"
+        "print(json.dumps([before, len(loaded()), 'torch' in sys.modules]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    before, after, torch = json.loads(out)
+    assert before == ["fedpeft.config.methods.base", "fedpeft.config.methods.registry"]
+    assert after > 30 and not torch  # every method's config module, once validated; never torch
+
+
+def test_an_unknown_method_is_named_with_the_known_ones():
+    with pytest.raises(ConfigError) as err:
+        parse_config({"method": {"name": "fedsomething"}}, "exp.yaml")
+    assert all(name in str(err.value) for name in ("'fedsomething'", "'fedlr'", "'hetlora'", "'fedsb'"))
+
+
+@pytest.fixture
+def registry_restored():
+    """The method config registry as it was, after a test that registers a method."""
+    from fedpeft.config.methods import registry
+
+    saved = dict(registry.method_configs())
+    yield registry
+    registry._registered.clear()
+    registry._registered.update(saved)
+    registry._options.cache_clear()
+
+
+def test_a_method_registers_its_config_class_by_decorator(registry_restored):
+    from typing import Literal
+
+    from fedpeft.config.methods import MethodConfig, register_method_config
+
+    @register_method_config("mine")
+    class MineConfig(MethodConfig):
+        name: Literal["mine"] = "mine"
+        width: int = 3
+
+    cfg = parse_config({"method": {"name": "mine", "width": 5}})
+    assert isinstance(cfg.method, MineConfig) and cfg.method.width == 5
+    assert "width: 5" in dump_config(cfg)
+    with pytest.raises(ValueError, match="registered already"):
+        register_method_config("mine")(type("OtherConfig", (MineConfig,), {}))
+    with pytest.raises(TypeError, match="'other'"):
+        register_method_config("other")(MineConfig)
+
+
+def test_a_method_options_dump_and_schema_as_their_class():
+    from fedpeft.config import ExperimentConfig
+    from fedpeft.config.methods import CONFIGS
+
+    cfg = parse_config({"method": {"name": "hetlora", "ranks": [2, 4]}})
+    assert cfg.model_dump(exclude_defaults=True)["method"] == {"ranks": [2, 4]}
+    assert cfg.model_dump()["method"]["r_min"] == 2  # the class's own options, not only MethodConfig's
+    cfg.method = {"name": "fedap"}  # validated on assignment too
+    assert type(cfg.method) is CONFIGS["fedap"]
+    schema = ExperimentConfig.model_json_schema()["properties"]["method"]
+    assert len(schema["oneOf"]) == len(CONFIGS) and schema["discriminator"]["propertyName"] == "name"
+
+
+def test_the_default_group_column_has_one_home():
+    """data.group_column, else WordNet's part of speech (not for its QA set), else none."""
+    from fedpeft.config import DataConfig
+
+    assert DataConfig().group_by == "pos"
+    assert DataConfig(group_column="lexname").group_by == "lexname"
+    assert DataConfig(task="extractive_qa").group_by is None
+    assert DataConfig(source="hub", hub_id="x").group_by is None
+    assert parse_config({"partition": {"scheme": "groups"}}).data.group_by == "pos"
+    with pytest.raises(ConfigError, match="data.group_column is required"):
+        parse_config({"partition": {"scheme": "groups"}, "data": {"task": "extractive_qa"}})

@@ -13,10 +13,12 @@ import torch
 from fedpeft.config import ConfigError
 from fedpeft.data.task import Draw
 from fedpeft.engines import privacy as DP
+from fedpeft.engines.local import Job, SampleDP
+from fedpeft.engines.local.attention import eager_attention
+from fedpeft.engines.local.dp import dp_noise, private_gradients
 from fedpeft.experiment import build, make_engine, run
 from fedpeft.flower.deploy import check_deployable
 from fedpeft.methods.base import read_tensors
-from fedpeft.methods.cohort import Job, SampleDP, dp_noise, eager_attention, private_gradients
 from fedpeft.report.results import read_records, read_summary
 
 ROWS = 6

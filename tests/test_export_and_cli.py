@@ -89,11 +89,11 @@ def test_cli_run_partition_report_methods(tiny_config, tmp_path, monkeypatch):
     assert "Jensen-Shannon" in res.output
     assert (tmp_path / "p" / "partition_heatmap.png").is_file()
 
-    from fedpeft import cli
+    from fedpeft.cli import common
     from fedpeft.experiment import build, param_counts
     from fedpeft.methods import REGISTRY
 
-    monkeypatch.setattr(cli.console, "width", 80)  # issue 35: an 80-column terminal shows it whole
+    monkeypatch.setattr(common.console, "width", 80)  # issue 35: an 80-column terminal shows it whole
     res = runner.invoke(app, ["methods", str(path)])
     assert res.exit_code == 0, res.output
     assert "…" not in res.output and "Loading weights" not in res.output
@@ -125,14 +125,14 @@ def test_an_error_inside_a_run_draws_no_progress_bar_after_it(tiny_config, tmp_p
 
     from rich.console import Console
 
-    from fedpeft import cli
+    from fedpeft.cli import common
     from fedpeft.config import dump_config
 
     # a config error the run meets while it builds (after the bar started), not at parsing
     path = tmp_path / "fp16.yaml"
     path.write_text(dump_config(tiny_config(method={"name": "pf2lora"}, **{"train.precision": "fp16"})))
     buf = io.StringIO()
-    monkeypatch.setattr(cli, "console", Console(file=buf, force_terminal=True, width=80))
+    monkeypatch.setattr(common, "console", Console(file=buf, force_terminal=True, width=80))
     res = CliRunner().invoke(app, ["run", str(path)])
     assert res.exit_code == 2
     text = buf.getvalue()
@@ -179,7 +179,7 @@ def test_time_to_target_by_hand():
 
 
 def names_in_tables(text: str) -> list[list[str]]:
-    """Per table in ``text`` (as ``fedpeft.cli.print_fitted`` prints them: header, a rule,
+    """Per table in ``text`` (as ``fedpeft.cli.tables.print_fitted`` prints them: header, a rule,
     rows, a blank line), the names in its first column, read back from their lines: a
     row's first line holds the name's start and the row's other cells (two or more
     spaces apart), the lines under it the rest of the name alone. A line that ends in
@@ -218,10 +218,10 @@ def test_the_results_table_holds_every_number_and_name_at_80_columns(monkeypatch
 
     from rich.console import Console
 
-    from fedpeft import cli
+    from fedpeft.cli import common, tables
 
     buf = io.StringIO()
-    monkeypatch.setattr(cli, "console", Console(width=80, file=buf))
+    monkeypatch.setattr(common, "console", Console(width=80, file=buf))
     short = {"name": "default-fedlr", "method": "fedlr", "rounds": 12, "best_round": 11,
              "final_global": {"accuracy": 0.6581, "macro_f1": 0.3451, "mcc": 0.6361},
              "final_local": {"accuracy_mean": 0.6212, "accuracy_std": 0.1234}, "best_global_accuracy": 0.6612,
@@ -229,7 +229,7 @@ def test_the_results_table_holds_every_number_and_name_at_80_columns(monkeypatch
     long = {**short, "name": "a-very-long-experiment-name-for-the-cross-silo-comparison", "method": "fedmcp",
             "total_bytes": 1_234_567_890, "time_train": 12345.6}  # fmt: skip
     snake = {**short, "name": "cross_silo_fedmcp_beta0.1_seed2", "method": "fedmcp"}
-    cli._print_summaries([short, long, snake])
+    tables.print_summaries([short, long, snake])
     text = buf.getvalue()
     assert "…" not in text and all(len(line) <= 80 for line in text.splitlines())
     for number in (
@@ -257,7 +257,7 @@ def test_the_results_table_holds_every_number_and_name_at_80_columns(monkeypatch
 
     # where the names fit, they are never broken
     buf.truncate(0), buf.seek(0)
-    cli._print_summaries([short])
+    tables.print_summaries([short])
     assert "default-fedlr    12  0.658" in buf.getvalue()
 
 
@@ -283,7 +283,7 @@ def test_a_causal_lm_runs_results_table_is_whole_at_80_columns(
 
     from rich.console import Console
 
-    from fedpeft import cli
+    from fedpeft.cli import common
     from fedpeft.config import dump_config
     from fedpeft.report.results import read_summary, results_table
 
@@ -294,7 +294,7 @@ def test_a_causal_lm_runs_results_table_is_whole_at_80_columns(
     path = tmp_path / "lm.yaml"
     path.write_text(dump_config(cfg))
     buf = io.StringIO()
-    monkeypatch.setattr(cli, "console", Console(width=80, file=buf))
+    monkeypatch.setattr(common, "console", Console(width=80, file=buf))
     res = CliRunner().invoke(app, ["run", str(path)])
     assert res.exit_code == 0, res.output
     text = buf.getvalue()
@@ -348,11 +348,11 @@ def test_the_partition_and_sweep_tables_hold_every_number_and_name_at_80_columns
 
     from rich.console import Console
 
-    from fedpeft import cli
+    from fedpeft.cli import common, tables
     from fedpeft.config import dump_config
 
     buf = io.StringIO()
-    cli.console, real = Console(width=80, file=buf), cli.console
+    common.console, real = Console(width=80, file=buf), common.console
     try:
         path = tmp_path / "exp.yaml"
         path.write_text(dump_config(tiny_config()))
@@ -362,9 +362,9 @@ def test_the_partition_and_sweep_tables_hold_every_number_and_name_at_80_columns
                 "trainable": 1_234_567, "bytes": 987_654_321, "accuracy_mean": 0.6581,
                 "accuracy_std": 0.0123, "macro_f1_mean": 0.3451, "macro_f1_std": 0.0456,
                 "mcc_mean": None, "mcc_std": None}  # fmt: skip
-        cli._print_sweep([rows], ("accuracy", "macro_f1", "mcc"))
+        tables.print_sweep([rows], ("accuracy", "macro_f1", "mcc"))
     finally:
-        cli.console = real
+        common.console = real
     text = buf.getvalue()
     assert "…" not in text and all(len(line) <= 80 for line in text.splitlines())
     for cell in ("1,234,567", "987.7", "0.658±0.012", "0.345±0.046"):
@@ -381,11 +381,11 @@ def test_the_report_tables_hold_every_number_and_name_at_80_columns(monkeypatch)
 
     from rich.console import Console
 
-    from fedpeft import cli
+    from fedpeft.cli import common, tables
     from fedpeft.report.efficiency import Link, time_to_target
 
     buf = io.StringIO()
-    monkeypatch.setattr(cli, "console", Console(width=80, file=buf))
+    monkeypatch.setattr(common, "console", Console(width=80, file=buf))
     long = "a-very-long-experiment-name-for-the-cross-silo-comparison (fedmcp-beta0.1-seed2)"
 
     def records(accuracies):
@@ -394,9 +394,9 @@ def test_the_report_tables_hold_every_number_and_name_at_80_columns(monkeypatch)
                 for i, a in enumerate(accuracies, start=1)]  # fmt: skip
 
     runs = {long: records([0.2, 0.5, 0.7]), "fedap (fedap-seed0)": records([0.1, 0.3, 0.5, 0.6, 0.7])}
-    cli._print_time_to_target(runs, 0.7, "accuracy", Link(25.0, 0.0), time_to_target)
+    tables.print_time_to_target(runs, 0.7, "accuracy", Link(25.0, 0.0), time_to_target)
     methods = {long: "fedmcp", "fedap (fedap-seed0)": "fedap"}
-    cli._print_rounds_to_target(runs, methods, 0.7, "accuracy", "fedap (fedap-seed0)")
+    tables.print_rounds_to_target(runs, methods, 0.7, "accuracy", "fedap (fedap-seed0)")
     text = buf.getvalue()
     assert "…" not in text and all(len(line) <= 80 for line in text.splitlines())
     for cell in ("740.74", "1234.57", "3703.5", "3822.0", "6370.0", "×1.67", "fedap-seed0"):

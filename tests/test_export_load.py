@@ -28,6 +28,7 @@ from fedpeft.engines.checkpoint import load_checkpoint
 from fedpeft.experiment import build, fingerprint, run
 from fedpeft.methods import REGISTRY
 from fedpeft.methods.base import load_tensors, restrict_heads
+from fedpeft.methods.capabilities import refusal
 from fedpeft.metrics.classification import logits as engine_logits
 
 # The README's snippet, in a fresh interpreter: nothing of the training process is reused.
@@ -44,7 +45,7 @@ for d, partial in spec["dirs"]:
 torch.save(out, sys.argv[2])
 """
 
-CLASSIFIERS = sorted(name for name, cls in REGISTRY.items() if "classification" in cls.tasks)
+CLASSIFIERS = sorted(name for name, cls in REGISTRY.items() if not refusal(cls, "classification"))
 
 
 def trained_logits(model, tensors, data) -> torch.Tensor:

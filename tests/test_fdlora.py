@@ -162,7 +162,7 @@ def test_adafusion_is_seeded_bounded_and_the_fusions_are_compared(tiny_config):
     import numpy as np
 
     from fedpeft.data.task import make_batch
-    from fedpeft.methods.cohort import model_loss
+    from fedpeft.engines.local import model_loss
 
     rng = np.random.default_rng([method.seed, client.cid])
     rows = torch.as_tensor(rng.permutation(len(client.train))[: method.cfg.fusion_examples])

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from fedpeft.engines.local import head_logits, model_features
 from fedpeft.experiment import build
-from fedpeft.methods.base import FitResult, ServerState
-from fedpeft.methods.cohort import head_logits, model_features
+from fedpeft.methods.base import FitResult, ServerState, step_inputs
 from fedpeft.metrics.cka import linear_cka
 from fedpeft.peft.adapters import AdapterPair, adapter_mode
 
@@ -90,7 +90,7 @@ def test_only_the_global_adapter_is_shared(fedmcp):
 
 
 def _job(setup, cid=0, seed=5):
-    from fedpeft.methods.cohort import Job
+    from fedpeft.engines.local import Job
 
     server = setup.method.init_server(setup.model)
     personal = setup.method.init_client(setup.model, setup.initial, setup.clients[cid])
@@ -106,7 +106,7 @@ def test_the_loss_is_the_papers_combination(fedmcp):
     start = method.cohort_start(model, job)
     params = {n: t + 0.05 * torch.randn(t.shape, generator=gen) for n, t in start.params.items()}
     received = start.consts
-    batch = next(iter(method.step_inputs(job.client, 1, job.generator())))[0]
+    batch = next(iter(step_inputs(method, job.client, 1, job.generator())))[0]
     value, grads = method.step_gradients(model)(params, received, (batch,))
 
     features = model_features(model)
@@ -133,7 +133,7 @@ def test_contrast_equation_anchors_on_the_private_path(tiny_config):
     gen = torch.Generator().manual_seed(2)
     start = prose.method.cohort_start(prose.model, job)
     params = {n: t + 0.05 * torch.randn(t.shape, generator=gen) for n, t in start.params.items()}
-    batch = next(iter(prose.method.step_inputs(job.client, 1, job.generator())))[0]
+    batch = next(iter(step_inputs(prose.method, job.client, 1, job.generator())))[0]
     v_prose, _ = prose.method.step_gradients(prose.model)(params, start.consts, (batch,))
     prose.method.cfg = prose.method.cfg.model_copy(update={"contrast": "equation"})
     v_eq, _ = prose.method.step_gradients(prose.model)(params, start.consts, (batch,))

@@ -1,5 +1,5 @@
 """Folded cohorts (issue 36, item 2): the frozen backbone runs once on the cohort's
-batches folded into one, only the trained tensors per client (``fedpeft.methods.folding``).
+batches folded into one, only the trained tensors per client (``fedpeft.engines.local.folding``).
 
 A folded cohort gives each client the round it gets alone, to float rounding: the same
 tolerances as a vmapped cohort (``tests/test_cohort.py``), on a tiny BERT classifier and
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from fedpeft.config import ConfigError
+from fedpeft.engines.local import fold_refusal, predict_cohort
+from fedpeft.engines.local.folding import ClientAxis, fold
 from fedpeft.experiment import build, make_engine
-from fedpeft.methods.cohort import predict_cohort
-from fedpeft.methods.folding import ClientAxis, fold, fold_refusal
 from fedpeft.models.causal import SCORED
 from tests.test_causal_lm import lm_config
 from tests.test_cohort import MIXED_RANKS, _jobs, assert_cohort_equals_alone

@@ -312,9 +312,9 @@ def fake_run(root: Path, name: str, method: str, records: list[dict]) -> Path:
 
 
 def test_report_prints_rounds_to_target_with_speedups(tmp_path, monkeypatch):
-    from fedpeft import cli
+    from fedpeft.cli import app, common
 
-    monkeypatch.setattr(cli.console, "width", 200)
+    monkeypatch.setattr(common.console, "width", 200)
     with_drift = [dict(r, drift={"mean": 0.9, "min": 0.8, "clients": {"0": 0.8, "1": 1.0}}) for r in FAST]
     dirs = [
         fake_run(tmp_path, "ap", "fedap", BASE),
@@ -322,7 +322,7 @@ def test_report_prints_rounds_to_target_with_speedups(tmp_path, monkeypatch):
         fake_run(tmp_path, "pt", "prompt", SLOW),
     ]
     args = ["report", *map(str, dirs), "--out", str(tmp_path / "cmp"), "--target", "0.6", "--target", "0.7"]
-    res = CliRunner().invoke(cli.app, [*args, "--baseline", "fedap"])
+    res = CliRunner().invoke(app, [*args, "--baseline", "fedap"])
     assert res.exit_code == 0, res.output
     rows = [line for line in res.output.splitlines() if line.count("│") == 5]
     by_run = {}
@@ -339,10 +339,10 @@ def test_report_prints_rounds_to_target_with_speedups(tmp_path, monkeypatch):
     ]
     assert (tmp_path / "cmp" / "drift_vs_round.png").stat().st_size > 1000
 
-    res = CliRunner().invoke(cli.app, [*args, "--baseline", "fedlr"])
+    res = CliRunner().invoke(app, [*args, "--baseline", "fedlr"])
     assert res.exit_code == 2 and "--baseline fedlr: no run is of that method" in res.output
     twin = fake_run(tmp_path, "ap2", "fedap", BASE)
-    res = CliRunner().invoke(cli.app, [*args, str(twin), "--baseline", "fedap"])
+    res = CliRunner().invoke(app, [*args, str(twin), "--baseline", "fedap"])
     assert res.exit_code == 2 and "2 runs are of method fedap" in res.output
-    res = CliRunner().invoke(cli.app, [*args, str(twin), "--baseline", "ap2"])  # a directory name
+    res = CliRunner().invoke(app, [*args, str(twin), "--baseline", "ap2"])  # a directory name
     assert res.exit_code == 0, res.output

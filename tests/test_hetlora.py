@@ -62,7 +62,7 @@ def test_client_trains_exactly_its_rank_and_prunes(tiny_config):
         return finish(job, params, *args)
 
     method.cohort_finish = spy
-    result = method.fit(model, Job(received, {}, client, 0))
+    (result,) = method.fit_cohort(model, [Job(received, {}, client, 0)])
     # components 2..3 were zero-padded and stayed zero while training: rank 2 exactly
     lora_a = [t for name, t in trained[0].items() if ".lora_A." in name]
     assert lora_a and all(torch.count_nonzero(a[2:]) == 0 and torch.count_nonzero(a[:2]) > 0 for a in lora_a)
@@ -188,7 +188,7 @@ def test_smaller_rank_update_passes_the_server_shape_check(tiny_config):
     like = method.init_server(setup.model).tensors
     update = truncate(like, 2)
     assert rank_of(update) == 2
-    check_tensors(method.uplink_as_shared(update), like, "update")
+    check_tensors(method.messages.uplink_as_shared(update), like, "update")
     with pytest.raises(ReplyError, match="lora_A"):
         check_tensors(update, like, "update")
     # an A of rank 2 with a B of rank 3 is not padded into shape: still refused
@@ -196,4 +196,4 @@ def test_smaller_rank_update_passes_the_server_shape_check(tiny_config):
     b_name = a_name.replace(".lora_A.", ".lora_B.")
     mixed = {**update, b_name: truncate(like, 3)[b_name]}
     with pytest.raises(ReplyError):
-        check_tensors(method.uplink_as_shared(mixed), like, "update")
+        check_tensors(method.messages.uplink_as_shared(mixed), like, "update")

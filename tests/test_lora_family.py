@@ -12,7 +12,9 @@ import torch
 
 from fedpeft.experiment import build, run
 from fedpeft.methods.base import FitResult, Job, ServerState, read_tensors
+from fedpeft.methods.capabilities import refusal
 from fedpeft.methods.ffalora import frozen_a_names
+from fedpeft.methods.rolora import sent_names
 from fedpeft.peft.lora import lora_layers
 from fedpeft.report.results import read_records
 from tests.test_cohort import _jobs
@@ -46,7 +48,7 @@ def test_ffalora_trains_and_sends_b_only_with_one_a_everywhere(tiny_config, tmp_
     assert fixed and not set(fixed) & set(method.shared_names + method.personal_names)
     assert all("lora_B" in n or n.startswith("head.") for n in method.shared_names)
     server = method.init_server(model)
-    assert sorted(method.join_message(server)) == sorted(fixed)
+    assert sorted(method.messages.join_message(server)) == sorted(fixed)
     a_before = read_tensors(model, fixed)
     results = method.fit_cohort(model, _jobs(setup, [0, 1]))
     assert all(not set(fixed) & set(r.uplink) for r in results)
@@ -208,7 +210,8 @@ def test_dora_trains_its_magnitudes_cohorts_and_exports_for_peft(tiny_config, na
     setup = build(cfg)
     magnitudes = [n for n in setup.method.shared_names if "lora_magnitude_vector" in n]
     assert magnitudes
-    assert all(set(magnitudes) <= set(setup.method.uplink_names(rnd)) for rnd in (1, 2))
+    shared = dict.fromkeys(setup.method.shared_names)
+    assert all(set(magnitudes) <= set(setup.method.messages.uplink_like(rnd, shared, {})) for rnd in (1, 2))
     assert_cohort_equals_alone(setup, [0, 1, 2], f"{name}+dora")
     run(cfg, setup=setup)
     trained = torch.load(cfg.output_dir / "checkpoint.pt", weights_only=True)["server"]["tensors"]
@@ -243,7 +246,7 @@ def test_dora_is_refused_where_it_does_not_compose(tiny_config, name, why):
         build(tiny_config(method={"name": name, "lora": {"use_dora": True}}))
     assert why in str(err.value)
     composes = str(err.value).split("DoRA composes with ")[1].split(":")[0].split(", ")
-    said = {n for n, cls in REGISTRY.items() if cls.dora}
+    said = {n for n, cls in REGISTRY.items() if not refusal(cls, "dora")}
     assert set(composes) == said >= {"fedlr", "lorafair", "flexlora"}
 
 
@@ -620,7 +623,7 @@ def test_fedsb_sets_up_from_the_clients_gradients_then_averages_r_exactly(tiny_c
 
 def _jobs_from(setup, server, cids):
     from fedpeft.engines.inprocess import derive_seed
-    from fedpeft.methods.cohort import Job
+    from fedpeft.engines.local import Job
 
     method = setup.method
     return [
@@ -649,8 +652,9 @@ def test_fedsb_setup_round_under_user_level_dp_clips_each_gradient_sum_and_noise
 
     setup = build(tiny_config(method={**FEDSB, "init_lr": 0.01}))
     method, model = setup.method, setup.model
-    assert method.uplink_messages({"setup.samples": torch.ones(1)}) == ["grad." + w for w in method.frozen]
-    assert not method.uplink_messages(method.start)
+    setup_round = {"setup.samples": torch.ones(1)}
+    assert method.messages.uplink_messages(setup_round) == ["grad." + w for w in method.frozen]
+    assert not method.messages.uplink_messages(method.start)
     p, clip, sigma = PrivacyConfig(mode="user", noise_multiplier=2.0, clip=0.5), 0.5, 2.0
     jobs = _jobs(setup, [0, 1])
     sums, sent, origins = method.fit_cohort(model, jobs), [], []
@@ -686,7 +690,7 @@ def test_fedsb_setup_round_under_dp_sgd_is_one_clipped_noised_step(tiny_config):
     rows, each row's full-weight gradient (all modules as one vector) clipped to ``C``
     (checked against the rows' gradients taken one by one), plus ``N(0, (sigma C)^2)``;
     the accountant charges it as one step more."""
-    from fedpeft.methods.cohort import SampleDP
+    from fedpeft.engines.local import SampleDP
 
     setup = build(tiny_config(method=FEDSB, **{"train.batch_size": 4}))
     method, model = setup.method, setup.model
@@ -841,7 +845,7 @@ def test_a_second_round_as_one_cohort_equals_one_at_a_time(tiny_config, method):
     jobs = _jobs_from(setup, server, cids)
     jobs[0] = replace(jobs[0], personal=results[0].personal)
     if method["name"] == "rolora":  # the A round: A trains, B is frozen
-        names = setup.method.uplink_names(2)
+        names = sent_names(setup.method.shared_names, 2)
         assert any(".lora_A." in n for n in names) and not any(".lora_B." in n for n in names)
     assert_cohort_equals_alone(setup, cids, method["name"], jobs=jobs)
 

@@ -10,16 +10,12 @@ from torch.func import grad_and_value, vmap
 
 from fedpeft.data.task import Draw, Encoded, eval_batches, make_batch
 from fedpeft.engines import memory
+from fedpeft.engines.local import model_loss, predict_cohort, prepare_step
+from fedpeft.engines.local.batches import CohortBatches
+from fedpeft.engines.local.gradients import first_order_grad
 from fedpeft.engines.memory import InsufficientMemory, check_memory
 from fedpeft.experiment import build, make_engine
 from fedpeft.methods.base import read_tensors
-from fedpeft.methods.cohort import (
-    CohortBatches,
-    first_order_grad,
-    model_loss,
-    predict_cohort,
-    prepare_step,
-)
 from fedpeft.metrics.scorers import GenerationScorer
 from fedpeft.models.causal import SCORED, scored_positions, with_scored
 
@@ -355,7 +351,7 @@ def test_the_issue_run_completes_with_the_default_eval_settings_within_a_tight_l
         batches.extend(int(lengths[b].max()) * len(b) for b in out)
         return out
 
-    for module in ("metrics.scorers", "metrics.classification", "methods.cohort", "models.causal"):
+    for module in ("metrics.scorers", "metrics.classification", "engines.local.predict", "models.causal"):
         monkeypatch.setattr(f"fedpeft.{module}.eval_batches", spy)
     memory.release_free_heap()
     held = memory.rss()
@@ -430,5 +426,5 @@ def test_the_memory_check_measures_fedsbs_setup_round_and_a_round_that_trains(ti
     assert check_memory(engine, server)["step_mb"] >= 0
     assert probed == [False, True]
     probed.clear()
-    check_memory(engine, engine.method.training_server(server))
+    check_memory(engine, engine.method.messages.training_server(server))
     assert probed == [True]

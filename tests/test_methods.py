@@ -14,7 +14,8 @@ import torch
 from fedpeft.engines.checkpoint import load_checkpoint
 from fedpeft.experiment import build, fingerprint, run
 from fedpeft.methods import REGISTRY
-from fedpeft.methods.base import load_tensors, tensor_bytes
+from fedpeft.methods.base import Method, load_tensors, tensor_bytes
+from fedpeft.methods.capabilities import DORA_UNDEFINED, FEATURES, SHARES_NOTHING, refusal
 
 PRIVATE = ("opt.", "own.")  # personal-state entries that are not parameters
 
@@ -70,6 +71,42 @@ def test_every_registered_method_has_a_claim():
     assert set(REGISTRY) <= set(CLAIMS)
 
 
+def test_the_method_interface_stays_small():
+    """``Method`` (with all it inherits) has at most 25 public members; the rest lives in
+    its parts (``method.messages``) and in data (``refuses``)."""
+    public = [n for n in dir(Method) if not n.startswith("_")]
+    assert len(public) <= 25, public
+
+
+def test_each_method_refuses_only_known_features():
+    for name, cls in REGISTRY.items():
+        unknown = set(cls.refuses) - set(FEATURES)
+        assert not unknown, f"{name} refuses {unknown}, not among capabilities.FEATURES"
+        assert all(isinstance(why, str) for why in cls.refuses.values()), name
+
+
+def test_refusals_agree_with_what_each_method_overrides():
+    """A method whose server reads more than the mean of the updates declares that SecAgg+
+    cannot hide them, and one that draws its own batches declares DP-SGD's accountant
+    does not fit: the data says what the code does."""
+    for name, cls in REGISTRY.items():
+        own_aggregate = cls.aggregate is not Method.aggregate
+        assert bool(refusal(cls, "secure_aggregation")) == (own_aggregate or cls.pooled), name
+        assert bool(refusal(cls, "sample_dp")) == (cls.step_draws is not Method.step_draws), name
+
+
+def test_undeclared_refusals_fall_back_as_documented(tiny_config):
+    method = build(tiny_config(method={"name": "fedft"})).method  # FedAvg: composes with every layer
+    assert all(refusal(method, f) == "" for f in FEATURES if f != "dora")
+    assert refusal(method, "dora") == DORA_UNDEFINED  # DoRA is opt-in
+    method.shared_names = []  # shares nothing: no server step, hence no correction, robust rule, user DP
+    refused = {f for f in FEATURES if refusal(method, f)}
+    assert refused == {"dora", "server_step", "correction", "robust", "user_dp"}
+    assert refusal(method, "user_dp") == SHARES_NOTHING
+    with pytest.raises(KeyError, match="no feature 'dp'"):
+        refusal(method, "dp")
+
+
 @pytest.fixture(params=sorted(REGISTRY))
 def method_name(request):
     return request.param
@@ -82,8 +119,8 @@ def test_conformance(method_name, tiny_config):
     # A method may rewrite frozen weights once, as every client does on joining (FeDeRA's
     # residual); from then on the backbone must not move, but for the frozen tensors the
     # server holds and hands down (FedEx-LoRA's frozen weights, which take its residuals)
-    method.join(model, method.join_message(method.init_server(model)))
-    carried = set(method.server_frozen_names())
+    method.messages.join(model, method.messages.join_message(method.init_server(model)))
+    carried = set(method.messages.server_frozen_names())
     frozen = {
         n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad and n not in carried
     }
@@ -122,7 +159,7 @@ def test_conformance(method_name, tiny_config):
     # message at each client's first contact; never more than the shared state (float32)
     shared_bytes = sum(params[n].numel() * 4 for n in method.shared_names)
     carried_bytes = sum(params[n].numel() * 4 for n in carried)
-    join_bytes = tensor_bytes(method.join_message(ckpt.server))
+    join_bytes = tensor_bytes(method.messages.join_message(ckpt.server))
     per_round = 1 if method.pooled else cfg.train.clients_per_round
     seen: set[int] = set()
     for i, r in enumerate(ckpt.records):
@@ -130,7 +167,7 @@ def test_conformance(method_name, tiny_config):
         up = sum(tensor_bytes(m) for m in sent_up[i * per_round : (i + 1) * per_round])
         first_contacts = len(set(r["clients"]) - seen)
         seen |= set(r["clients"])
-        if not method.communicates:
+        if method.pooled:
             assert r["bytes_down"] == r["bytes_up"] == 0
             continue
         assert r["bytes_up"] == up <= per_round * shared_bytes
@@ -264,7 +301,7 @@ def test_kept_optimizer_state_carries_over_rounds(name, tiny_config, tmp_path):
 def test_kept_optimizer_state_is_read_back_exactly(tiny_config):
     """A client's kept AdamW state (its ``opt.*`` personal entries) is what its next round
     starts from; with ``reset`` every round starts fresh."""
-    from fedpeft.methods.cohort import OPT, optimizer_init, optimizer_state
+    from fedpeft.engines.local import OPT, optimizer_init, optimizer_state
 
     cfg = tiny_config(**{"train.optimizer_state": "keep"})
     params = {"a": torch.randn(3, 2), "b": torch.randn(4)}

@@ -12,9 +12,9 @@ import torch
 from test_cohort import _jobs, assert_cohort_equals_alone
 
 from fedpeft.data.task import IGNORE, make_batch, take_steps
+from fedpeft.engines.local import predict_cohort
 from fedpeft.experiment import build
-from fedpeft.methods.base import load_tensors
-from fedpeft.methods.cohort import predict_cohort
+from fedpeft.methods.base import load_tensors, step_inputs
 from fedpeft.models.masks import additive_mask
 from fedpeft.peft.compacter import PHMLinear, phm_weight
 from fedpeft.peft.prompt import PromptedBackbone, PromptSpec
@@ -225,7 +225,7 @@ def test_adamix_routing_is_seeded_and_changes_every_step(tiny_config):
     method, client = setup.method, setup.clients[0]
 
     def routes(seed: int) -> list[torch.Tensor]:
-        return [b["route"] for (b,) in method.step_inputs(client, 12, torch.Generator().manual_seed(seed))]
+        return [b["route"] for (b,) in step_inputs(method, client, 12, torch.Generator().manual_seed(seed))]
 
     a, b, c = routes(1), routes(1), routes(2)
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))  # seeded
@@ -236,14 +236,14 @@ def test_adamix_routing_is_seeded_and_changes_every_step(tiny_config):
     assert any(not torch.equal(x[0], x[1]) for x in a)  # the two passes route independently
     # the batches are FedAvg's: the routing has its own stream
     plain = take_steps(client.train, setup.cfg.train.batch_size, 12, torch.Generator().manual_seed(1))
-    steps = method.step_inputs(client, 12, torch.Generator().manual_seed(1))
+    steps = step_inputs(method, client, 12, torch.Generator().manual_seed(1))
     assert all(torch.equal(x["input_ids"], y["input_ids"]) for (x,), y in zip(steps, plain, strict=True))
 
 
 def test_a_step_draw_rides_with_its_batch_in_a_cohort():
     """A batch's extra entry (AdaMix's routing) is stacked per client; a finished client's is 0."""
     from fedpeft.data.task import Draw, Encoded
-    from fedpeft.methods.cohort import CohortBatches
+    from fedpeft.engines.local.batches import CohortBatches
 
     def draw_of(ids: list[int], route: list[int]) -> Draw:
         data = Encoded(torch.tensor([ids]), torch.tensor([len(ids)]), torch.tensor([1]))
@@ -281,7 +281,7 @@ def test_adamix_step_is_routed_passes_with_consistency(tiny_config):
     fedap = build(tiny_config(method={"name": "fedap", "adapter": {"bottleneck": 16}}))
     method, model = setup.method, setup.model
     params = perturbed(setup.initial)
-    (batch,) = next(iter(method.step_inputs(setup.clients[0], 1, torch.Generator().manual_seed(5))))
+    (batch,) = next(iter(step_inputs(method, setup.clients[0], 1, torch.Generator().manual_seed(5))))
     route = batch["route"]
     # Execute
     total, ce = method.objective(model)(params, {}, (batch,))
@@ -359,7 +359,7 @@ def test_adamix_trains_and_sends_every_expert(tiny_config):
     recipe = build(tiny_config(method={"name": "adamix", "adapter": {
         "sites": [r"layer\.\d+\.output\.dense$"], "share_up": True}}))  # fmt: skip
     assert trainable_count(recipe.model) == 2 * (m * (r * d + r) + (d * r + d)) + head_count(recipe.model)
-    routes = [b["route"] for (b,) in recipe.method.step_inputs(setup.clients[0], 6, torch.Generator())]
+    routes = [b["route"] for (b,) in step_inputs(recipe.method, setup.clients[0], 6, torch.Generator())]
     assert all((x[..., 1] == 0).all() for x in routes)
     # a round moves the routed experts apart: every expert is sent, and they now differ
     (result,) = setup.method.fit_cohort(model, _jobs(setup, [0]))

@@ -15,9 +15,10 @@ from torch.func import functional_call
 
 from fedpeft.config import ConfigError
 from fedpeft.data.task import make_batch
+from fedpeft.engines.local import OWN, run_cohort
+from fedpeft.engines.local.step import clip_groups
 from fedpeft.experiment import build, run
 from fedpeft.methods.base import Job, load_tensors, trainable_params
-from fedpeft.methods.cohort import OWN, clip_groups, run_cohort
 from fedpeft.methods.ditto import ANCHOR
 from fedpeft.methods.fedrod import PERSONAL, balanced_softmax_loss, label_log_prior
 from fedpeft.methods.moon import contrastive_loss

@@ -9,10 +9,10 @@ import torch
 from fedpeft.config import ConfigError, TrainConfig
 from fedpeft.data.task import Encoded
 from fedpeft.engines.inprocess import InProcessEngine, Schedule
+from fedpeft.engines.local import CONTROL, Job, row_mean
 from fedpeft.engines.scaffold import PREFIX
 from fedpeft.experiment import build
 from fedpeft.methods.base import ClientData, Method, MethodConfig
-from fedpeft.methods.cohort import CONTROL, Job, row_mean
 
 
 class Scalar(torch.nn.Module):

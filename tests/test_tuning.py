@@ -70,18 +70,17 @@ def test_a_flat_grid_is_neither_extended_nor_kept():
 
 def test_a_fdlora_run_recorded_before_the_uniform_mean_is_not_reused(tiny_config, tmp_path):
     """Its fingerprint matches (the new option is at its default), its behaviour does not."""
-    import yaml
+    from records import put, row
     from tuning import run_or_reuse
 
-    from fedpeft.config import dump_config
     from fedpeft.experiment import run
 
     cfg = tiny_config(method={"name": "fdlora"}, output_dir=str(tmp_path / "fd"))
     run(cfg)
     assert run_or_reuse(cfg) == json.loads((cfg.output_dir / "summary.json").read_text())  # reused
-    older = yaml.safe_load(dump_config(cfg))
-    del older["method"]["average"]  # as a run of before issue 30 recorded it
-    (cfg.output_dir / "config.yaml").write_text(yaml.safe_dump(older))
+    older = row(cfg.output_dir)
+    del older["config"]["method"]["average"]  # as a run of before issue 30 recorded it
+    put(cfg.output_dir, older)
     with pytest.raises(SystemExit, match="FDLoRA's server mean became uniform"):
         run_or_reuse(cfg)
 
@@ -91,10 +90,12 @@ def test_the_tuning_score_is_the_accuracy_on_the_clients_pooled_validation_data(
     """``val.accuracy_pooled`` (what the benchmarks tune on) is the global model's accuracy
     on the union of the clients' validation splits: each client weighed by its examples,
     where ``accuracy_mean`` weighs clients alike. Recomputed here on the concatenated data."""
+    from records import locate, put
     from tuning import validation_accuracy
 
     from fedpeft.data.task import Encoded
     from fedpeft.experiment import build, make_engine
+    from fedpeft.report.results import read_records
 
     cfg = tiny_config(**{"partition.val_fraction": 0.3, "eval.local": True})
     setup = build(cfg)
@@ -107,6 +108,8 @@ def test_the_tuning_score_is_the_accuracy_on_the_clients_pooled_validation_data(
     assert scores["accuracy_pooled"] == pytest.approx(engine.scorer.score(engine.model, union)["accuracy"])
     sizes = {len(c.val) for c in setup.clients}
     assert len(sizes) > 1  # clients of different sizes: the pooled and the mean accuracy differ in kind
+    ran = {"run": locate(cfg.output_dir)[1], "summary": {}, "records": read_records(cfg.output_dir)}
+    put(cfg.output_dir, ran)  # the benchmark's records, which the score reads
     assert validation_accuracy(cfg.output_dir) == pytest.approx(scores["accuracy_pooled"])
 
 
@@ -147,11 +150,14 @@ def test_a_run_directory_has_one_writer_and_a_failed_run_can_leave_the_others_go
 
 def test_a_diverged_run_is_recorded_scored_zero_and_not_trained_again(tiny_config, tmp_path, monkeypatch):
     """A rate whose run diverges (no finite update) is the worst of its grid, not the end
-    of the tuning; the run's directory says so, and a rerun of the benchmark does not train
+    of the tuning; the benchmark's records say so, and a rerun of the benchmark does not train
     it again (the record is of its config: another config there would be trained)."""
     import tuning
+    from records import row
 
+    from fedpeft.config import dump_config
     from fedpeft.engines.guard import DivergedError
+    from fedpeft.report.results import write_json, write_records
 
     trained = []
 
@@ -160,6 +166,9 @@ def test_a_diverged_run_is_recorded_scored_zero_and_not_trained_again(tiny_confi
         cfg.output_dir.mkdir(parents=True, exist_ok=True)
         if cfg.train.lr > 0.01:
             raise DivergedError("round 2: every sampled client's update is not finite", 2, None)
+        (cfg.output_dir / "config.yaml").write_text(dump_config(cfg))
+        write_records(cfg.output_dir / "metrics.jsonl", [{"round": 1}])
+        write_json(cfg.output_dir / "summary.json", {})
         return {}
 
     monkeypatch.setattr(tuning, "run", run)
@@ -171,7 +180,7 @@ def test_a_diverged_run_is_recorded_scored_zero_and_not_trained_again(tiny_confi
 
     best, report = tuning.tune_method(score, grid=[0.005, 0.01, 0.02], extend=0, keep=False)
     assert best["lr"] == 0.01 and "0.02/reset: diverged" in report
-    assert "round 2" in (tmp_path / "lr0.02" / tuning.DIVERGED).read_text()
+    assert "round 2" in row(tmp_path / "lr0.02")["diverged"]
     with pytest.raises(tuning.Diverged, match="round 2"):
         tuning.run_or_reuse(make(0.02))
     assert trained == [0.005, 0.01, 0.02]

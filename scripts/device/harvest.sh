@@ -4,8 +4,9 @@
 # finished meanwhile (config.yaml, metrics.jsonl, summary.json or diverged.json: what a
 # benchmark re-reads) and the tuned files are packed into $OUT/records.tar.gz, so a call
 # cut off by the device's time limit still brings back what finished; the command's
-# output is $OUT/log. Unpack the archive in the checkout here and commit it; a cut-off run
-# starts afresh next time.
+# output is $OUT/log. Unpack the archive in the checkout here, store its runs in their
+# benchmark's file (python benchmarks/records.py convert RESULTS_DIR) and commit that and
+# the tuned files; a cut-off run starts afresh next time.
 #   bash scripts/device/harvest.sh LIMIT RESULTS_DIR command ...
 set -uo pipefail
 limit=$1 results=$2; shift 2

@@ -20,23 +20,25 @@ import torch
 
 from fedpeft.config import ConfigError, ExperimentConfig, TrainConfig, dump_config
 from fedpeft.data import partition as P
+from fedpeft.data.encoding import encode_corpus
 from fedpeft.data.silos import load_silos
 from fedpeft.data.sources import Corpus, load_corpus
-from fedpeft.data.task import Encoded, encode_corpus
+from fedpeft.data.task import Encoded
 from fedpeft.engines import compress, privacy, scaffold
 from fedpeft.engines.checkpoint import STORE_DIR, Checkpoints, ResumeError
 from fedpeft.engines.faults import faulty_clients, flip_labels
 from fedpeft.engines.guard import DivergedError, nonfinite_tensor
 from fedpeft.engines.inprocess import InProcessEngine, Schedule
+from fedpeft.engines.local import enable_checkpointing, fold_refusal
 from fedpeft.engines.robust import combiner
 from fedpeft.engines.server_opt import check_composes
 from fedpeft.engines.store import ClientStore
 from fedpeft.methods import build_method
 from fedpeft.methods.base import ClientData, Method, ServerState, Tensors, load_tensors, read_tensors
-from fedpeft.methods.folding import fold_refusal
+from fedpeft.methods.capabilities import refusal
 from fedpeft.metrics.scorers import scorer_for
 from fedpeft.metrics.variation import lora_variations
-from fedpeft.models.backbone import TaskModel, build_model, enable_checkpointing, resolve_backbone
+from fedpeft.models.backbone import TaskModel, build_model, resolve_backbone
 from fedpeft.models.device import autocast_dtype, resolve_device
 from fedpeft.optional import bitsandbytes_unless, uses_bitsandbytes
 from fedpeft.report import results as R
@@ -89,19 +91,13 @@ def make_split(cfg: ExperimentConfig, corpus: Corpus) -> Split:
         test = [rows[order.permutation(len(rows))] for rows in test]
         val = None if val is None else [rows[order.permutation(len(rows))] for rows in val]
     except P.PartitionError as err:
-        column = f"data.group_column {group_column(cfg)!r}, " if pc.scheme == "groups" else ""
+        column = f"data.group_column {cfg.data.group_by!r}, " if pc.scheme == "groups" else ""
         raise P.PartitionError(
             f"partition ({pc.scheme}: partition.num_clients={pc.num_clients}, "
             f"partition.min_size={pc.min_size}, {column}{len(labels)} training examples after "
             f"data.max_samples): {err}"
         ) from None
     return Split(train, test, val)
-
-
-def group_column(cfg: ExperimentConfig) -> str | None:
-    """The column whose values group the examples: data.group_column, or WordNet's part of speech."""
-    wordnet = cfg.data.source == "wordnet" and cfg.data.task != "extractive_qa"
-    return cfg.data.group_column or ("pos" if wordnet else None)
 
 
 def group_values(cfg: ExperimentConfig, corpus: Corpus) -> np.ndarray:
@@ -218,13 +214,12 @@ def attach_method(cfg: ExperimentConfig, model: TaskModel) -> tuple[Method, Tens
     that builds the same config holds the same initial adapters); returns the method and
     the trainable tensors right after preparation."""
     method = build_method(cfg.method, cfg.train, cfg.seed)
-    if cfg.data.task not in method.tasks:
-        why = method.not_for.get(cfg.data.task, "")
+    if why := refusal(method, cfg.data.task):
         raise ConfigError(f"method.name {method.name}: not defined for data.task {cfg.data.task}; {why}")
-    if cfg.train.precision == "fp16" and not method.fp16:
+    if cfg.train.precision == "fp16" and (why := refusal(method, "fp16")):
         raise ConfigError(
-            f"train.precision: fp16 needs loss scaling, which method {method.name} (it takes its own "
-            "gradients) does not have; use bf16 (float32's range, no scaling needed) or fp32"
+            f"train.precision: fp16 needs loss scaling, which method {method.name} ({why}) does not have; "
+            "use bf16 (float32's range, no scaling needed) or fp32"
         )
     check_dora(cfg, method)
     torch.manual_seed(cfg.seed + 1)  # adapter / LoRA initialisation
@@ -244,12 +239,12 @@ def check_dora(cfg: ExperimentConfig, method: Method) -> None:
     lora = getattr(cfg.method, "lora", None)
     if lora is None or not lora.use_dora:
         return
-    if not method.dora:
+    if why := refusal(method, "dora"):
         from fedpeft.methods import REGISTRY
 
-        composes = ", ".join(name for name, cls in REGISTRY.items() if cls.dora)
+        composes = ", ".join(name for name, cls in REGISTRY.items() if not refusal(cls, "dora"))
         raise ConfigError(
-            f"method.lora.use_dora: not for method {method.name}: {method.dora_refusal()} (DoRA composes "
+            f"method.lora.use_dora: not for method {method.name}: {why} (DoRA composes "
             f"with {composes}: its magnitudes are trained tensors beside the factors)"
         )
     from peft.tuners.lora import dora
@@ -315,7 +310,7 @@ def cohort_size(cfg: ExperimentConfig, method: Method, model: torch.nn.Module) -
     """``train.cohort_size`` as the engine takes it (None: probe the device). On a
     quantised backbone or with gradient checkpointing, whose steps run in plain autograd
     (neither bitsandbytes' kernels nor checkpoints can be vmapped), a cohort trains folded
-    (:mod:`fedpeft.methods.folding`), as with ``train.cohort_mode: folded``; a method that
+    (:mod:`fedpeft.engines.local.folding`), as with ``train.cohort_mode: folded``; a method that
     cannot fold then trains one client at a time."""
     size, mode = cfg.train.cohort_size, cfg.train.cohort_mode
     if cfg.model.quantization != "none":
@@ -327,7 +322,7 @@ def cohort_size(cfg: ExperimentConfig, method: Method, model: torch.nn.Module) -
     if mode == "vmap" and why:
         raise ConfigError(f"train.cohort_mode vmap: {why}; use cohort_mode folded or auto")
     folds = mode == "folded" or (mode == "auto" and why)
-    refusal = fold_refusal(method, model) if folds and method.vectorised else ""
+    refusal = fold_refusal(method, model) if folds else ""
     if not refusal:
         return None if size == "auto" else size
     if mode == "folded":
@@ -467,7 +462,7 @@ def export(
         info.update(pooling=cfg.model.pooling, id2label=dict(enumerate(setup.corpus.class_names)))
     config = {"config": cfg.model_dump(mode="json")}
     if method.shared_names:
-        shared = {n: server_tensors[n] for n in method.global_export_names()}
+        shared = {n: server_tensors[n] for n in method.messages.global_export_names()}
         refuse_nonfinite(shared, target)
         exported["global"] = str(method.export(setup.model, shared, target))
         R.write_json(target / "fedpeft_model.json", {**info, "part": "global", **config})

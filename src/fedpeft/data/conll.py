@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from fedpeft.data.task import IGNORE, Encoded
+from fedpeft.data.types import DataError
 
 Sentence = tuple[list[str], list[str]]  # words, their tags
 
@@ -40,8 +41,6 @@ def conll_dir() -> Path:
 def read_conll(path: Path) -> list[Sentence]:
     """The sentences of a CoNLL file (words and their last-column tags); a line without
     a tag fails, naming the file and line."""
-    from fedpeft.data.sources import DataError
-
     sentences: list[Sentence] = []
     words: list[str] = []
     tags: list[str] = []

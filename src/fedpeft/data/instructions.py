@@ -4,7 +4,8 @@ An example is a prompt (a list of chat messages, ``{"role", "content"}``) and th
 response the model should give. Sources:
 
 - Alpaca-style JSONL: ``instruction``, optional ``input``, ``output`` per line;
-- chat JSONL: ``messages`` per line, the last one the assistant's (the response);
+- chat JSONL: ``messages`` per line, the last one the assistant's (the response; read
+  by :func:`fedpeft.data.tables.read_jsonl_messages`);
 - WordNet definition generation (built in): the prompt asks for the definition of a
   lemma with its part of speech, the response is the synset's gloss, and the synset's
   lexicographer category is the example's domain (a client's natural partition).
@@ -17,13 +18,13 @@ token. Only response tokens carry labels: prompt and padding positions hold
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
 import torch
 
+from fedpeft.data.tables import place
 from fedpeft.data.task import IGNORE, Encoded
+from fedpeft.data.types import DataError
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,6 @@ def split_conversation(messages: object) -> tuple[Messages, str]:
 
 def instruction_columns(table: dict[str, list], origin: str) -> tuple[list[Messages], list[str]]:
     """Prompts and responses of a table in either format (chosen by its columns)."""
-    from fedpeft.data.sources import DataError, place
-
     prompts, responses = [], []
     if "messages" in table:
         for row, messages in enumerate(table["messages"]):
@@ -89,27 +88,6 @@ def definition_prompt(lemma: str, pos: str) -> Messages:
     return [{"role": "user", "content": f'Define "{lemma}" as {article} {word}, in one line.'}]
 
 
-def read_jsonl_messages(path: Path) -> dict[str, list]:
-    """A JSONL file whose lines are objects, as columns (kept as Python objects: a
-    ``messages`` list must not become a table of its own)."""
-    from fedpeft.data.sources import DataError
-
-    rows = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{lineno}: not valid JSON: {err.msg}") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{path}:{lineno}: each line must be a JSON object")
-            rows.append(obj)
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    return {k: [r.get(k) for r in rows] for k in keys}
-
-
 # ---------------------------------------------------------------- tokenisation
 
 
@@ -139,8 +117,6 @@ def encode_instructions(
     has counted it) but has nothing to learn from or be scored on: it gets no response
     tokens, so no loss or score counts it; how many is logged, and if none is left the
     data are refused."""
-    from fedpeft.data.sources import DataError
-
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     end = tokenizer.eos_token or ""
     rendered = [render_prompt(tokenizer, p, system_prompt) for p in prompts]

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from fedpeft.data.task import IGNORE, Encoded
+from fedpeft.data.types import DataError
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,6 @@ START, END = 1, 2  # token labels of an answer span's first and last token
 def read_squad(path: Path) -> dict[str, list]:
     """A SQuAD-format JSON file as columns ``question``, ``context``, ``answers``
     (texts), ``answer_starts`` and ``title``; errors name the file and the question."""
-    from fedpeft.data.sources import DataError
-
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))["data"]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
@@ -87,8 +86,6 @@ def read_squad(path: Path) -> dict[str, list]:
 def squad_columns(table: dict[str, list], origin: str) -> dict[str, list]:
     """A hub dataset's SQuAD columns (``answers: {text, answer_start}``) in the form of
     :func:`read_squad`."""
-    from fedpeft.data.sources import DataError
-
     for col in ("question", "context", "answers"):
         if col not in table:
             raise DataError(f"{origin}: no column {col!r} (SQuAD columns: question, context, answers)")
@@ -152,8 +149,6 @@ def encode_qa(
     feature ``f`` is ``first_id`` plus its row in the inputs. The label is the first gold
     answer's token span. A question longer than a third of ``max_length`` tokens is cut
     to that (logged), so every window keeps room for more context than the stride."""
-    from fedpeft.data.sources import DataError
-
     limit = max_length // 3
     room = max_length - limit - tokenizer.num_special_tokens_to_add(pair=True)
     if stride >= room:

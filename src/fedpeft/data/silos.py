@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedpeft.data.sources import Corpus, DataError, load_corpus
+from fedpeft.data.sources import load_corpus
+from fedpeft.data.types import Corpus, DataError
 
 
 def load_silos(cfg, seed: int) -> Corpus:

@@ -173,7 +173,7 @@ class Draw:
     """A batch as a method draws it, before it is cut: rows of ``data`` (indices, on the
     CPU) and the tensors a method draws with them (``extras``, e.g. AdaMix's routing, of
     one shape for every client). The cohort engine cuts a whole round's draws of all its
-    clients at once (:class:`fedpeft.methods.cohort.CohortBatches`); :meth:`batch` cuts
+    clients at once (:class:`fedpeft.engines.local.batches.CohortBatches`); :meth:`batch` cuts
     this one on its own."""
 
     data: Encoded
@@ -205,42 +205,3 @@ def sample_draws(data: Encoded, batch_size: int, steps: int, generator: torch.Ge
 def take_draws(data: Encoded, batch_size: int, steps: int, generator: torch.Generator) -> Iterator[Draw]:
     """:func:`take_steps`'s batches, as draws."""
     return (Draw(data, rows) for rows in take_rows(len(data), batch_size, steps, generator))
-
-
-def encode_corpus(corpus, tokenizer, cfg) -> tuple[Encoded, Encoded]:
-    """A :class:`fedpeft.data.sources.Corpus`'s training pool and global test set,
-    tokenised for its task (``cfg``: the ``DataConfig``): texts with class labels, or
-    prompts with responses (:func:`fedpeft.data.instructions.encode_instructions`)."""
-    if corpus.train_contexts is not None:  # extractive QA: test examples numbered after the pool's
-        from fedpeft.data.qa import encode_qa
-
-        def features(questions, contexts, answers, first_id):
-            starts, texts = [a[0][1] for a in answers], [a[0][0] for a in answers]
-            return encode_qa(
-                questions, contexts, starts, texts, tokenizer, cfg.max_length, cfg.stride, first_id
-            )
-
-        return (
-            features(corpus.train_texts, corpus.train_contexts, corpus.train_answers, 0),
-            features(corpus.test_texts, corpus.test_contexts, corpus.test_answers, len(corpus.train_texts)),
-        )
-    if corpus.train_tags is not None:
-        from fedpeft.data.conll import encode_words
-
-        return (
-            encode_words(corpus.train_texts, corpus.train_tags, tokenizer, cfg.max_length),
-            encode_words(corpus.test_texts, corpus.test_tags, tokenizer, cfg.max_length),
-        )
-    if corpus.train_responses is None:
-        return (
-            encode(corpus.train_texts, corpus.train_labels, tokenizer, cfg.max_length),
-            encode(corpus.test_texts, corpus.test_labels, tokenizer, cfg.max_length),
-        )
-    from fedpeft.data.instructions import encode_instructions
-
-    return (
-        encode_instructions(corpus.train_texts, corpus.train_responses, tokenizer, cfg.max_length,
-                            cfg.system_prompt, "training data"),
-        encode_instructions(corpus.test_texts, corpus.test_responses, tokenizer, cfg.max_length,
-                            cfg.system_prompt, "test data"),
-    )  # fmt: skip

@@ -45,8 +45,9 @@ from dataclasses import dataclass
 import torch
 
 from fedpeft.config import CodecConfig, ConfigError, ExperimentConfig
+from fedpeft.engines.local import derive_seed
 from fedpeft.methods.base import Method, Tensors
-from fedpeft.methods.cohort import derive_seed
+from fedpeft.methods.capabilities import refusal
 
 SEP = "#"
 RESIDUAL = "comm.residual."  # a client's error-feedback residual in its personal state
@@ -74,8 +75,8 @@ def lossless(cfg: CodecConfig) -> bool:
 
 def check_composes(cfg: ExperimentConfig, method: Method) -> None:
     """A :class:`ConfigError` naming why, when ``method`` cannot take the configured lossy
-    downlink (:meth:`Method.lossy_downlink_refusal`)."""
-    if not lossless(cfg.comm.downlink) and (why := method.lossy_downlink_refusal()):
+    downlink (:func:`~fedpeft.methods.capabilities.refusal` of ``lossy_downlink``)."""
+    if not lossless(cfg.comm.downlink) and (why := refusal(method, "lossy_downlink")):
         raise ConfigError(f"comm.downlink {cfg.comm.downlink.codec}: method {method.name}: {why}")
 
 

@@ -26,8 +26,8 @@ import torch
 
 from fedpeft.config import ConfigError, FaultsConfig
 from fedpeft.data.task import Encoded
+from fedpeft.engines.local import derive_seed
 from fedpeft.methods.base import FitResult, Tensors
-from fedpeft.methods.cohort import derive_seed
 
 FAULT_STREAM = 0xFA017  # the seed stream that picks the faulty clients and draws their noise
 

@@ -26,11 +26,12 @@ import torch
 
 from fedpeft.config import CommConfig, FaultsConfig, PrivacyConfig, ServerConfig
 from fedpeft.data.task import Encoded, make_batch
-from fedpeft.engines import compress, guard, privacy, scaffold, schedule
+from fedpeft.engines import compress, guard, privacy, scaffold
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
 from fedpeft.engines.faults import corrupt
+from fedpeft.engines.local import SampleDP, derive_seed
 from fedpeft.engines.memory import check_memory, cohort_peaks
-from fedpeft.engines.server_opt import as_weighted, server_step
+from fedpeft.engines.round import Returned, Round, ServerRound, receive, send
 from fedpeft.engines.store import ClientStore, StoreError
 from fedpeft.methods.base import (
     ClientData,
@@ -44,7 +45,6 @@ from fedpeft.methods.base import (
     restrict_heads,
     tensor_bytes,
 )
-from fedpeft.methods.cohort import SampleDP, derive_seed
 from fedpeft.metrics.cka import linear_cka
 from fedpeft.metrics.classification import mean_scores, pooled, spread
 from fedpeft.metrics.scorers import ClassificationScorer, Scorer
@@ -160,30 +160,27 @@ class InProcessEngine:
         self.comm = comm or CommConfig()  # the codecs of the uplink and the downlink (comm.*)
         # differential privacy (privacy.*): the clip on the clients, the noise, the accountant
         self.privacy = privacy_cfg or PrivacyConfig()
-        self.dp: privacy.Accountant | privacy.SampleAccountant | None = None
+        # the server's half of every round (noise, aggregate, server step, SCAFFOLD, guard)
+        self.rounds = ServerRound(
+            method,
+            method.train,
+            self.server_cfg,
+            self.privacy,
+            seed=schedule.seed,
+            clients=len(clients),
+            accountant=privacy.user_accountant(
+                self.privacy, len(clients), schedule.clients_per_round, schedule.rounds, schedule.poisson
+            ),
+            analyzers=analyzers,  # name -> f(previous global tensors, new global tensors)
+        )
         if self.privacy.mode == "sample":  # DP-SGD inside every client's steps
             sizes = {c.cid: len(c.train) for c in clients}
-            steps = {cid: method.private_steps(n) for cid, n in sizes.items()}
             batch = method.train.batch_size
-            self.dp = privacy.sample_accountant(
-                self.privacy,
-                sizes,
-                {c: k for c, (k, _) in steps.items()},
-                batch,
-                schedule.rounds,
-                first={c: k for c, (_, k) in steps.items()},
-            )
-            method.sample_dp = SampleDP(self.privacy.clip, self.dp.sigma, batch)
-        elif self.privacy.mode != "none":
-            n, s = len(clients), min(schedule.clients_per_round, len(clients))
-            sigma = privacy.noise_multiplier(self.privacy, n, s, schedule.rounds, schedule.poisson)
-            self.dp = privacy.Accountant(self.privacy.mode, n, s, sigma, schedule.poisson)
-            privacy.check_plan(self.privacy, self.dp, schedule.rounds)
-        self._clip, self._sent = float("inf"), {}  # the round's clip bound; per client: received, fitted
+            accountant = privacy.dp_sgd_accountant(self.privacy, sizes, method, batch, schedule.rounds)
+            self.rounds.sample_accountant = accountant
+            method.sample_dp = SampleDP(self.privacy.clip, accountant.sigma, batch)
         self.on_round = on_round or (lambda record: None)
         self.on_start = on_start or (lambda records: None)
-        # name -> f(previous global tensors, new global tensors), recorded every round
-        self.analyzers = analyzers or {}
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         covered = set(method.shared_names) | set(method.personal_names)
         if covered != set(trainable):
@@ -270,7 +267,7 @@ class InProcessEngine:
         received = compress.decode(message, self.comm.downlink)
         down = tensor_bytes(message)
         if cid not in self.joined:  # first contact: the method's one-time join message too
-            down += tensor_bytes(self.method.join_message(server))
+            down += tensor_bytes(self.method.messages.join_message(server))
             self.joined.add(cid)
         client = self.clients[cid]
         control = scaffold.server_control(server, self.method) if scaffold.enabled(self.method) else {}
@@ -278,30 +275,28 @@ class InProcessEngine:
         personal, residual = self.stored(client)
         return Job(received, personal, client, seed, rnd, control), residual, down + tensor_bytes(control)
 
-    def compressed(self, job: Job, result: FitResult, residual: Tensors) -> int:
-        """Client ``result.cid``'s uplink through ``comm.uplink``: encoded on the client
-        (the update from what it received, plus its residual), decoded on the server into
-        ``result.uplink``; its new residual stored with its personal state. The bytes sent."""
-        if self.privacy.mode in ("user", "local"):  # clipped (local: and noised) before it is encoded
-            origin = privacy.reference(self.method, job.received, result.uplink)
-            out = privacy.privatise(
-                self.privacy, result.uplink, origin, self._clip, self.dp.sigma, job.seed, self.method.name
-            )
-            result.uplink, self._sent[result.cid] = out.uplink, (origin, out.fitted)
-        cfg, seed = self.comm.uplink, compress.message_seed(job.seed)
-        sent = compress.send_update(result.uplink, job.received, residual, cfg, seed)
-        result.uplink = compress.receive_update(sent.message, job.received, cfg, seed)
-        self.personal[result.cid] = compress.with_residual(result.personal, sent.residual)
-        return tensor_bytes(sent.message) + tensor_bytes(result.control)
+    def sent(self, step: Round, job: Job, result: FitResult, residual: Tensors) -> tuple[Returned, int]:
+        """Client ``result.cid``'s uplink as the round's pipeline sends it (clipped, noised,
+        encoded on the client: :func:`~fedpeft.engines.round.send`) and the server decodes
+        it; its new residual stored with its personal state. The update as returned and
+        the bytes sent."""
+        sigma = self.rounds.accountant.sigma if self.rounds.accountant is not None else 0.0
+        out = send(self.method, self.privacy, self.comm.uplink, job.received, result.uplink, residual,
+                   clip=step.clip, sigma=sigma, seed=job.seed)  # fmt: skip
+        result.uplink = receive(out.message, job.received, self.comm.uplink, job.seed)
+        self.personal[result.cid] = compress.with_residual(result.personal, out.residual)
+        reference = privacy.reference(self.method, job.received, result.uplink)
+        returned = Returned(result, reference, out.fitted)
+        return returned, tensor_bytes(out.message) + tensor_bytes(result.control)
 
-    def fit_round(self, server: ServerState, rnd: int) -> tuple[list[FitResult], dict]:
+    def fit_round(self, server: ServerState, step: Round) -> tuple[list[Returned], dict]:
         """The sampled clients' local rounds, in cohorts of up to ``cohort_size`` clients
-        trained at once; a client's round does not depend on its cohort."""
-        s = self.schedule
+        trained at once (a client's round does not depend on its cohort), and their
+        updates as the server receives them."""
+        s, rnd = self.schedule, step.number
         rate = s.clients_per_round / len(self.clients) if s.poisson else None
         sampled = sample_clients(s.seed, rnd, len(self.clients), s.clients_per_round, rate)
         jobs, residuals, down = [], {}, 0
-        self._clip, self._sent = privacy.current_clip(self.privacy, server), {}
         if not sampled:  # Poisson sampling may draw no client
             nothing = {"loss": float("nan"), "fit": {}, "bytes_down": 0, "bytes_up": 0, "time_fit_max": 0.0}
             return [], {"clients": [], **nothing}
@@ -323,41 +318,31 @@ class InProcessEngine:
             for result in kept:  # sent and stored at once, as each cohort ends
                 if readout := self.method.readout(result):  # on the client, of what it trained
                     readouts[str(result.cid)] = readout
-                up += self.compressed(by_client[result.cid], result, residuals[result.cid])
-            results += kept
+                returned, sent_bytes = self.sent(step, by_client[result.cid], result, residuals[result.cid])
+                results.append(returned)
+                up += sent_bytes
             dropped.update(cut)
             fit_times.append(time.perf_counter() - t0)
         if not results:
-            raise guard.all_dropped(rnd, dropped, self.lr, server)
-        if not self.method.communicates:  # pooled training: nothing crossed a network
+            raise guard.all_dropped(rnd, dropped, step.lr, server)
+        if self.method.pooled:  # pooled training: nothing crossed a network
             down = up = 0
-        weights = [r.num_examples for r in results]
-        names = sorted({k for r in results for k in r.metrics} - {"loss"})
+        fits = [r.result for r in results]
+        weights = [r.num_examples for r in fits]
+        names = sorted({k for r in fits for k in r.metrics} - {"loss"})
         return results, {
             "clients": sampled,
             **({"byzantine": sorted(self.faulty & set(sampled))} if self.faulty else {}),
             **({"dropped": {str(c): why for c, why in sorted(dropped.items())}} if dropped else {}),
-            "loss": float(np.average([r.metrics.get("loss", np.nan) for r in results], weights=weights)),
+            "loss": float(np.average([r.metrics.get("loss", np.nan) for r in fits], weights=weights)),
             # any other figure a method reports (steps, time per step, rank), averaged over clients
-            "fit": {k: float(np.mean([r.metrics[k] for r in results if k in r.metrics])) for k in names},
+            "fit": {k: float(np.mean([r.metrics[k] for r in fits if k in r.metrics])) for k in names},
             "bytes_down": down,
             "bytes_up": up,
             # the slowest cohort: what a round takes when cohorts train in parallel
             "time_fit_max": max(fit_times),
             **({"client_readout": readouts} if readouts else {}),
         }
-
-    def noised(self, results: list[FitResult], rnd: int) -> tuple[list[FitResult], dict, float | None]:
-        """The round's results after the server's side of ``privacy.mode``, its record, and
-        the next clip bound (adaptive clipping)."""
-        assert self.dp is not None
-        references = [self._sent[r.cid][0] for r in results]
-        fitted = [self._sent[r.cid][1] for r in results]
-        seed = derive_seed(self.schedule.seed, rnd, privacy.SERVER_STREAM)
-        results, noted, next_clip = privacy.server_side(
-            self.privacy, results, references, fitted, self._clip, self.dp.per_round, self.dp.sigma, seed
-        )
-        return results, {"noise_multiplier": self.dp.sigma, **noted}, next_clip
 
     def attacked(self, job: Job, result: FitResult, rnd: int) -> FitResult:
         """``result`` as a faulty client sends it (``faults.attack``, a model attack), else as it is."""
@@ -443,10 +428,10 @@ class InProcessEngine:
     def local_model(self, server: ServerState, result: FitResult) -> Tensors:
         """Client ``result.cid``'s model after its local round (``server``: the state the
         round started from), rebuilt from its result alone: what it received with its update
-        (:meth:`Method.uplink_as_shared`) in place of the shared tensors, and its new personal
+        (``method.messages.uplink_as_shared``) in place of the shared tensors, and its new personal
         state, combined as the method scores a client (:meth:`Method.eval_state`)."""
         method = self.method
-        received = {**method.downlink(server, result.cid), **method.uplink_as_shared(result.uplink)}
+        received = {**method.downlink(server, result.cid), **method.messages.uplink_as_shared(result.uplink)}
         self.forget_loaded()  # eval_state may use the model (Per-FedAvg adapts one step)
         state = method.eval_state(self.model, received, result.personal, self.clients[result.cid])
         self.forget_loaded()
@@ -513,7 +498,7 @@ class InProcessEngine:
             server, records = self.method.init_server(self.model), []
             self.setup_info = {"time_init_server": time.perf_counter() - t0, **self.method.setup_info}
         # Every client applies the join message to its backbone copy; here they share one copy.
-        self.method.join(self.model, self.method.join_message(server))
+        self.method.messages.join(self.model, self.method.messages.join_message(server))
         if self.schedule.cohort_size is None:
             self.cohort_size = probe_cohort_size(self, server)
             self.setup_info["cohort_size"] = float(self.cohort_size)
@@ -533,38 +518,17 @@ class InProcessEngine:
         self.server = server
         self.on_start(records)
         for rnd in range(len(records) + 1, s.rounds + 1):
-            user_or_local = self.privacy.mode in ("user", "local")
-            spent = privacy.check_budget(self.privacy, self.dp, rnd) if user_or_local else None
+            step = self.rounds.begin(rnd, server)
             t0 = time.perf_counter()
-            self.method.train = schedule.for_round(self.base_train, rnd)  # the round's rate
-            self.lr = self.method.train.lr
-            results, record = self.fit_round(server, rnd)
-            if schedule.scheduled(self.base_train):
-                record["lr"] = self.lr
+            self.method.train, self.lr = step.train, step.lr  # the round's rate
+            returned, record = self.fit_round(server, step)
             t1 = time.perf_counter()
-            previous, next_clip = server, None
-            if user_or_local and results:  # the server's noise, before the method aggregates
-                results, noted, next_clip = self.noised(results, rnd)
-                record["privacy"] = {"epsilon": spent, "delta": self.privacy.delta, **noted}
-            elif user_or_local:  # no client drawn: nothing released but the unchanged model
-                record["privacy"] = {"epsilon": spent, "delta": self.privacy.delta, "clip": self._clip}
-            elif self.privacy.mode == "sample":  # what the clients' own steps spent
-                record["privacy"] = privacy.sample_record(self.privacy, self.dp, records, record)
-            if results:
-                aggregated = self.method.aggregate(server, as_weighted(self.server_cfg, results), rnd)
-                server = server_step(self.server_cfg, previous, aggregated)
-            else:  # Poisson sampling drew no client: the global state stays as it is
-                record["skipped"] = "no client drawn (train.client_sampling: poisson)"
-            if next_clip is not None:  # adaptive clipping's bound: server state, never sent
-                server = privacy.with_clip(server, next_clip)
-            if scaffold.enabled(self.method) and results:
-                updates = [r.control for r in results]
-                server = scaffold.update_control(self.method, previous, server, updates, len(self.clients))
-            guard.check_aggregate(rnd, server, self.lr, previous)
+            previous = server
+            skip = None if returned else "no client drawn (train.client_sampling: poisson)"
+            server = self.rounds.finish(step, server, returned, record, records, skip=skip)
             self.forget_loaded()
+            results = [r.result for r in returned]
             t2 = time.perf_counter()
-            for name, analyze in self.analyzers.items():
-                record[name] = analyze(previous.tensors, server.tensors)
             if self.probe is not None and results:  # timed with the evaluation
                 record["drift"] = self.drift(previous, results)
             if rnd % s.eval_every == 0 or rnd == s.rounds:
@@ -597,11 +561,11 @@ def probe_cohort_size(engine: InProcessEngine, server: ServerState) -> int:
     """``train.cohort_size: auto``. On a GPU: the peak memory of one local step and of
     one scoring batch for cohorts of 1 and 4 clients (:func:`~fedpeft.engines.memory.cohort_peaks`)
     gives the cost per client; the cohort is the most clients that fit 80 % of the free
-    memory (at most the clients per round). Elsewhere, or for a method that trains one
-    client at a time: 1 (on a CPU, batching clients gains nothing)."""
+    memory (at most the clients per round). Elsewhere: 1 (on a CPU, batching clients
+    gains nothing)."""
     s = engine.schedule
     device = next(engine.model.parameters()).device
-    if device.type != "cuda" or not engine.method.vectorised or s.clients_per_round == 1:
+    if device.type != "cuda" or s.clients_per_round == 1:
         return 1
     one, four = cohort_peaks(engine, server)
     per_client = (four - one) / 3

@@ -337,10 +337,10 @@ def cohort_peaks(
 ) -> tuple[int | None, int | None]:
     """The peak memory of cohorts of 1 and of 4 clients, each the larger of one local step
     and one scoring batch of the largest client's longest rows, in a round that trains
-    (:meth:`~fedpeft.methods.base.Method.training_server`)."""
+    (:meth:`~fedpeft.methods.messages.Messages.training_server`)."""
     device = next(engine.model.parameters()).device
     with probing(engine, device):
-        probe = _Probe(engine, engine.method.training_server(server), measure)
+        probe = _Probe(engine, engine.method.messages.training_server(server), measure)
         one, four = (
             [probe.step(n, probe.step_size), probe.score(n, probe.score_size)] for n in (1, 4)
         )  # fmt: skip
@@ -370,9 +370,9 @@ def check_memory(engine: InProcessEngine, server: ServerState, limit_mb: float |
     held, has, source = room
     if limit_mb is not None or os.environ.get(LIMIT_ENV):
         source = f"limit_mb {limit_mb}" if limit_mb is not None else f"{LIMIT_ENV}={os.environ[LIMIT_ENV]}"
-    clients = engine.cohort_size if engine.method.vectorised else 1
+    clients = engine.cohort_size
     # the first round, and the rounds that train where they differ (after Fed-SB's setup)
-    trains = engine.method.training_server(server)
+    trains = engine.method.messages.training_server(server)
     steps, scores = [], []
     with probing(engine, device):
         for state in [server] if trains is server else [server, trains]:

@@ -1,5 +1,5 @@
 """Differential privacy of what leaves a client (issue 34): user-level DP-FedAvg, local DP
-and the accounting of sample-level DP-SGD (whose steps are :mod:`fedpeft.methods.cohort`'s).
+and the accounting of sample-level DP-SGD (whose steps are :mod:`fedpeft.engines.local.dp`'s).
 
 The uplink's order (docs/DESIGN, "Layers that compose with every method"): the client
 clips its update, adds its own noise (``local``), then compresses; the server decodes,
@@ -28,7 +28,7 @@ is a ``SampledWithoutReplacementDpEvent(N, S, Gaussian(sigma / 2))``; ``local``:
 ``Gaussian(sigma / 2)`` per round, every round (a client's messages are seen as its own,
 so no amplification by sampling is claimed; a client that sits a round out spends less).
 
-- ``sample`` (Abadi et al. 2016): DP-SGD in every local step (``cohort.private_gradients``);
+- ``sample`` (Abadi et al. 2016): DP-SGD in every local step (``local.dp.private_gradients``);
   each client's records are accounted on their own (:class:`SampleAccountant`): a step of
   a client of ``n`` rows is a ``SampledWithoutReplacementDpEvent(n, B, Gaussian(sigma / 2))``.
 
@@ -49,7 +49,9 @@ from dataclasses import dataclass
 import torch
 
 from fedpeft.config import ConfigError, ExperimentConfig, PrivacyConfig
+from fedpeft.engines.local import clip_factor, norm
 from fedpeft.methods.base import FitResult, Method, ServerState, Tensors
+from fedpeft.methods.capabilities import refusal
 
 CLIP = "privacy.clip"  # the server's extras: the adaptive clipping bound of the next round
 SIGMA = "privacy.sigma"  # the server's extras (deployed DP-SGD): the noise multiplier, calibrated once
@@ -85,21 +87,19 @@ def check_composes(cfg: ExperimentConfig, method: Method) -> None:
     if p.mode == "none":
         return
     if p.mode == "sample":  # the records are protected inside training: the server may do anything
-        from fedpeft.methods.base import Method as Base
-
-        if type(method).step_draws is not Base.step_draws:
+        if why := refusal(method, "sample_dp"):
             raise ConfigError(
-                f"privacy.mode sample: method {method.name} draws its own batches (several a step, or "
-                "phases), and DP-SGD's accountant needs one batch a step drawn without replacement"
+                f"privacy.mode sample: method {method.name} {why}, and DP-SGD's accountant needs one batch "
+                "a step drawn without replacement"
             )
         return
-    if p.mode == "user" and (why := method.user_dp_refusal()):  # its server reads each uplink
+    if p.mode == "user" and (why := refusal(method, "user_dp")):  # its server reads each uplink
         raise ConfigError(
             f"privacy.mode user: method {method.name}: {why}; user-level DP noises only the sum of the "
             "updates, which this server does not take (privacy.mode local noises each update before it "
             "leaves)"
         )
-    if p.mode == "local" and (why := method.local_dp_refusal()):
+    if p.mode == "local" and (why := refusal(method, "local_dp")):
         raise ConfigError(f"privacy.mode local: method {method.name}: {why}")
     if p.mode == "user" and cfg.server.aggregation != "mean":
         raise ConfigError(
@@ -146,14 +146,20 @@ def accountant_for(cfg: ExperimentConfig) -> Accountant | None:
     """User or local mode's accountant (its noise multiplier calibrated if asked), else None;
     a :class:`ConfigError` when the planned rounds would exceed the budget. Both engines and
     every deployed node compute it alike from the config."""
-    p = cfg.privacy
+    poisson = cfg.train.client_sampling == "poisson"
+    return user_accountant(cfg.privacy, cfg.partition.num_clients, cfg.train.clients_per_round,
+                           cfg.train.rounds, poisson)  # fmt: skip
+
+
+def user_accountant(
+    p: PrivacyConfig, clients: int, per_round: int, rounds: int, poisson: bool
+) -> Accountant | None:
+    """:func:`accountant_for` from its figures: ``clients`` (N), ``per_round`` (S asked, at most N)."""
     if p.mode in ("none", "sample"):  # sample: built from the clients (sample_accountant)
         return None
-    n = cfg.partition.num_clients
-    s = min(cfg.train.clients_per_round, n)
-    poisson = cfg.train.client_sampling == "poisson"
-    accountant = Accountant(p.mode, n, s, noise_multiplier(p, n, s, cfg.train.rounds, poisson), poisson)
-    check_plan(p, accountant, cfg.train.rounds)
+    s = min(per_round, clients)
+    accountant = Accountant(p.mode, clients, s, noise_multiplier(p, clients, s, rounds, poisson), poisson)
+    check_plan(p, accountant, rounds)
     return accountant
 
 
@@ -247,9 +253,9 @@ def check_budget(p: PrivacyConfig, accountant: Accountant, rnd: int) -> float:
 
 def reference(method: Method, received: Tensors, like: Tensors) -> Tensors:
     """What the uplink of a client that received ``received`` is an update of: those
-    tensors, and zero for each of the method's messages (:meth:`~fedpeft.methods.base.
-    Method.uplink_messages`, shaped as in ``like``), which are clipped whole."""
-    zeros = {n: torch.zeros(like[n].shape) for n in method.uplink_messages(received) if n in like}
+    tensors, and zero for each of the method's messages (:meth:`~fedpeft.methods.messages.
+    Messages.uplink_messages`, shaped as in ``like``), which are clipped whole."""
+    zeros = {n: torch.zeros(like[n].shape) for n in method.messages.uplink_messages(received) if n in like}
     return {**received, **zeros}
 
 
@@ -265,11 +271,6 @@ def update_of(uplink: Tensors, received: Tensors, method: str) -> Tensors:
             )
         out[name] = x.float() - ref.float()
     return out
-
-
-def norm(tensors: Tensors) -> float:
-    """The L2 norm of all of ``tensors`` as one vector, in float64."""
-    return math.sqrt(sum(float(t.double().square().sum()) for t in tensors.values()))
 
 
 def gaussian(like: Tensors, std: float, seed: int, stream: int) -> Tensors:
@@ -295,7 +296,7 @@ def privatise(
     with ``N(0, (sigma clip)^2)``; returned as the tensors it sends (``received`` + update)."""
     update = update_of(uplink, received, method)
     size = norm(update)
-    factor = min(1.0, clip / size) if size > 0 else 1.0
+    factor = clip_factor(size, clip)
     local = p.mode == "local" and sigma > 0
     if factor == 1.0 and not local:  # nothing to change: the uplink itself
         return Privatised(uplink, True, size)
@@ -393,8 +394,7 @@ def bounded(uplink: Tensors, received: Tensors, clip: float) -> float:
     """The factor that brings the update ``uplink - received`` within L2 norm ``clip``: 1
     when it is within already (a client's clipped update, sent uncompressed, is, but for
     float32's rounding of ``received + update``)."""
-    size = norm({n: u.double() - received[n].double() for n, u in uplink.items()})
-    return clip / size if size > clip else 1.0
+    return clip_factor(norm({n: u.double() - received[n].double() for n, u in uplink.items()}), clip)
 
 
 def with_clip(server: ServerState, clip: float) -> ServerState:
@@ -497,6 +497,24 @@ class SampleAccountant:
         worst = min(self.sizes.values())
         most = max(self.steps_over(c, rounds) for c in self.sizes)
         return dp_sgd_epsilon(worst, self.batch, self.sigma, most, delta)
+
+
+def dp_sgd_accountant(
+    p: PrivacyConfig,
+    sizes: dict[int, int],
+    method: Method,
+    batch: int,
+    rounds: int,
+    sigma: float | None = None,
+) -> SampleAccountant:
+    """DP-SGD's accountant over the clients of ``sizes`` (client -> training rows), each
+    taking the steps ``method`` takes on its rows (:meth:`~fedpeft.methods.base.Method.
+    private_steps`): at ``sigma``, or at the multiplier :func:`sample_accountant` sets."""
+    steps = {cid: method.private_steps(n) for cid, n in sizes.items()}
+    every, first = {c: k for c, (k, _) in steps.items()}, {c: k for c, (_, k) in steps.items()}
+    if sigma is None:
+        return sample_accountant(p, sizes, every, batch, rounds, first=first)
+    return SampleAccountant(sizes, every, batch, sigma, first=first)
 
 
 def sample_accountant(

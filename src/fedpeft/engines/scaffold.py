@@ -2,7 +2,7 @@
 
 Karimireddy et al., "SCAFFOLD: Stochastic Controlled Averaging for Federated Learning"
 (ICML 2020), Algorithm 1 with option II, over any method whose clients train the shared
-tensors they receive (:meth:`~fedpeft.methods.base.Method.correction_refusal`):
+tensors they receive (:func:`~fedpeft.methods.capabilities.refusal` of ``correction``):
 
     server   x (the shared tensors) and its control c, 0 at first
     client   receives x and c; its control c_i (personal state, 0 at first)
@@ -12,9 +12,9 @@ tensors they receive (:meth:`~fedpeft.methods.base.Method.correction_refusal`):
     server   x from the method's aggregate and the server step (``server.lr``: lr_g)
              c += (1/N) sum_{i in S} dc_i               (N: all clients, S: this round's)
 
-The client's half runs in the cohort loop (``fedpeft.methods.cohort``: the corrected
-step, :func:`~fedpeft.methods.cohort.settle_control`), so a client's round is the same
-in-process and on a Flower node. ``c`` lives in the server's extras (``scaffold.c.<name>``):
+The client's half runs in the cohort loop (``fedpeft.engines.local``: the corrected
+step, :func:`~fedpeft.engines.local.corrections.settle_control`), so a client's round is
+the same in-process and on a Flower node. ``c`` lives in the server's extras (``scaffold.c.<name>``):
 checkpointed with the server, resumed exactly. ``c_i`` lives in the client's personal
 state (``control.<name>``: the client store, a node's state directory), never sent. A
 round's bytes count ``c`` in each downlink and ``dc_i`` in each uplink: SCAFFOLD doubles
@@ -39,8 +39,9 @@ from __future__ import annotations
 import torch
 
 from fedpeft.config import ConfigError, ExperimentConfig
+from fedpeft.engines.local import CONTROL
 from fedpeft.methods.base import Method, ServerState, Tensors
-from fedpeft.methods.cohort import CONTROL
+from fedpeft.methods.capabilities import refusal
 
 PREFIX = "scaffold.c."  # the server's control in its extras: scaffold.c.<shared tensor name>
 APPLIED = "scaffold.applied."  # the server's extras: per client, the last round whose dc_i it applied
@@ -54,7 +55,7 @@ def enabled(method: Method) -> bool:
 
 def check_composes(cfg: ExperimentConfig, method: Method) -> None:
     """A :class:`ConfigError` naming the method when SCAFFOLD does not fit its local round."""
-    if cfg.train.correction == "scaffold" and (why := method.correction_refusal()):
+    if cfg.train.correction == "scaffold" and (why := refusal(method, "correction")):
         raise ConfigError(f"train.correction scaffold: method {method.name}: {why}")
 
 

@@ -29,6 +29,7 @@ import torch
 
 from fedpeft.config import ConfigError, ExperimentConfig, ServerConfig
 from fedpeft.methods.base import FitResult, Method, ServerState, Tensors
+from fedpeft.methods.capabilities import refusal, shares_nothing
 
 PREFIX = "server_opt."
 ADAPTIVE = ("fedadam", "fedyogi", "fedadagrad")
@@ -43,13 +44,13 @@ def check_composes(cfg: ExperimentConfig, method: Method) -> None:
     """A :class:`ConfigError` naming both when ``method`` cannot take the configured server
     optimiser, or FedProx's proximal term (``train.prox_mu``: it needs shared tensors)."""
     server = cfg.server
-    if not is_plain(server) and (why := method.server_step_refusal()):
+    if not is_plain(server) and (why := refusal(method, "server_step")):
         raise ConfigError(
             f"server.optimizer {server.optimizer} (server.lr {server.rate:g}): method {method.name}: {why}"
         )
-    if server.aggregation != "mean" and (why := method.robust_refusal()):
+    if server.aggregation != "mean" and (why := refusal(method, "robust")):
         raise ConfigError(f"server.aggregation {server.aggregation}: method {method.name}: {why}")
-    if cfg.train.prox_mu > 0 and not (method.communicates and method.shared_names):
+    if cfg.train.prox_mu > 0 and shares_nothing(method):
         raise ConfigError(
             f"train.prox_mu {cfg.train.prox_mu:g}: method {method.name} shares no tensors to anchor"
         )

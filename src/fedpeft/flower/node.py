@@ -26,14 +26,16 @@ import torch
 
 from fedpeft.config import ExperimentConfig
 from fedpeft.data import partition as P
+from fedpeft.data.encoding import encode_corpus
 from fedpeft.data.sources import load_client_file, load_corpus
-from fedpeft.data.task import Encoded, encode, encode_corpus
+from fedpeft.data.task import Encoded, encode
 from fedpeft.engines import compress, guard, privacy, scaffold
 from fedpeft.engines.inprocess import derive_seed
+from fedpeft.engines.local import SampleDP
+from fedpeft.engines.round import send
 from fedpeft.experiment import attach_method, fingerprint, make_split, place
 from fedpeft.flower.codec import Orders
 from fedpeft.methods.base import ClientData, FitResult, Job, Method, Tensors, load_tensors
-from fedpeft.methods.cohort import SampleDP
 from fedpeft.metrics.scorers import Scorer, SpanScorer, scorer_for
 from fedpeft.models.backbone import TaskModel, build_model, load_tokenizer
 from fedpeft.models.device import resolve_device
@@ -171,7 +173,7 @@ class Node:
             if self.global_test is not None:
                 self.global_test = self.global_test.to(device)
             if self._join is not None:
-                method.join(model, self._join)
+                method.messages.join(model, self._join)
             self._learner = model, method, initial
             Node.models_built += 1
         return self._learner
@@ -299,7 +301,7 @@ class Node:
 
     # ---------------------------------------------------------------- protocol
     def join(self, message: Tensors) -> None:
-        self.method.join(self.model, message)
+        self.method.messages.join(self.model, message)
         self._join = message
         self._save("join", message)
 
@@ -331,25 +333,21 @@ class Node:
         if control is not None:  # SCAFFOLD: the control the server's c counts
             personal = scaffold.confirmed(personal, orders.control_applied or 0)
         self.method.sample_dp = self.dp_sgd(orders.sigma)
-        result = self.method.fit(self.model, Job(received, personal, self.client, seed, rnd, control or {}))
+        job = Job(received, personal, self.client, seed, rnd, control or {})
+        (result,) = self.method.fit_cohort(self.model, [job])  # a cohort of one
         result.cid = self.cid
         kept = result.personal if control is None else scaffold.held(personal, result.personal, rnd)
         if guard.nonfinite_reason(result) is not None:  # the server drops it; keep the last finite state
             return result, result.uplink
-        uplink = result.uplink
-        if (dp := self.accountant()) is not None:
-            if clip is None:
-                raise ValueError(
-                    f"privacy.mode {dp.mode}: round {rnd}'s training message carries no clip bound"
-                )
-            origin = privacy.reference(self.method, received, uplink)
-            out = privacy.privatise(self.cfg.privacy, uplink, origin, clip, dp.sigma, seed, self.method.name)
-            uplink = out.uplink
-            if self.cfg.privacy.adaptive_clip:  # the report adaptive clipping counts (user mode)
-                result.metrics["fitted"] = float(out.fitted)
-        sent = compress.send_update(
-            uplink, received, residual, self.cfg.comm.uplink, compress.message_seed(seed)
-        )
+        if (dp := self.accountant()) is not None and clip is None:
+            raise ValueError(f"privacy.mode {dp.mode}: round {rnd}'s training message carries no clip bound")
+        sigma = dp.sigma if dp is not None else 0.0
+        sent = send(self.method, self.cfg.privacy, self.cfg.comm.uplink, received, result.uplink, residual,
+                    clip=clip if clip is not None else float("inf"), sigma=sigma, seed=seed)  # fmt: skip
+        if (
+            dp is not None and self.cfg.privacy.adaptive_clip
+        ):  # the report adaptive clipping counts (user mode)
+            result.metrics["fitted"] = float(sent.fitted)
         self.snapshots = {r: t for r, t in self.snapshots.items() if r < rnd}
         self.snapshots[rnd] = compress.with_residual(kept, sent.residual)
         self.snapshots = dict(sorted(self.snapshots.items())[-KEEP_SNAPSHOTS:])

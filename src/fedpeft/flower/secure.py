@@ -32,11 +32,13 @@ from flwr.serverapp import Grid
 
 from fedpeft.flower import codec
 from fedpeft.methods.base import FitResult, Method, Tensors
+from fedpeft.methods.capabilities import refusal
 
 
 def supports_secure_aggregation(method: Method) -> bool:
-    """Whether ``method`` aggregates by the default example-weighted mean of the uplinks."""
-    return type(method).aggregate is Method.aggregate and method.communicates
+    """Whether ``method`` aggregates by the example-weighted mean of the uplinks (it does
+    not refuse ``secure_aggregation``)."""
+    return not refusal(method, "secure_aggregation")
 
 
 class CountingGrid:

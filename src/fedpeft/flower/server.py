@@ -37,11 +37,11 @@ from fedpeft.config import DeployConfig
 from fedpeft.engines import compress, guard, privacy, scaffold, schedule
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
 from fedpeft.engines.inprocess import close_record, sample_clients
-from fedpeft.engines.server_opt import as_weighted, server_step
+from fedpeft.engines.local import derive_seed
+from fedpeft.engines.round import Returned, Round, ServerRound, receive
 from fedpeft.experiment import Setup
 from fedpeft.flower import codec, secure
 from fedpeft.methods.base import FitResult, ServerState, Tensors, load_tensors, tensor_bytes
-from fedpeft.methods.cohort import derive_seed
 from fedpeft.metrics.classification import mean_scores, spread
 from fedpeft.metrics.scorers import scorer_for
 
@@ -98,14 +98,23 @@ class FlowerServer:
         # differential privacy (privacy.*): the nodes clip (and, local mode, noise); the server
         # adds its noise to the sum (user mode) and keeps the accountant; under DP-SGD
         # (sample mode) the nodes noise their own steps and the server accounts for them
-        self.dp = privacy.accountant_for(setup.cfg)
-        self.sample_dp: privacy.SampleAccountant | None = None
-        self._clip, self._sent, self._secure_count = float("inf"), {}, 0
-        self.cfg = setup.cfg
-        self.deploy: DeployConfig = setup.cfg.deploy
+        cfg = self.cfg = setup.cfg
+        # the server's half of every round (noise, aggregate, server step, SCAFFOLD, guard);
+        # a reply can be lost, so SCAFFOLD's clients hear which control updates were applied
+        self.rounds = ServerRound(
+            self.method,
+            cfg.train,
+            cfg.server,
+            cfg.privacy,
+            seed=cfg.seed,
+            clients=cfg.partition.num_clients,
+            accountant=privacy.accountant_for(cfg),
+            confirms_controls=True,
+            analyzers=analyzers,
+        )
+        self.deploy: DeployConfig = cfg.deploy
         self.checkpoints, self.fingerprint = checkpoints, fingerprint
         self.on_round, self.on_start, self.log = on_round, on_start, log
-        self.analyzers = analyzers or {}
         self.server: ServerState | None = None
         self.setup_info: dict[str, float] = {}
         self.uplink_like: Tensors = {}
@@ -220,7 +229,7 @@ class FlowerServer:
         if train:
             sent = compress.encode(sent, self.cfg.comm.downlink)
         records, payload = {"downlink": codec.to_record(sent)}, tensor_bytes(sent)
-        if not peer.joined and (join := self.method.join_message(server)):
+        if not peer.joined and (join := self.method.messages.join_message(server)):
             records["join"] = codec.to_record(join)
             payload += tensor_bytes(join)
         return records, payload, compress.decode(sent, self.cfg.comm.downlink) if train else sent
@@ -229,9 +238,9 @@ class FlowerServer:
         """Client ``cid``'s update decoded (``comm.uplink``) onto ``held``, what it was
         sent; and the update's bytes as encoded."""
         message = codec.from_record(reply.content["uplink"])
-        seed = compress.message_seed(derive_seed(self.cfg.seed, rnd, cid))
+        seed = derive_seed(self.cfg.seed, rnd, cid)
         try:
-            return compress.receive_update(message, held, self.cfg.comm.uplink, seed), tensor_bytes(message)
+            return receive(message, held, self.cfg.comm.uplink, seed), tensor_bytes(message)
         except (KeyError, IndexError, RuntimeError, ValueError) as err:
             raise codec.ReplyError(
                 f"its {self.cfg.comm.uplink.codec} update does not decode: {err}"
@@ -239,21 +248,23 @@ class FlowerServer:
 
     # ------------------------------------------------------------ one round
     def fit_round(
-        self, server: ServerState, rnd: int, peers: dict[int, Peer]
-    ) -> tuple[list[FitResult], dict]:
-        train = self.cfg.train
+        self, server: ServerState, step: Round, peers: dict[int, Peer]
+    ) -> tuple[list[Returned], dict]:
+        """The sampled clients' local rounds on their nodes, and their updates as decoded
+        here (a reply that does not fit what was asked is refused whole)."""
+        train, rnd = self.cfg.train, step.number
         rate = (
             train.clients_per_round / self.cfg.partition.num_clients
             if train.client_sampling == "poisson"
             else None
         )
         sampled = sample_clients(self.cfg.seed, rnd, list(peers), train.clients_per_round, rate)
-        self._clip, self._sent = privacy.current_clip(self.cfg.privacy, server), {}
         if self.deploy.secure_aggregation and sampled:  # none drawn (Poisson): the plain path's empty round
-            return self.fit_round_secure(server, rnd, peers, sampled)
+            return self.fit_round_secure(server, step, peers, sampled)
         messages, payload_down, held = [], 0, {}
         control = scaffold.server_control(server, self.method) if scaffold.enabled(self.method) else {}
-        orders = self.orders(rnd)
+        orders = self.orders(step)
+        adaptive = self.cfg.privacy.adaptive_clip  # only then does a node say whether it fitted
         for cid in sampled:
             records, payload, held[cid] = self.downlink_records(server, cid, peers[cid], train=True)
             records["config"] = ConfigRecord(orders.as_config())
@@ -285,7 +296,7 @@ class FlowerServer:
                     dropped[cid] = diverged[cid] = f"non-finite: {reason}"
                     continue
                 codec.check_tensors(
-                    self.method.uplink_as_shared(uplink),
+                    self.method.messages.uplink_as_shared(uplink),
                     self.round_uplink_like(rnd, held[cid]),
                     f"client {cid} update",
                 )
@@ -295,26 +306,27 @@ class FlowerServer:
                 continue
             fit_times.append(fit.pop("time_fit"))
             peers[cid].joined = True
-            results.append(result)
-            self._sent[cid] = (privacy.reference(self.method, held[cid], uplink), fitted)
+            reference = privacy.reference(self.method, held[cid], uplink)
+            results.append(Returned(result, reference, fitted if adaptive else None))
             payload_up += sent_bytes + tensor_bytes(result.control)
             if "readout" in reply.content:
                 readouts[str(cid)] = dict(reply.content["readout"])
         for cid, why in sorted(dropped.items()):
             self.log(f"round {rnd}: client {cid} dropped ({why})")
         if diverged and not results:  # every update that came back diverged: as in-process, stop
-            raise guard.all_dropped(rnd, diverged, self.cfg.train.lr, server)
-        weights = [r.num_examples for r in results]
-        names = sorted({k for r in results for k in r.metrics} - {"loss"})
+            raise guard.all_dropped(rnd, diverged, step.lr, server)
+        fits = [r.result for r in results]
+        weights = [r.num_examples for r in fits]
+        names = sorted({k for r in fits for k in r.metrics} - {"loss"})
         return results, {
             "clients": sampled,
-            "clients_returned": [r.cid for r in results],
+            "clients_returned": [r.cid for r in fits],
             **({"dropped": {str(c): why for c, why in sorted(dropped.items())}} if dropped else {}),
             "nodes": len(peers),
-            "loss": float(np.average([r.metrics.get("loss", np.nan) for r in results], weights=weights))
-            if results
+            "loss": float(np.average([r.metrics.get("loss", np.nan) for r in fits], weights=weights))
+            if fits
             else float("nan"),
-            "fit": {k: float(np.mean([r.metrics[k] for r in results if k in r.metrics])) for k in names},
+            "fit": {k: float(np.mean([r.metrics[k] for r in fits if k in r.metrics])) for k in names},
             "bytes_down": down,
             "bytes_up": up,
             "payload_bytes_down": payload_down,
@@ -324,21 +336,17 @@ class FlowerServer:
         }
 
     def fit_round_secure(
-        self, server: ServerState, rnd: int, peers: dict[int, Peer], sampled: list[int]
-    ) -> tuple[list[FitResult], dict]:
-        """The round's training through SecAgg+: one result, the unmasked mean update."""
-        instructions, payload_down, orders = {}, 0, self.orders(rnd)
+        self, server: ServerState, step: Round, peers: dict[int, Peer], sampled: list[int]
+    ) -> tuple[list[Returned], dict]:
+        """The round's training through SecAgg+: one result, the unmasked mean update (of
+        what every client received: the same downlink)."""
+        rnd, instructions, payload_down, orders = step.number, {}, 0, self.orders(step)
         for cid in sampled:
             received = self.method.downlink(server, cid)
-            join = None if peers[cid].joined else (self.method.join_message(server) or None)
+            join = None if peers[cid].joined else (self.method.messages.join_message(server) or None)
             instructions[peers[cid].node_id] = (cid, secure.fit_instructions(received, join, orders))
             payload_down += tensor_bytes(received) + (tensor_bytes(join) if join else 0)
-            # what the mean is an update of
-            self._sent[cid] = (
-                privacy.reference(self.method, received, self.round_uplink_like(rnd, received)),
-                True,
-            )
-        uniform = self.dp is not None and self.dp.mode == "user"  # user-level DP: weights 1
+        uniform = self.cfg.privacy.mode == "user"  # user-level DP: weights 1
         max_weight = 1 if uniform else max(max(peers[c].num_examples for c in sampled), 1)
         outcome, counted = secure.secure_round(
             self.grid,
@@ -355,10 +363,11 @@ class FlowerServer:
         dropped = {c: "did not complete the SecAgg+ protocol" for c in sampled if c not in returned}
         for cid, why in dropped.items():
             self.log(f"round {rnd}: client {cid} dropped ({why})")
-        results = [outcome.result] if outcome.result is not None else []
-        self._secure_count = len(returned)
-        for result in results:  # the mean stands for its clients: its update is of what they received
-            result.cid = returned[0]
+        results = []
+        if outcome.result is not None:  # the mean stands for its clients: its update is of what they received
+            outcome.result.cid = returned[0]
+            reference = privacy.reference(self.method, received, self.round_uplink_like(rnd, received))
+            results.append(Returned(outcome.result, reference))
         per_client = outcome.metrics
         readouts = {
             str(cid): {k.removeprefix("readout."): v for k, v in m.items() if k.startswith("readout.")}
@@ -417,24 +426,25 @@ class FlowerServer:
             privacy.SIGMA: torch.tensor(sigma, dtype=torch.float64),
             privacy.ROWS: privacy.rows_extra(sizes),
         }
-        self.sample_dp = privacy.SampleAccountant(sizes, every, train.batch_size, sigma, first=first)
+        self.rounds.sample_accountant = privacy.dp_sgd_accountant(p, sizes, self.method, train.batch_size,
+                                                                  train.rounds, sigma)  # fmt: skip
         return ServerState(server.tensors, kept)
 
-    def orders(self, rnd: int) -> codec.Orders:
-        """What round ``rnd``'s training messages tell their nodes besides the tensors (set
-        after the round's clip bound and DP-SGD's accountant)."""
-        train = self.cfg.train
+    def orders(self, step: Round) -> codec.Orders:
+        """What round ``step``'s training messages tell their nodes besides the tensors (set
+        after DP-SGD's accountant)."""
+        dp_sgd = self.rounds.sample_accountant
         return codec.Orders(
-            rnd,
-            clip=self._clip if self.dp is not None else None,
-            lr=schedule.round_lr(train, rnd) if schedule.scheduled(train) else None,  # train.lr_schedule
-            sigma=self.sample_dp.sigma if self.sample_dp is not None else None,  # DP-SGD
+            step.number,
+            clip=step.clip if self.rounds.accountant is not None else None,
+            lr=step.lr if schedule.scheduled(self.cfg.train) else None,  # train.lr_schedule
+            sigma=dp_sgd.sigma if dp_sgd is not None else None,  # DP-SGD
         )
 
     def round_uplink_like(self, rnd: int, received: Tensors) -> Tensors:
         """The names, shapes and dtypes of the update in round ``rnd`` of a client that was
         sent ``received``."""
-        return self.method.uplink_like(rnd, self.uplink_like, received)
+        return self.method.messages.uplink_like(rnd, self.uplink_like, received)
 
     def evaluate(self, server: ServerState, rnd: int, peers: dict[int, Peer]) -> dict:
         """Global-test scores of the global model (or the clients' mean when there is
@@ -481,30 +491,6 @@ class FlowerServer:
             out.update({key: spread(values) for key, values in extra_local.items()})
         return out
 
-    def noised(self, results: list[FitResult], rnd: int) -> tuple[list[FitResult], dict, float | None]:
-        """The round's results after the server's side of ``privacy.mode`` (the in-process
-        engine's function, seeded alike), its record and the next clip bound."""
-        assert self.dp is not None
-        references = [self._sent[r.cid][0] for r in results]
-        fitted = [self._sent[r.cid][1] for r in results]
-        seed = derive_seed(self.cfg.seed, rnd, privacy.SERVER_STREAM)
-        secure = self.deploy.secure_aggregation  # one result: the mean of self._secure_count clients
-        count = self._secure_count if secure else None
-        results, noted, next_clip = privacy.server_side(
-            self.cfg.privacy,
-            results,
-            references,
-            fitted,
-            self._clip,
-            self.dp.per_round,
-            self.dp.sigma,
-            seed,
-            count,
-        )
-        if not self.cfg.privacy.adaptive_clip or secure:  # the nodes say nothing of their bound
-            noted.pop("clipped")
-        return results, {"noise_multiplier": self.dp.sigma, **noted}, next_clip
-
     # ------------------------------------------------------------ the run
     def start(self, resume: bool) -> tuple[ServerState, list[dict]]:
         if resume:
@@ -524,45 +510,27 @@ class FlowerServer:
         server, records = self.start(resume)
         self.server = server
         # the global model is evaluated here, on the server's copy of the joined backbone
-        self.method.join(self.setup.model, self.method.join_message(server))
+        self.method.messages.join(self.setup.model, self.method.messages.join_message(server))
         self.uplink_like = {n: t for n, t in self.setup.initial.items() if n in set(self.method.shared_names)}
         self.on_start(records)
         self.wait_for_nodes()
         skipped = 0
         for rnd in range(len(records) + 1, cfg.train.rounds + 1):
-            spent = privacy.check_budget(cfg.privacy, self.dp, rnd) if self.dp is not None else None
+            step = self.rounds.begin(rnd, server)
             t0 = time.perf_counter()
             peers = self.roll_call(rnd)
             if cfg.privacy.mode == "sample":
                 server = self.dp_sgd(server, peers)
-            results, record = self.fit_round(server, rnd, peers)
-            if self.sample_dp is not None:  # what the clients asked spent in their own steps
-                record["privacy"] = privacy.sample_record(cfg.privacy, self.sample_dp, records, record)
+            returned, record = self.fit_round(server, step, peers)
             t1 = time.perf_counter()
-            previous = server
-            if len(results) >= deploy.min_results:
-                next_clip = None
-                if self.dp is not None:  # the server's noise, before the method aggregates
-                    results, noted, next_clip = self.noised(results, rnd)
-                    record["privacy"] = {"epsilon": spent, "delta": cfg.privacy.delta, **noted}
-                aggregated = self.method.aggregate(server, as_weighted(cfg.server, results), rnd)
-                server = server_step(cfg.server, previous, aggregated)
-                if next_clip is not None:  # adaptive clipping's bound: server state
-                    server = privacy.with_clip(server, next_clip)
-                if scaffold.enabled(self.method):
-                    updates = [r.control for r in results]
-                    clients = cfg.partition.num_clients
-                    server = scaffold.update_control(self.method, previous, server, updates, clients)
-                    server = scaffold.mark_applied(server, [r.cid for r in results], rnd)
-                skipped = 0
-                guard.check_aggregate(rnd, server, cfg.train.lr, previous)
-                for name, analyze in self.analyzers.items():
-                    record[name] = analyze(previous.tensors, server.tensors)
-            else:
-                skipped += 1
-                record["skipped"] = f"{len(results)} of deploy.min_results={deploy.min_results} updates"
-                if self.dp is not None:  # the round counts, though only the unchanged model is out
-                    record["privacy"] = {"epsilon": spent, "delta": cfg.privacy.delta, "clip": self._clip}
+            secure_count = len(record["clients_returned"]) if record.get("secure_aggregation") else None
+            enough = len(returned) >= deploy.min_results
+            skip = None if enough else f"{len(returned)} of deploy.min_results={deploy.min_results} updates"
+            server = self.rounds.finish(
+                step, server, returned, record, records, skip=skip, count=secure_count
+            )
+            skipped = 0 if enough else skipped + 1
+            if not enough:
                 self.log(f"round {rnd}: skipped, {record['skipped']}; the global state is unchanged")
             t2 = time.perf_counter()
             if rnd % cfg.eval.every == 0 or rnd == cfg.train.rounds:

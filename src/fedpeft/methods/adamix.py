@@ -32,7 +32,7 @@ Choices for fedpeft:
   AdaMix's released recipe instead: one site per layer after the feed-forward block
   (``adapter.sites``), four down experts and one shared up projection
   (``adapter.share_up: true``).
-- Routing draws are data of the step: :meth:`AdaMix.step_inputs` draws each step's
+- Routing draws are data of the step: :meth:`AdaMix.step_draws` draws each step's
   indices ``(passes, sites, 2)`` from a generator seeded from the client's round seed
   (its own stream, so the batches are those FedAvg would draw) and passes them with the
   batch; the pure step turns them into one-hot mixes (:func:`routed_mixes`). No global
@@ -54,8 +54,7 @@ from torch.func import functional_call
 
 from fedpeft.config.methods.adamix import AdaMixConfig
 from fedpeft.data.task import IGNORE, Draw, take_rows
-from fedpeft.methods.base import ClientData, Method, Tensors
-from fedpeft.methods.cohort import (
+from fedpeft.engines.local import (
     GradientFn,
     StepInput,
     backprop_reporting,
@@ -63,6 +62,8 @@ from fedpeft.methods.cohort import (
     model_inputs,
     model_scale,
 )
+from fedpeft.methods.base import ClientData, Method, Tensors
+from fedpeft.methods.capabilities import OWN_BATCHES
 from fedpeft.peft.adamix import AdaMixAdapter, add_adamix, routed_mixes
 
 ROUTE = "route"  # a step batch's routing: (passes, sites, 2) expert indices, down and up
@@ -104,6 +105,7 @@ class AdaMix(Method):
     name = "adamix"
     paper = "C2A baselines (Wang et al., 2022)"
     config_cls = AdaMixConfig
+    refuses = {"sample_dp": OWN_BATCHES}  # each batch with its routing
 
     def prepare(self, model) -> None:
         add_adamix(model.backbone, self.cfg.adapter, getattr(model.backbone.config, "model_type", ""))

@@ -18,9 +18,13 @@ parameters (``opt.*``; HETLoRA's own adapter under ``own.*``): they never leave 
 and are never loaded into the model as parameters (:meth:`Method.params_of`).
 
 A client's local round is written as pure functions (:meth:`Method.cohort_start`,
-:meth:`Method.step_inputs`, :meth:`Method.step_gradients`, :meth:`Method.cohort_finish`)
-that the engine runs for a whole cohort of clients at once (``fedpeft.methods.cohort``);
+:meth:`Method.step_draws`, :meth:`Method.step_gradients`, :meth:`Method.cohort_finish`)
+that the engine runs for a whole cohort of clients at once (``fedpeft.engines.local``);
 a method overrides the ones its paper changes.
+
+Two parts sit beside the hooks: what crosses between server and clients besides the
+shared tensors (``method.messages``, :mod:`fedpeft.methods.messages`), and what the method
+does not compose with, as data (``refuses``, read by :mod:`fedpeft.methods.capabilities`).
 
 The defaults below implement FedAvg over the shared tensors (FeDeRA paper, sec. 3.1):
 the server sends its state, clients train ``E`` epochs or ``K`` steps, and the new
@@ -30,7 +34,7 @@ state is the mean of the returned ones weighted by ``|D_i|``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -40,25 +44,25 @@ import torch
 
 from fedpeft.config.methods.base import MethodConfig
 from fedpeft.data.task import Draw, Encoded, sample_draws, take_draws
-from fedpeft.methods.cohort import (
+from fedpeft.engines.local import (
     OPT,
     GradientFn,
     Job,
     SampleDP,
     Start,
     StepInput,
+    Tensors,
     backprop,
     model_loss,
     model_scale,
     optimizer_state,
     run_cohort,
 )
+from fedpeft.methods.messages import Messages
 
 if TYPE_CHECKING:
     from fedpeft.config import TrainConfig
     from fedpeft.models.backbone import TaskModel
-
-Tensors = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -171,6 +175,14 @@ def trainable_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
+def step_inputs(
+    method: Method, client: ClientData, steps: int, generator: torch.Generator
+) -> Iterator[StepInput]:
+    """Each step's batches of ``method`` for ``client``, cut one client at a time (what its
+    ``step_gradients`` is given, less the cohort axis): its ``step_draws``'."""
+    return (tuple(d.batch() for d in draws) for draws in method.step_draws(client, steps, generator))
+
+
 # ---------------------------------------------------------------- the interface
 
 
@@ -179,32 +191,16 @@ class Method:
 
     name: ClassVar[str]
     paper: ClassVar[str] = ""
-    #: Train on all clients' data pooled as one client (the Centralized reference).
+    #: Train on all clients' data pooled as one client (the Centralized reference): nothing
+    #: crosses a network, so its bytes are recorded as 0.
     pooled: ClassVar[bool] = False
-    #: False when nothing crosses a network (pooled training): bytes are recorded as 0.
-    communicates: ClassVar[bool] = True
-    #: False for a method that takes gradients itself (``torch.autograd.grad``) rather than
-    #: through the loss-scaled backprop of its local step, which float16 training needs.
-    fp16: ClassVar[bool] = True
-    #: True when the local round is :meth:`step_gradients` & co (pure functions the engine
-    #: vmaps over a cohort of clients); False for an imperative :meth:`fit`, which trains
-    #: one client at a time.
-    vectorised: ClassVar[bool] = True
     #: True when the local step differentiates a gradient (a hypergradient, MAML's outer
-    #: step): it needs attention kernels with second derivatives (``cohort.training_attention``).
+    #: step): it needs attention kernels with second derivatives (``local.attention.training_attention``).
     higher_order: ClassVar[bool] = False
-    #: True when ``method.lora.use_dora`` composes: DoRA's magnitudes are then one more
-    #: trained tensor, averaged (or kept) as the method treats the head; else
-    #: :meth:`dora_refusal` says why not.
-    dora: ClassVar[bool] = False
-    #: The tasks (``data.task``) the method is defined for, and for the others why not.
-    tasks: ClassVar[tuple[str, ...]] = (
-        "classification",
-        "causal_lm",
-        "token_classification",
-        "extractive_qa",
-    )
-    not_for: ClassVar[dict[str, str]] = {}
+    #: What the method does not compose with, and why: feature -> reason ("" where it
+    #: composes after all), read by :func:`fedpeft.methods.capabilities.refusal`, which
+    #: names the features and their defaults.
+    refuses: ClassVar[Mapping[str, str]] = {}
 
     def __init__(self, cfg: MethodConfig, train: TrainConfig, seed: int = 0):
         self.cfg = cfg
@@ -220,6 +216,8 @@ class Method:
         self.mean: Callable[[list[Tensors], list[float]], Tensors] = weighted_mean
         # privacy.mode sample: DP-SGD in every local step (set by the engine; None: plain steps)
         self.sample_dp: SampleDP | None = None
+        #: what crosses beside the shared tensors (:class:`~fedpeft.methods.messages.Messages`)
+        self.messages = Messages(self)
 
     # ----- structure
     def prepare(self, model: TaskModel) -> None:
@@ -250,101 +248,9 @@ class Method:
     def downlink(self, server: ServerState, cid: int) -> Tensors:
         return server.tensors
 
-    def training_server(self, server: ServerState) -> ServerState:
-        """A server state of the rounds that train, for the memory probes to measure a
-        round from: ``server`` itself (default), or, before a first round unlike the
-        others (Fed-SB's setup round, which trains nothing), a state as after it."""
-        return server
-
-    def join_message(self, server: ServerState) -> Tensors:
-        """Tensors each client receives once, at first contact (FeDeRA's initial ``A, B``)."""
-        return {}
-
     def aggregate(self, server: ServerState, results: list[FitResult], rnd: int) -> ServerState:
         states = [r.uplink for r in results]
         return ServerState(self.mean(states, [r.num_examples for r in results]), server.extras)
-
-    def dora_refusal(self) -> str:
-        """Why ``method.lora.use_dora`` does not compose with this method (``dora`` False)."""
-        return "its own handling of LoRA's factors or adapters is not defined for DoRA's magnitudes"
-
-    def server_step_refusal(self) -> str:
-        """Why a server optimiser (``server.optimizer``: a step along ``aggregate - current``
-        of the shared tensors, ``fedpeft.engines.server_opt``) cannot follow this method's
-        aggregate; "" when it can."""
-        if not self.communicates or not self.shared_names:
-            return "it shares no tensors for a server step to move"
-        return ""
-
-    def correction_refusal(self) -> str:
-        """Why SCAFFOLD's drift correction (``train.correction``: every local step of a
-        shared tensor adds ``c - c_i``, and the client's control becomes the mean gradient
-        ``(x - y) / (K lr)``) does not fit this method's local round; "" when it does: its
-        clients train the shared tensors they received, all of them at every step of
-        ``train.optimizer`` at ``train.lr``, and send the trained values."""
-        return self.server_step_refusal()
-
-    def robust_refusal(self) -> str:
-        """Why this method's server cannot combine its clients' uplinks by another rule than
-        the mean (``server.aggregation``: it aggregates otherwise); "" when it can (its
-        aggregate calls :attr:`mean`)."""
-        return self.server_step_refusal()
-
-    def lossy_downlink_refusal(self) -> str:
-        """Why a lossy ``comm.downlink`` codec (fp16, bf16, int8, nf4) would break this method:
-        its clients keep what they receive beyond the round (fold it into their frozen
-        weights, or hold it for the rest of the run), so the rounding would stay and add up
-        where the method claims exactness; "" when what a client receives only starts its
-        round, as a fresh copy of the server's tensors."""
-        return ""
-
-    def user_dp_refusal(self) -> str:
-        """Why ``privacy.mode user`` cannot protect this method (its server reads each
-        client's uplink, where user-level DP noises only their sum); "" when it can.
-        Default: :meth:`robust_refusal`'s reason (a server that takes no other rule than
-        the mean reads something of each update)."""
-        return self.robust_refusal()
-
-    def local_dp_refusal(self) -> str:
-        """Why ``privacy.mode local`` cannot protect this method's uplink (its clients send
-        something other than updates of tensors they received, which local DP clips); ""
-        when it can."""
-        return ""
-
-    def server_frozen_names(self) -> list[str]:
-        """Frozen tensors of the model that the server holds and hands to clients with the
-        shared ones, and that change over a run (FedEx-LoRA's frozen weights, into which it
-        folds residuals); they enter a client's step as constants and are never sent back.
-        Default: none (the backbone never moves)."""
-        return []
-
-    def global_export_names(self) -> list[str]:
-        """The server's tensors the global export is written from: the shared ones and
-        :meth:`server_frozen_names`."""
-        return [*self.shared_names, *self.server_frozen_names()]
-
-    def uplink_names(self, rnd: int) -> list[str]:
-        """The shared tensors a client's update of round ``rnd`` carries (what a networked
-        server checks it against; RoLoRA's rounds send half of them). Default: all."""
-        return list(self.shared_names)
-
-    def uplink_like(self, rnd: int, shared: Tensors, received: Tensors) -> Tensors:
-        """The names, shapes and dtypes of the update of round ``rnd`` of a client that was
-        sent ``received`` (what a networked server checks it against), given the shared
-        tensors' (``shared``). Default: :meth:`uplink_names`' of ``shared``; Fed-SB's setup
-        round (whichever round it falls in) sends others."""
-        return {n: shared[n] for n in self.uplink_names(rnd)}
-
-    def uplink_messages(self, received: Tensors) -> list[str]:
-        """Tensors of the uplink of a client that received ``received`` that are messages of
-        their own, not updates of a tensor it received (Fed-SB's setup round: its gradient
-        sums); ``privacy.mode`` clips and noises each as an update from zero. Default: none."""
-        return []
-
-    def uplink_as_shared(self, uplink: Tensors) -> Tensors:
-        """A client's update in the names and shapes of the shared state, which a networked
-        server checks every update against (HETLoRA zero-pads a smaller rank); default: as is."""
-        return uplink
 
     def global_state(self, server: ServerState) -> Tensors | None:
         """The tensors of the one global model, or None when there is none."""
@@ -356,30 +262,17 @@ class Method:
         private entries)."""
         return {n: personal[n] for n in self.personal_names}
 
-    def join(self, model: TaskModel, message: Tensors) -> None:
-        """Apply the join message to a client's (frozen) model; idempotent. Default: nothing."""
-
     def init_client(self, model: TaskModel, initial: Tensors, client: ClientData) -> Tensors:
         """A client's personal state before it first trains (default: the initial values)."""
         return {n: initial[n].clone() for n in self.personal_names}
 
-    def fit(self, model: TaskModel, job: Job) -> FitResult:
-        """One client's local round: a cohort of one (a non-vectorised method overrides this)."""
-        return self.fit_cohort(model, [job])[0]
-
     def fit_cohort(self, model: TaskModel, jobs: list[Job]) -> list[FitResult]:
-        """The local rounds of a cohort of clients: trained at once (``cohort.run_cohort``)
-        when the method is vectorised, else one after another, each with the global RNG
-        seeded for it."""
-        if self.vectorised:
-            return run_cohort(model, self, jobs)
-        results = []
-        for job in jobs:
-            torch.manual_seed(job.seed)  # dropout and any other global-RNG draw
-            results.append(self.fit(model, job))
-        return results
+        """The local rounds of a cohort of clients (one client's: a cohort of one), trained
+        at once by the local engine (``fedpeft.engines.local.run_cohort``) from the pure
+        functions below."""
+        return run_cohort(model, self, jobs)
 
-    # ----- the local round as pure functions (vectorised methods)
+    # ----- the local round as pure functions (the engine vmaps them over a cohort)
     def cohort_start(self, model: TaskModel, job: Job) -> Start:
         """A client's tensors entering its round (everything it trains: what it received
         and its personal parameters), its optimizer state and its number of steps."""
@@ -421,11 +314,6 @@ class Method:
         if self.sample_dp is not None:  # DP-SGD: each batch drawn anew, as its accountant assumes
             return ((draw,) for draw in sample_draws(client.train, self.sample_dp.batch, steps, generator))
         return ((draw,) for draw in take_draws(client.train, self.train.batch_size, steps, generator))
-
-    def step_inputs(self, client: ClientData, steps: int, generator: torch.Generator) -> Iterator[StepInput]:
-        """Each step's batches, cut one client at a time (what :meth:`step_gradients` is
-        given, less the cohort axis): :meth:`step_draws`'s."""
-        return (tuple(d.batch() for d in draws) for draws in self.step_draws(client, steps, generator))
 
     def step_gradients(self, model: TaskModel) -> GradientFn:
         """``(params, consts, batches) -> (loss, grads)``, one client's gradients at a step

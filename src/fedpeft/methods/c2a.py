@@ -25,8 +25,8 @@ from __future__ import annotations
 from torch.func import functional_call
 
 from fedpeft.config.methods.c2a import C2AConfig
+from fedpeft.engines.local import GradientFn, backprop, model_scale
 from fedpeft.methods.base import Method, Tensors
-from fedpeft.methods.cohort import GradientFn, backprop, model_scale
 from fedpeft.peft.hyper import add_hyper_adapters
 
 
@@ -34,8 +34,7 @@ class C2A(Method):
     name = "c2a"
     paper = "C2A"
     config_cls = C2AConfig
-    tasks = ("classification",)
-    not_for = {
+    refuses = {
         "causal_lm": "its label embedding is a batch's class distribution, which a language model has not",
         "token_classification": "its label embedding is a distribution over one class per example; a "
         "tagger labels tokens",

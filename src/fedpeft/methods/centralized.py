@@ -11,6 +11,5 @@ from fedpeft.methods.fedavg import FedAvgPeft
 class Centralized(FedAvgPeft):
     name = "centralized"
     config_cls = CentralizedConfig
-    pooled = True
-    dora = True
-    communicates = False  # the data, not the model, was moved: no per-round traffic
+    pooled = True  # the data, not the model, was moved: no per-round traffic
+    refuses = {"dora": "", "secure_aggregation": "its clients' data is pooled in one place: nothing is sent"}

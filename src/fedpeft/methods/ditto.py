@@ -58,8 +58,7 @@ from __future__ import annotations
 import torch
 
 from fedpeft.config.methods.ditto import DittoConfig
-from fedpeft.methods.base import ClientData, FitResult, Job, Tensors, local_steps
-from fedpeft.methods.cohort import (
+from fedpeft.engines.local import (
     OWN,
     GradientFn,
     Start,
@@ -69,6 +68,7 @@ from fedpeft.methods.cohort import (
     model_scale,
     optimizer_state,
 )
+from fedpeft.methods.base import ClientData, FitResult, Job, Tensors, local_steps
 from fedpeft.methods.fedavg import FedAvgPeft
 
 ANCHOR = "anchor."  # step constants: the global model w^t received this round

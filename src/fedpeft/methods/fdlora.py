@@ -54,16 +54,7 @@ import torch
 
 from fedpeft.config.methods.fdlora import FDLoRAConfig
 from fedpeft.data.task import make_batch
-from fedpeft.methods.base import (
-    ClientData,
-    FitResult,
-    ServerState,
-    Tensors,
-    local_steps,
-    read_tensors,
-    weighted_mean,
-)
-from fedpeft.methods.cohort import (
+from fedpeft.engines.local import (
     OPT,
     OWN,
     Job,
@@ -73,6 +64,15 @@ from fedpeft.methods.cohort import (
     optimizer_init,
     optimizer_state,
     run_cohort,
+)
+from fedpeft.methods.base import (
+    ClientData,
+    FitResult,
+    ServerState,
+    Tensors,
+    local_steps,
+    read_tensors,
+    weighted_mean,
 )
 from fedpeft.methods.fedavg import FedAvgPeft
 
@@ -113,6 +113,21 @@ class FDLoRA(FedAvgPeft):
     paper = "FDLoRA"
     config_cls = FDLoRAConfig
     kind = "lora"
+    refuses = {
+        "server_step": "its server takes an outer optimiser step of its own (method.outer_lr, "
+        "method.outer_momentum)",
+        "secure_aggregation": "its server takes an outer optimiser step of its own (method.outer_lr, "
+        "method.outer_momentum)",
+    }
+
+    def __init__(self, cfg, train, seed: int = 0):
+        super().__init__(cfg, train, seed)
+        if cfg.global_init == "personal_mean":
+            self.refuses = {
+                **self.refuses,
+                "local_dp": "round 1 uploads each client's personal LoRA, not an update of a tensor it "
+                "received",
+            }
 
     def prepare(self, model) -> None:
         super().prepare(model)
@@ -137,14 +152,6 @@ class FDLoRA(FedAvgPeft):
 
     def global_state(self, server: ServerState) -> Tensors | None:
         return server.tensors if self.ready(server) else None
-
-    def server_step_refusal(self) -> str:
-        return "its server takes an outer optimiser step of its own (method.outer_lr, method.outer_momentum)"
-
-    def local_dp_refusal(self) -> str:
-        if self.cfg.global_init == "personal_mean":
-            return "round 1 uploads each client's personal LoRA, not an update of a tensor it received"
-        return ""
 
     def aggregate(self, server: ServerState, results: list[FitResult], rnd: int) -> ServerState:
         """Round 1 (``personal_mean``): ``theta_s^0`` = the mean of the uploaded personal

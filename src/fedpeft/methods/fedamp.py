@@ -65,8 +65,8 @@ from __future__ import annotations
 import torch
 
 from fedpeft.config.methods.fedamp import FedAMPConfig
+from fedpeft.engines.local import OWN, GradientFn, Start, backprop, model_loss, model_scale, optimizer_state
 from fedpeft.methods.base import ClientData, FitResult, Job, ServerState, Tensors, local_steps
-from fedpeft.methods.cohort import OWN, GradientFn, Start, backprop, model_loss, model_scale, optimizer_state
 from fedpeft.methods.fedavg import FedAvgPeft
 
 UPLOAD = "w."  # server extras: the latest upload of client c, flattened, as w.<c>
@@ -122,6 +122,13 @@ def unflatten(vector: torch.Tensor, like: Tensors) -> Tensors:
 class FedAMP(FedAvgPeft):
     name = "fedamp"
     config_cls = FedAMPConfig
+    refuses = {
+        "server_step": "its server sends each client a personalised cloud model, not one global model to "
+        "step",
+        "robust": "its server weighs each client's upload by its similarity to every other's, one by one",
+        "secure_aggregation": "its server weighs each client's upload by its similarity to every other's, "
+        "one by one",
+    }
     paper = (
         "Huang, Chu, Zhou, Wang, Liu, Pei, Zhang: Personalized Cross-Silo Federated Learning on "
         "Non-IID Data (AAAI 2021)"
@@ -168,12 +175,6 @@ class FedAMP(FedAvgPeft):
         tensors; the initial model before any upload) for one that has not."""
         cloud = self.clouds(server).get(cid)
         return server.tensors if cloud is None else unflatten(cloud, self.layout(server))
-
-    def server_step_refusal(self) -> str:
-        return "its server sends each client a personalised cloud model, not one global model to step"
-
-    def robust_refusal(self) -> str:
-        return "its server weighs each client's upload by its similarity to every other's, one by one"
 
     def aggregate(self, server: ServerState, results: list[FitResult], rnd: int) -> ServerState:
         """Keep each client's upload (replacing its previous one) and form the cloud models

@@ -29,17 +29,38 @@ import torch
 from fedpeft.config.methods.federa import FeDeRAConfig
 from fedpeft.methods.base import ServerState, Tensors, read_tensors
 from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.methods.messages import Messages
 from fedpeft.peft.lora import LoraTerm, lora_layers
 from fedpeft.peft.svd_init import residual, svd_factors
 
 _JOIN = "join."
 
 
+class PrincipalFactors(Messages):
+    """The initial ``A0, B0`` sent once; a client derives its residual weights from them."""
+
+    def join_message(self, server: ServerState) -> Tensors:
+        return {k.removeprefix(_JOIN): v for k, v in server.extras.items() if k.startswith(_JOIN)}
+
+    def join(self, model, message: Tensors) -> None:
+        self.method.principal = message  # the initial A0, B0, which the export folds back in
+        with torch.no_grad():
+            for name, layer in lora_layers(model).items():
+                base = layer.get_base_layer()
+                a = message[f"{name}.lora_A.default.weight"].to(base.weight.device)
+                b = message[f"{name}.lora_B.default.weight"].to(base.weight.device)
+                base.weight.copy_(residual(pretrained_weight(layer), a, b, layer.scaling["default"]))
+
+
 class FeDeRA(FedAvgPeft):
-    dora = True
     name = "federa"
     config_cls = FeDeRAConfig
     kind = "lora"
+    refuses = {"dora": ""}
+
+    def __init__(self, cfg, train, seed: int = 0):
+        super().__init__(cfg, train, seed)
+        self.messages = PrincipalFactors(self)
 
     # ----- server: decompose once
     def init_server(self, model) -> ServerState:
@@ -55,19 +76,6 @@ class FeDeRA(FedAvgPeft):
         self.setup_info = {"time_decompose": time.perf_counter() - start}
         extras = {_JOIN + k: v for k, v in initial.items()}
         return ServerState(read_tensors(model, self.shared_names), extras)
-
-    def join_message(self, server: ServerState) -> Tensors:
-        return {k.removeprefix(_JOIN): v for k, v in server.extras.items() if k.startswith(_JOIN)}
-
-    # ----- client: derive the residual from what the server sent
-    def join(self, model, message: Tensors) -> None:
-        self.principal = message  # the initial A0, B0, which the export folds back in
-        with torch.no_grad():
-            for name, layer in lora_layers(model).items():
-                base = layer.get_base_layer()
-                a = message[f"{name}.lora_A.default.weight"].to(base.weight.device)
-                b = message[f"{name}.lora_B.default.weight"].to(base.weight.device)
-                base.weight.copy_(residual(pretrained_weight(layer), a, b, layer.scaling["default"]))
 
     # ----- export: the trained model on the *pretrained* backbone
     def lora_terms(self, model, tensors: Tensors) -> dict[str, list[LoraTerm]]:

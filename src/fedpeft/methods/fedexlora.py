@@ -25,16 +25,38 @@ from __future__ import annotations
 import torch
 
 from fedpeft.config.methods.fedexlora import FedExLoRAConfig
+from fedpeft.engines.local import GradientFn, group_backprop
 from fedpeft.methods.base import FitResult, ServerState, Tensors, read_tensors
-from fedpeft.methods.cohort import GradientFn, group_backprop
 from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.methods.messages import Messages
 from fedpeft.peft.lora import LoraTerm, full_rank_terms, lora_layers
+
+
+class FoldedWeights(Messages):
+    """The frozen weights the residuals are folded into, handed to clients with the shared
+    tensors."""
+
+    def server_frozen_names(self) -> list[str]:
+        return [w for w, _ in self.method.modules.values()]
 
 
 class FedExLoRA(FedAvgPeft):
     name = "fedexlora"
     config_cls = FedExLoRAConfig
     kind = "lora"
+    refuses = {
+        "dora": "its exactness folds mean(B_k A_k) - mean(B_k) mean(A_k) into the frozen weight; under DoRA "
+        "the model normalises W0 + s B A, so the folded model would not be the clients' mean",
+        "server_step": "its aggregate folds the residual of the clients' products into the frozen weights; a "
+        "server step on the factors would leave that residual stale",
+        "robust": "its residual is of the clients' weighted mean; another rule would break the exactness",
+        "secure_aggregation": "its residual is of the clients' products B_k A_k, which the mean of their "
+        "factors does not give",
+    }
+
+    def __init__(self, cfg, train, seed: int = 0):
+        super().__init__(cfg, train, seed)
+        self.messages = FoldedWeights(self)
 
     def prepare(self, model) -> None:
         if any(not p.is_floating_point() for p in model.parameters()):
@@ -50,21 +72,6 @@ class FedExLoRA(FedAvgPeft):
         }
         frozen = read_tensors(model, [w for w, _ in self.modules.values()])
         self.pretrained = {n: t.float() for n, t in frozen.items()}  # W0, for the export
-
-    def dora_refusal(self) -> str:
-        return (
-            "its exactness folds mean(B_k A_k) - mean(B_k) mean(A_k) into the frozen weight; under "
-            "DoRA the model normalises W0 + s B A, so the folded model would not be the clients' mean"
-        )
-
-    def server_step_refusal(self) -> str:
-        return (
-            "its aggregate folds the residual of the clients' products into the frozen weights; a server "
-            "step on the factors would leave that residual stale"
-        )
-
-    def robust_refusal(self) -> str:
-        return "its residual is of the clients' weighted mean; another rule would break the exactness"
 
     # ----- the frozen weights as server state, a constant of every client's step
     def init_server(self, model) -> ServerState:
@@ -116,6 +123,3 @@ class FedExLoRA(FedAvgPeft):
         for name, term in full_rank_terms(folded).items():
             terms[name].append(term)
         return terms
-
-    def server_frozen_names(self) -> list[str]:
-        return [w for w, _ in self.modules.values()]

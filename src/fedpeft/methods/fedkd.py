@@ -55,7 +55,7 @@ from ``energy`` to ``energy_end`` (the paper's dynamic threshold; 0.95 -> 0.98 i
 authors' code and PFLlib): ``T_t = energy + (energy_end - energy) t / train.rounds``, the
 round ``t`` the client's job's (``Job.rnd``; a Flower node learns it from the server);
 ``energy_end: null`` keeps ``T = energy``. The server reconstructs each update from its
-factors (:meth:`FedKD.uplink_as_shared`), averages them weighted by ``|D_i|``, and adds
+factors (:meth:`CompressedUpdates.uplink_as_shared`), averages them weighted by ``|D_i|``, and adds
 the mean to the global mentee.
 
 **The downlink is compressed too** (``compress_downlink``, default true, as the paper):
@@ -102,16 +102,7 @@ from torch.func import functional_call
 
 from fedpeft.config.methods.fedkd import FedKDConfig
 from fedpeft.data.task import IGNORE
-from fedpeft.methods.base import (
-    ClientData,
-    FitResult,
-    Job,
-    ServerState,
-    Tensors,
-    local_steps,
-    tensor_bytes,
-)
-from fedpeft.methods.cohort import (
+from fedpeft.engines.local import (
     OWN,
     GradientFn,
     Start,
@@ -122,7 +113,17 @@ from fedpeft.methods.cohort import (
     optimizer_state,
     row_mean,
 )
+from fedpeft.methods.base import (
+    ClientData,
+    FitResult,
+    Job,
+    ServerState,
+    Tensors,
+    local_steps,
+    tensor_bytes,
+)
 from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.methods.messages import Messages
 from fedpeft.peft.svd import DELTA, FACTORS, SVD_U, compress, decompress, reconstruct
 
 MENTOR = "mentor"  # the PEFT adapter name of the mentor
@@ -251,6 +252,16 @@ def hidden_states(layers: list[nn.Module] | None) -> Iterator[list[torch.Tensor]
             handle.remove()
 
 
+class CompressedUpdates(Messages):
+    """A client's update as SVD factors, which the server's checks read reconstructed."""
+
+    def uplink_as_shared(self, uplink: Tensors) -> Tensors:
+        """A client's update reconstructed from its factors, by parameter name (a malformed
+        one comes back as it is, for the server's check to refuse)."""
+        out = decompress(uplink)
+        return uplink if out is None else out
+
+
 class FedKD(FedAvgPeft):
     name = "fedkd"
     config_cls = FedKDConfig
@@ -259,6 +270,15 @@ class FedKD(FedAvgPeft):
         "Wu, Wu, Lyu, Huang, Xie: Communication-efficient federated learning via knowledge distillation "
         "(Nature Communications 2022)"
     )
+    refuses = {
+        "correction": "a client sends a compressed update (SVD factors), not the trained tensors a control "
+        "is read from",
+        "secure_aggregation": "its server reconstructs each client's update from its SVD factors",
+    }
+
+    def __init__(self, cfg, train, seed: int = 0):
+        super().__init__(cfg, train, seed)
+        self.messages = CompressedUpdates(self)
 
     # ----- structure
     def prepare(self, model) -> None:
@@ -358,22 +378,11 @@ class FedKD(FedAvgPeft):
                 out[n] = personal[OWN + n]
         return out
 
-    def correction_refusal(self) -> str:
-        return (
-            "a client sends a compressed update (SVD factors), not the trained tensors a control is read from"
-        )
-
-    def uplink_as_shared(self, uplink: Tensors) -> Tensors:
-        """A client's update reconstructed from its factors, by parameter name (a malformed
-        one comes back as it is, for the server's check to refuse)."""
-        out = decompress(uplink)
-        return uplink if out is None else out
-
     def aggregate(self, server: ServerState, results: list[FitResult], rnd: int) -> ServerState:
         """The clients' updates reconstructed and averaged by ``|D_i|``; the mean
         compressed with ``T_rnd`` (``compress_downlink``) and added to the global mentee,
         a version on; each client recorded as having trained from the version before."""
-        updates = [self.uplink_as_shared(r.uplink) for r in results]
+        updates = [self.messages.uplink_as_shared(r.uplink) for r in results]
         mean = self.mean(updates, [r.num_examples for r in results])
         if self.cfg.compress_downlink:
             sent = compress(mean, self.energy_at(rnd))

@@ -5,7 +5,7 @@ from fedpeft.methods.fedavg import FedAvgPeft
 
 
 class FedLR(FedAvgPeft):
-    dora = True
     name = "fedlr"
     config_cls = FedLRConfig
     kind = "lora"
+    refuses = {"dora": ""}

@@ -30,8 +30,7 @@ each client predicts with its full model and ``g1``.
 from __future__ import annotations
 
 from fedpeft.config.methods.fedmcp import FedMCPConfig
-from fedpeft.methods.base import FitResult, ServerState, Tensors
-from fedpeft.methods.cohort import (
+from fedpeft.engines.local import (
     GradientFn,
     Job,
     Start,
@@ -40,6 +39,7 @@ from fedpeft.methods.cohort import (
     model_features,
     model_scale,
 )
+from fedpeft.methods.base import FitResult, ServerState, Tensors
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.metrics.cka import linear_cka
 from fedpeft.peft.adapters import AdapterPair, adapter_mode, add_adapters
@@ -52,11 +52,14 @@ class FedMCP(FedAvgPeft):
     paper = "FedMCP"
     config_cls = FedMCPConfig
     kind = "adapter"
-    tasks = ("classification",)
-    not_for = {
-        task: "its two classifiers and contrastive term read a pooled representation, which only "
-        "classification has"
-        for task in ("causal_lm", "token_classification", "extractive_qa")
+    refuses = {
+        **{
+            task: "its two classifiers and contrastive term read a pooled representation, which only "
+            "classification has"
+            for task in ("causal_lm", "token_classification", "extractive_qa")
+        },
+        "secure_aggregation": "its server takes the uniform mean of the clients' adapters, not the "
+        "example-weighted one",
     }
 
     def prepare(self, model) -> None:

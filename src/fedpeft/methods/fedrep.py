@@ -45,8 +45,7 @@ from dataclasses import replace
 from typing import Literal
 
 from fedpeft.config.methods.fedrep import FedRepConfig
-from fedpeft.methods.base import FitResult, Job, Tensors, local_steps
-from fedpeft.methods.cohort import (
+from fedpeft.engines.local import (
     GradientFn,
     Start,
     carry_kept_state,
@@ -55,6 +54,7 @@ from fedpeft.methods.cohort import (
     optimizer_state,
     run_cohort,
 )
+from fedpeft.methods.base import FitResult, Job, Tensors, local_steps
 from fedpeft.methods.fedavg import FedAvgPeft
 
 Phase = Literal["head", "body"]
@@ -74,18 +74,15 @@ class FedRep(FedAvgPeft):
         "Collins, Hassani, Mokhtari, Shakkottai: Exploiting Shared Representations for Personalized "
         "Federated Learning (ICML 2021)"
     )
-    tasks = ("classification",)
-    not_for = HEAD_NEEDED
+    refuses = {
+        **HEAD_NEEDED,
+        "correction": "its round trains the head, then the body, in phases of their own lengths: no one step "
+        "count K turns the body's move into its mean gradient",
+    }
 
     def __init__(self, cfg, train, seed: int = 0):
         super().__init__(cfg, train, seed)
         self.phase: Phase | None = None  # the phase the cohort loop is running
-
-    def correction_refusal(self) -> str:
-        return (
-            "its round trains the head, then the body, in phases of their own lengths: no one step "
-            "count K turns the body's move into its mean gradient"
-        )
 
     def head_steps(self, n: int) -> int:
         return self.cfg.head_steps or self.cfg.head_epochs * math.ceil(n / self.train.batch_size)

@@ -48,8 +48,7 @@ import torch
 from torch import nn
 
 from fedpeft.config.methods.fedrod import FedRoDConfig
-from fedpeft.methods.base import ClientData, Job, ServerState, Tensors, local_steps
-from fedpeft.methods.cohort import (
+from fedpeft.engines.local import (
     Batch,
     GradientFn,
     Start,
@@ -61,6 +60,7 @@ from fedpeft.methods.cohort import (
     optimizer_state,
     row_mean,
 )
+from fedpeft.methods.base import ClientData, Job, ServerState, Tensors, local_steps
 from fedpeft.methods.fedavg import FedAvgPeft
 
 PERSONAL = "personal_head."  # parameter prefix of the personal head
@@ -96,8 +96,7 @@ class FedRoD(FedAvgPeft):
         "Chen & Chao: On Bridging Generic and Personalized Federated Learning for Image Classification "
         "(ICLR 2022)"
     )
-    tasks = ("classification",)
-    not_for = HEAD_NEEDED
+    refuses = HEAD_NEEDED
 
     def prepare(self, model) -> None:
         """The trainable body and generic head (``FedAvgPeft``), then the personal head: a

@@ -26,7 +26,7 @@ class FedSALoRA(FedAvgPeft):
     name = "fedsalora"
     config_cls = FedSALoRAConfig
     kind = "lora"
-    dora = True  # DoRA's magnitudes: shared and averaged, as A is
+    refuses = {"dora": ""}  # DoRA's magnitudes: shared and averaged, as A is
 
     def split_trainable(self, model) -> None:
         """Every ``B`` personal, and the head with ``head: personal`` (a causal LM has none:

@@ -33,6 +33,18 @@ from torch import nn
 
 from fedpeft.config.methods.fedsb import FedSBConfig
 from fedpeft.data.task import make_batch
+from fedpeft.engines.local import (
+    OPT,
+    OWN,
+    GradientFn,
+    Start,
+    clip_factor,
+    group_backprop,
+    model_loss,
+    noise_generator,
+    norm,
+    optimizer_state,
+)
 from fedpeft.methods.base import (
     ClientData,
     FitResult,
@@ -42,18 +54,8 @@ from fedpeft.methods.base import (
     local_steps,
     read_tensors,
 )
-from fedpeft.methods.cohort import (
-    NOISE_STREAM,
-    OPT,
-    OWN,
-    GradientFn,
-    Start,
-    derive_seed,
-    group_backprop,
-    model_loss,
-    optimizer_state,
-)
 from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.methods.messages import Messages
 from fedpeft.peft.lora import LoraTerm, lora_layers
 
 #: the downlink's mark of the setup round: the examples each client sums gradients over
@@ -83,10 +85,60 @@ class LatentB(nn.Module):
         return self.base(self.latent(x))
 
 
+class SetupRound(Messages):
+    """The setup round's messages: gradient sums up (clipped and noised whole under
+    ``privacy.mode``), the fixed ``B``, ``A`` down once to each client."""
+
+    def uplink_messages(self, received: Tensors) -> list[str]:
+        return [GRAD + w for w in self.method.frozen] if SETUP in received else []
+
+    def server_frozen_names(self) -> list[str]:
+        return list(self.method.fixed)
+
+    def uplink_like(self, rnd: int, shared: Tensors, received: Tensors) -> Tensors:
+        if SETUP in received:  # the setup round: round 1, or the first that drew any client
+            return {GRAD + w: torch.empty(shape) for w, shape in self.method.frozen.items()}
+        return super().uplink_like(rnd, shared, received)
+
+    def training_server(self, server: ServerState) -> ServerState:
+        """Before the setup, a state of its shapes as after it (``B``, ``A`` and ``R``
+        zero): the rounds that train ``R``, vmapped, not the setup's gradient sums."""
+        method = self.method
+        if method.is_set_up(server):
+            return server
+        tensors, r = dict(server.tensors), method.cfg.lora.r
+        for w, a, b, latent, _ in method.modules.values():
+            d_out, d_in = method.frozen[w]
+            tensors[b], tensors[a], tensors[latent] = (
+                torch.zeros(d_out, r),
+                torch.zeros(r, d_in),
+                torch.zeros(r, r),
+            )
+        return ServerState(tensors, server.extras)
+
+
 class FedSB(FedAvgPeft):
     name = "fedsb"
     config_cls = FedSBConfig
     kind = "lora"
+    refuses = {
+        "dora": "LoRA-SB's start (B, A from the SVD of the full-weight gradient) approximates a full "
+        "fine-tuning step by a plain LoRA update; under DoRA's normalised direction it is not that "
+        "approximation (neither paper defines one)",
+        "server_step": "its first round is a setup round whose aggregate is an SVD, not a step",
+        "robust": "its setup round sums the clients' gradients; another rule would not give LoRA-SB's start",
+        "lossy_downlink": "each client keeps the fixed B and A it receives once for the rest of the run, so "
+        "a rounded copy would differ from the server's for good and the global update B mean(R_k) A would no "
+        "longer be the mean of the clients' updates",
+        # the setup round's server sums the clients' messages: user-level DP noises that sum
+        "user_dp": "",
+        "secure_aggregation": "its first round is a setup round whose aggregate is an SVD of the clients' "
+        "gradient sums",
+    }
+
+    def __init__(self, cfg, train, seed: int = 0):
+        super().__init__(cfg, train, seed)
+        self.messages = SetupRound(self)
 
     def prepare(self, model) -> None:
         if any(not p.is_floating_point() for p in model.parameters()):
@@ -119,34 +171,7 @@ class FedSB(FedAvgPeft):
     def per_client_samples(self) -> int:
         return math.ceil(self.cfg.init_samples / max(self.train.clients_per_round, 1))
 
-    # ----- refusals
-    def dora_refusal(self) -> str:
-        return (
-            "LoRA-SB's start (B, A from the SVD of the full-weight gradient) approximates a full "
-            "fine-tuning step by a plain LoRA update; under DoRA's normalised direction it is not "
-            "that approximation (neither paper defines one)"
-        )
-
-    def server_step_refusal(self) -> str:
-        return "its first round is a setup round whose aggregate is an SVD, not a step"
-
-    def robust_refusal(self) -> str:
-        return "its setup round sums the clients' gradients; another rule would not give LoRA-SB's start"
-
-    def lossy_downlink_refusal(self) -> str:
-        return (
-            "each client keeps the fixed B and A it receives once for the rest of the run, so a rounded copy "
-            "would differ from the server's for good and the global update B mean(R_k) A would no longer be "
-            "the mean of the clients' updates"
-        )
-
-    def user_dp_refusal(self) -> str:
-        return ""  # the setup round's server sums the clients' messages: user-level DP noises that sum
-
-    # ----- privacy: the setup round's gradient sums are messages, clipped and noised whole
-    def uplink_messages(self, received: Tensors) -> list[str]:
-        return [GRAD + w for w in self.frozen] if SETUP in received else []
-
+    # ----- privacy: the setup round is one more step
     def private_steps(self, n: int) -> tuple[int, int]:
         """Under DP-SGD the setup is one more step (its round's clients take no other: a
         client is charged a round's steps and the setup's, whichever round it starts in)."""
@@ -159,29 +184,6 @@ class FedSB(FedAvgPeft):
 
     def is_set_up(self, server: ServerState) -> bool:
         return all(n in server.tensors for n in self.fixed)
-
-    def server_frozen_names(self) -> list[str]:
-        return list(self.fixed)
-
-    def uplink_like(self, rnd: int, shared: Tensors, received: Tensors) -> Tensors:
-        if SETUP in received:  # the setup round: round 1, or the first that drew any client
-            return {GRAD + w: torch.empty(shape) for w, shape in self.frozen.items()}
-        return {n: shared[n] for n in self.shared_names}
-
-    def training_server(self, server: ServerState) -> ServerState:
-        """Before the setup, a state of its shapes as after it (``B``, ``A`` and ``R``
-        zero): the rounds that train ``R``, vmapped, not the setup's gradient sums."""
-        if self.is_set_up(server):
-            return server
-        tensors, r = dict(server.tensors), self.cfg.lora.r
-        for w, a, b, latent, _ in self.modules.values():
-            d_out, d_in = self.frozen[w]
-            tensors[b], tensors[a], tensors[latent] = (
-                torch.zeros(d_out, r),
-                torch.zeros(r, d_in),
-                torch.zeros(r, r),
-            )
-        return ServerState(tensors, server.extras)
 
     def downlink(self, server: ServerState, cid: int) -> Tensors:
         """The setup's mark before the setup; then ``R`` and the head, and ``B``, ``A`` to a
@@ -240,13 +242,12 @@ class FedSB(FedAvgPeft):
         for row in rows.split(1):
             result = self.summed_gradients(model, job, row)
             grads = {w: result.uplink[GRAD + w] for w in self.frozen}
-            size = math.sqrt(sum(float(g.double().square().sum()) for g in grads.values()))
-            factor = min(1.0, dp.clip / size) if size > 0 else 1.0
+            factor = clip_factor(norm(grads), dp.clip)
             for w, g in grads.items():
                 total[w] += factor * g
             losses.append(result.metrics["loss"])
         if dp.sigma > 0:
-            generator = torch.Generator().manual_seed(derive_seed(job.seed, NOISE_STREAM))
+            generator = noise_generator(job)
             for w in sorted(total):
                 total[w] += dp.sigma * dp.clip * torch.randn(total[w].shape, generator=generator)
         return FitResult(

@@ -18,6 +18,7 @@ import torch
 from fedpeft.config.methods.ffalora import FFALoRAConfig
 from fedpeft.methods.base import ServerState, Tensors, read_tensors
 from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.methods.messages import Messages
 from fedpeft.peft.lora import LoraTerm, lora_layers
 
 _JOIN = "join."
@@ -32,11 +33,28 @@ def frozen_a_names(model) -> list[str]:
     ]
 
 
+class FixedA(Messages):
+    """The one ``A``, drawn by the server, sent once and copied into each client's model."""
+
+    def join_message(self, server: ServerState) -> Tensors:
+        return {k.removeprefix(_JOIN): v for k, v in server.extras.items() if k.startswith(_JOIN)}
+
+    def join(self, model, message: Tensors) -> None:
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, a in message.items():
+                params[name].copy_(a)
+
+
 class FFALoRA(FedAvgPeft):
-    dora = True
     name = "ffalora"
     config_cls = FFALoRAConfig
     kind = "lora"
+    refuses = {"dora": ""}
+
+    def __init__(self, cfg, train, seed: int = 0):
+        super().__init__(cfg, train, seed)
+        self.messages = FixedA(self)
 
     def prepare(self, model) -> None:
         super().prepare(model)
@@ -50,15 +68,6 @@ class FFALoRA(FedAvgPeft):
     def init_server(self, model) -> ServerState:
         fixed = read_tensors(model, frozen_a_names(model))
         return ServerState(read_tensors(model, self.shared_names), {_JOIN + k: v for k, v in fixed.items()})
-
-    def join_message(self, server: ServerState) -> Tensors:
-        return {k.removeprefix(_JOIN): v for k, v in server.extras.items() if k.startswith(_JOIN)}
-
-    def join(self, model, message: Tensors) -> None:
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for name, a in message.items():
-                params[name].copy_(a)
 
     # ----- export: the frozen A beside the trained B
     def lora_terms(self, model, tensors: Tensors) -> dict[str, list[LoraTerm]]:

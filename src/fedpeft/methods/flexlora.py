@@ -25,16 +25,16 @@ from __future__ import annotations
 import torch
 
 from fedpeft.config.methods.flexlora import FlexLoRAConfig
+from fedpeft.engines.local import OPT, Start, optimizer_state
 from fedpeft.methods.base import FitResult, Job, ServerState, Tensors, local_steps
-from fedpeft.methods.cohort import OPT, Start, optimizer_state
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.methods.ranks import (
+    PaddedRanks,
     client_rank,
     is_a,
     is_b,
     mask_components,
     pad,
-    padded_uplink,
     rank_of,
     truncate,
 )
@@ -57,7 +57,19 @@ class FlexLoRA(FedAvgPeft):
     name = "flexlora"
     config_cls = FlexLoRAConfig
     kind = "lora"
-    dora = True  # DoRA's magnitudes: trained and averaged, as the head is
+    refuses = {
+        "dora": "",  # DoRA's magnitudes: trained and averaged, as the head is
+        "server_step": "its aggregate is an SVD of the clients' mean update; a step on its factors would "
+        "mix bases",
+        "robust": "its server takes the weighted mean of the clients' products B_k A_k, not of what they "
+        "send",
+        "secure_aggregation": "its server takes the weighted mean of the clients' products B_k A_k, not of "
+        "what they send",
+    }
+
+    def __init__(self, cfg, train, seed: int = 0):
+        super().__init__(cfg, train, seed)
+        self.messages = PaddedRanks(self)
 
     def prepare(self, model) -> None:
         super().prepare(model)
@@ -71,12 +83,6 @@ class FlexLoRA(FedAvgPeft):
         return client_rank(self.cfg.ranks, cid, self.seed, self.cfg.lora.r)
 
     # ----- server
-    def server_step_refusal(self) -> str:
-        return "its aggregate is an SVD of the clients' mean update; a step on its factors would mix bases"
-
-    def robust_refusal(self) -> str:
-        return "its server takes the weighted mean of the clients' products B_k A_k, not of what they send"
-
     def downlink(self, server: ServerState, cid: int) -> Tensors:
         """The server's factors cut to client ``cid``'s rank: ``dW``'s best approximation at
         that rank (only those rows and columns travel)."""
@@ -97,9 +103,6 @@ class FlexLoRA(FedAvgPeft):
             new_a, new_b = best_factors(update, self.cfg.lora.r, scale)
             tensors[a], tensors[b] = new_a.to(server.tensors[a].dtype), new_b.to(server.tensors[b].dtype)
         return ServerState(tensors, server.extras)
-
-    def uplink_as_shared(self, uplink: Tensors) -> Tensors:
-        return padded_uplink(uplink, self.cfg.lora.r)
 
     # ----- client: its rank masked inside r_max (the padded components get no gradient)
     def cohort_start(self, model, job: Job) -> Start:

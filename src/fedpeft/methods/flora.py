@@ -37,6 +37,7 @@ import math
 import torch
 
 from fedpeft.config.methods.flora import FLoRAConfig
+from fedpeft.engines.local import OPT, OWN, GradientFn, Start, group_backprop, optimizer_state
 from fedpeft.methods.base import (
     ClientData,
     FitResult,
@@ -46,9 +47,8 @@ from fedpeft.methods.base import (
     local_steps,
     read_tensors,
 )
-from fedpeft.methods.cohort import OPT, OWN, GradientFn, Start, group_backprop, optimizer_state
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.methods.ranks import client_rank, is_a, is_b, pad, padded_uplink, truncate
+from fedpeft.methods.ranks import PaddedRanks, client_rank, is_a, is_b, pad, truncate
 from fedpeft.peft.lora import LoraTerm, full_rank_terms, lora_layers
 
 STACK, MERGED = "stack.", "merged."
@@ -71,10 +71,37 @@ def stack(
     return torch.cat(rows), torch.cat([r.uplink[b].double() for r in results], dim=1)
 
 
+class MergedWeights(PaddedRanks):
+    """The merged frozen weights, handed to clients with the shared tensors; an update
+    of a client's own rank zero-padded to the largest."""
+
+    def server_frozen_names(self) -> list[str]:
+        return [w for w, *_ in self.method.modules.values()]
+
+
 class FLoRA(FedAvgPeft):
     name = "flora"
     config_cls = FLoRAConfig
     kind = "lora"
+    refuses = {
+        "dora": "each round merges the clients' stacked LoRA into the frozen weight and starts a fresh one; "
+        "under DoRA the model is a magnitude times a normalised direction, so that merge would not be the "
+        "clients' weighted update",
+        "server_step": "its clients restart LoRA every round from the merged weights; there are no factors "
+        "to step",
+        "lossy_downlink": "each client merges the stacks it receives into its own frozen weights for the "
+        "rest of the run, so the rounding would add up round after round and the client's model would leave "
+        "the server's",
+        "local_dp": "its clients send a fresh LoRA's factors each round, not updates of tensors they "
+        "received",
+        "robust": "its server stacks every client's factors into the merged weights, not a mean of them",
+        "secure_aggregation": "its server stacks every client's factors into the merged weights, not a mean "
+        "of them",
+    }
+
+    def __init__(self, cfg, train, seed: int = 0):
+        super().__init__(cfg, train, seed)
+        self.messages = MergedWeights(self)
 
     def prepare(self, model) -> None:
         if any(not p.is_floating_point() for p in model.parameters()):
@@ -103,38 +130,12 @@ class FLoRA(FedAvgPeft):
     def rank(self, cid: int) -> int:
         return client_rank(self.cfg.ranks, cid, self.seed, self.cfg.lora.r)
 
-    # ----- refusals
-    def dora_refusal(self) -> str:
-        return (
-            "each round merges the clients' stacked LoRA into the frozen weight and starts a fresh "
-            "one; under DoRA the model is a magnitude times a normalised direction, so that merge "
-            "would not be the clients' weighted update"
-        )
-
-    def server_step_refusal(self) -> str:
-        return "its clients restart LoRA every round from the merged weights; there are no factors to step"
-
-    def lossy_downlink_refusal(self) -> str:
-        return (
-            "each client merges the stacks it receives into its own frozen weights for the rest of the run, "
-            "so the rounding would add up round after round and the client's model would leave the server's"
-        )
-
-    def local_dp_refusal(self) -> str:
-        return "its clients send a fresh LoRA's factors each round, not updates of tensors they received"
-
-    def robust_refusal(self) -> str:
-        return "its server stacks every client's factors into the merged weights, not a mean of them"
-
     # ----- server: the merged frozen weights (the global model), the head, the stacks' log
     def init_server(self, model) -> ServerState:
         tensors = read_tensors(model, self.shared_names)
         for _, a, b, _ in self.modules.values():
             tensors[a], tensors[b] = torch.zeros_like(tensors[a]), torch.zeros_like(tensors[b])
         return ServerState({**tensors, **dict(self.pretrained)})
-
-    def server_frozen_names(self) -> list[str]:
-        return [w for w, *_ in self.modules.values()]
 
     def aggregate(self, server: ServerState, results: list[FitResult], rnd: int) -> ServerState:
         weights = torch.tensor([float(r.num_examples) for r in results], dtype=torch.float64)
@@ -252,9 +253,6 @@ class FLoRA(FedAvgPeft):
             num_examples=len(job.client.train),
             metrics={**metrics, "rank": float(rank)},
         )
-
-    def uplink_as_shared(self, uplink: Tensors) -> Tensors:
-        return padded_uplink(uplink, self.cfg.lora.r)
 
     def eval_state(self, model, received: Tensors, personal: Tensors, client: ClientData) -> Tensors:
         """The client's merged frozen weights with the head and, where ``received`` holds

@@ -58,16 +58,7 @@ import math
 import torch
 
 from fedpeft.config.methods.hetlora import HETLoRAConfig
-from fedpeft.methods.base import (
-    ClientData,
-    FitResult,
-    Job,
-    ServerState,
-    Tensors,
-    local_steps,
-    weighted_mean,
-)
-from fedpeft.methods.cohort import (
+from fedpeft.engines.local import (
     OPT,
     OWN,
     GradientFn,
@@ -77,14 +68,23 @@ from fedpeft.methods.cohort import (
     model_scale,
     optimizer_state,
 )
+from fedpeft.methods.base import (
+    ClientData,
+    FitResult,
+    Job,
+    ServerState,
+    Tensors,
+    local_steps,
+    weighted_mean,
+)
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.methods.ranks import (
+    PaddedRanks,
     client_rank,
     is_a,
     is_b,
     mask_components,
     pad,
-    padded_uplink,
     pairs,
     rank_of,
     truncate,
@@ -144,7 +144,17 @@ class HETLoRA(FedAvgPeft):
     name = "hetlora"
     config_cls = HETLoRAConfig
     kind = "lora"
-    dora = True  # DoRA's magnitudes: trained and averaged, as the head is
+    refuses = {
+        "dora": "",  # DoRA's magnitudes: trained and averaged, as the head is
+        "robust": "its server weighs the clients' adapters by their update norms (its own rule)",
+        "correction": "each client trains its own rank of the shared adapter, so no one control fits all of "
+        "them",
+        "secure_aggregation": "its server weighs the clients' adapters by their update norms (its own rule)",
+    }
+
+    def __init__(self, cfg, train, seed: int = 0):
+        super().__init__(cfg, train, seed)
+        self.messages = PaddedRanks(self)
 
     def initial_rank(self, cid: int) -> int:
         return client_rank(self.cfg.rank_draw(), cid, self.seed, self.cfg.lora.r)
@@ -156,12 +166,6 @@ class HETLoRA(FedAvgPeft):
     # ----- server
     def downlink(self, server: ServerState, cid: int) -> Tensors:
         return truncate(server.tensors, self.rank(server, cid))
-
-    def robust_refusal(self) -> str:
-        return "its server weighs the clients' adapters by their update norms (its own rule)"
-
-    def correction_refusal(self) -> str:
-        return "each client trains its own rank of the shared adapter, so no one control fits all of them"
 
     def aggregate(self, server: ServerState, results: list[FitResult], rnd: int) -> ServerState:
         r_max = self.cfg.lora.r
@@ -228,9 +232,6 @@ class HETLoRA(FedAvgPeft):
     def pruned_rank(self, tensors: Tensors, rank: int) -> int:
         cfg = self.cfg
         return pruned_rank(pairs(tensors), rank, cfg.gamma, cfg.r_min, cfg.prune_ratio, cfg.prune_rule)
-
-    def uplink_as_shared(self, uplink: Tensors) -> Tensors:
-        return padded_uplink(uplink, self.cfg.lora.r)
 
     def readout(self, result: FitResult) -> dict[str, float]:
         return {"rank": float(rank_of(result.uplink))}

@@ -10,9 +10,9 @@ from fedpeft.methods.fedavg import FedAvgPeft
 
 
 class LocalOnly(FedAvgPeft):
-    dora = True
     name = "local"
     config_cls = LocalConfig
+    refuses = {"dora": "", "secure_aggregation": "nothing is aggregated: every client trains alone"}
 
     def split_trainable(self, model) -> None:
         self.personal_names = [n for n, p in model.named_parameters() if p.requires_grad]

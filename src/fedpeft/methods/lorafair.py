@@ -78,7 +78,14 @@ class LoRAFAIR(FedAvgPeft):
     name = "lorafair"
     config_cls = LoRAFAIRConfig
     kind = "lora"
-    dora = True  # DoRA's magnitudes: trained and averaged, as the head is
+    refuses = {
+        "dora": "",  # DoRA's magnitudes: trained and averaged, as the head is
+        "server_step": "its server corrects B for the clients' weighted mean; a server step would move it "
+        "off that",
+        "robust": "its correction matches the clients' weighted mean update; another rule has none to match",
+        "secure_aggregation": "its correction of B matches the clients' products B_k A_k, which the mean of "
+        "their factors does not give",
+    }
 
     def prepare(self, model) -> None:
         super().prepare(model)
@@ -87,12 +94,6 @@ class LoRAFAIR(FedAvgPeft):
             name: (f"{name}.lora_A.default.weight", f"{name}.lora_B.default.weight")
             for name in lora_layers(model)
         }
-
-    def server_step_refusal(self) -> str:
-        return "its server corrects B for the clients' weighted mean; a server step would move it off that"
-
-    def robust_refusal(self) -> str:
-        return "its correction matches the clients' weighted mean update; another rule has none to match"
 
     def correction(self, b_bar: torch.Tensor, a_bar: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """``dB`` for one module (float64)."""

@@ -49,8 +49,7 @@ from __future__ import annotations
 import torch
 
 from fedpeft.config.methods.moon import MOONConfig
-from fedpeft.methods.base import ClientData, FitResult, Job, Tensors, local_steps
-from fedpeft.methods.cohort import (
+from fedpeft.engines.local import (
     OWN,
     GradientFn,
     Start,
@@ -62,6 +61,7 @@ from fedpeft.methods.cohort import (
     optimizer_state,
     row_mean,
 )
+from fedpeft.methods.base import ClientData, FitResult, Job, Tensors, local_steps
 from fedpeft.methods.fedavg import FedAvgPeft
 
 GLOB, PREV = "glob.", "prev."  # step constants: the received global and the previous local model
@@ -89,8 +89,7 @@ class MOON(FedAvgPeft):
     name = "moon"
     config_cls = MOONConfig
     paper = "Li, He, Song: Model-Contrastive Federated Learning (CVPR 2021)"
-    tasks = ("classification",)
-    not_for = CLASSIFICATION_ONLY
+    refuses = CLASSIFICATION_ONLY
 
     def body_names(self) -> list[str]:
         """The trainable tensors the representation depends on (all but the head)."""

@@ -25,8 +25,9 @@ from torch.func import grad, grad_and_value
 
 from fedpeft.config.methods.perfedavg import PerFedAvgConfig
 from fedpeft.data.task import make_batch, take_draws
+from fedpeft.engines.local import GradientFn, model_inputs, model_loss, prepare_step
 from fedpeft.methods.base import ClientData, Tensors, load_tensors
-from fedpeft.methods.cohort import GradientFn, model_inputs, model_loss, prepare_step
+from fedpeft.methods.capabilities import OWN_BATCHES, OWN_GRADIENTS
 from fedpeft.methods.fedavg import FedAvgPeft
 
 
@@ -56,7 +57,7 @@ def maml_grads(
 
 class PerFedAvg(FedAvgPeft):
     name = "perfedavg"
-    fp16 = False  # it takes its own (MAML) gradients: no loss scaling
+    refuses = {"fp16": OWN_GRADIENTS, "sample_dp": OWN_BATCHES}  # no loss scaling; (D1, D2) a step
     higher_order = True  # a gradient of a gradient
     config_cls = PerFedAvgConfig
     kind = "lora"

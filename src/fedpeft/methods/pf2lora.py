@@ -39,8 +39,9 @@ import torch
 from torch.func import grad, grad_and_value
 
 from fedpeft.config.methods.pf2lora import PF2LoRAConfig
+from fedpeft.engines.local import GradientFn, model_loss
 from fedpeft.methods.base import FitResult, ServerState, Tensors
-from fedpeft.methods.cohort import GradientFn, model_loss
+from fedpeft.methods.capabilities import OWN_GRADIENTS
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.peft.lora import lora_layers
 
@@ -77,7 +78,7 @@ def bilevel_step(
 
 class PF2LoRA(FedAvgPeft):
     name = "pf2lora"
-    fp16 = False  # its own (hyper)gradients: no loss scaling
+    refuses = {"fp16": OWN_GRADIENTS}  # no loss scaling
     higher_order = True  # a gradient of a gradient
     config_cls = PF2LoRAConfig
     kind = "lora"

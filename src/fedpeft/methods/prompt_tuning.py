@@ -35,8 +35,7 @@ class PromptTuning(Method):
     name = "prompt_tuning"
     paper = "C2A baselines (Lester et al., 2021)"
     config_cls = PromptTuningConfig
-    tasks = ("classification", "token_classification", "extractive_qa")
-    not_for = {
+    refuses = {
         "causal_lm": "generation (Hugging Face generate with its KV cache) runs on the bare decoder, "
         "which does not carry the soft prompt"
     }

@@ -15,9 +15,10 @@ both.
 from __future__ import annotations
 
 from fedpeft.config.methods.rolora import RoLoRAConfig
+from fedpeft.engines.local import GradientFn, carry_kept_state, group_backprop, optimizer_state
 from fedpeft.methods.base import FitResult, Job, ServerState, Start, Tensors
-from fedpeft.methods.cohort import GradientFn, carry_kept_state, group_backprop, optimizer_state
 from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.methods.messages import Messages
 
 
 def half_of_round(rnd: int) -> str:
@@ -25,24 +26,36 @@ def half_of_round(rnd: int) -> str:
     return "B" if rnd % 2 == 1 else "A"
 
 
+def sent_names(shared_names: list[str], rnd: int) -> list[str]:
+    """The shared tensors an update of round ``rnd`` carries: the round's half and the rest
+    (the head, DoRA's magnitudes), not the other factor."""
+    other = ".lora_A." if half_of_round(rnd) == "B" else ".lora_B."
+    return [n for n in shared_names if other not in n]
+
+
+class HalfAdapters(Messages):
+    """An update of the round's half of the adapter (and the head)."""
+
+    def uplink_like(self, rnd: int, shared: Tensors, received: Tensors) -> Tensors:
+        return {n: shared[n] for n in sent_names(self.method.shared_names, rnd)}
+
+
 class RoLoRA(FedAvgPeft):
     name = "rolora"
     config_cls = RoLoRAConfig
     kind = "lora"
-    dora = True  # DoRA's magnitudes: trained and averaged every round, as the head is
+    refuses = {
+        "dora": "",  # DoRA's magnitudes: trained and averaged every round, as the head is
+        "server_step": "its rounds train A or B in turn; a server optimiser's momentum would move the half a "
+        "round does not train",
+        "correction": "its rounds train A or B in turn: a client's control of the other half would go stale",
+        "secure_aggregation": "its rounds send A or B in turn; its server keeps the other half as it was",
+    }
 
     def __init__(self, cfg, train, seed: int = 0):
         super().__init__(cfg, train, seed)
+        self.messages = HalfAdapters(self)
         self.half: str | None = None  # the factor the cohort loop is training
-
-    def server_step_refusal(self) -> str:
-        return (
-            "its rounds train A or B in turn; a server optimiser's momentum would move the half a round "
-            "does not train"
-        )
-
-    def correction_refusal(self) -> str:
-        return "its rounds train A or B in turn: a client's control of the other half would go stale"
 
     # ----- the local round: the round's half (and the head)
     def fit_cohort(self, model, jobs: list[Job]) -> list[FitResult]:
@@ -85,7 +98,3 @@ class RoLoRA(FedAvgPeft):
     def aggregate(self, server: ServerState, results: list[FitResult], rnd: int) -> ServerState:
         sent = self.mean([r.uplink for r in results], [r.num_examples for r in results])
         return ServerState({**server.tensors, **sent}, server.extras)
-
-    def uplink_names(self, rnd: int) -> list[str]:
-        other = ".lora_A." if half_of_round(rnd) == "B" else ".lora_B."
-        return [n for n in self.shared_names if other not in n]

@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from fedpeft.data.task import IGNORE, Encoded, eval_batches, make_batch
-from fedpeft.methods.cohort import predict_cohort
+from fedpeft.engines.local import predict_cohort
 from fedpeft.metrics.classification import predict, scores
 
 Tensors = dict[str, torch.Tensor]

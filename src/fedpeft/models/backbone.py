@@ -183,41 +183,12 @@ def load_backbone(
 
 def checkpointed_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer layers of ``model`` that recompute their activations in the backward
-    pass (``model.gradient_checkpointing``: :func:`enable_checkpointing`)."""
+    pass (``model.gradient_checkpointing``: ``fedpeft.engines.local.checkpoints.enable_checkpointing``)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return [
         m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
     ]
-
-
-def enable_checkpointing(model: nn.Module) -> None:
-    """Gradient checkpointing on every transformer layer of ``model`` (non-reentrant
-    ``torch.utils.checkpoint``, recomputing with the tensors the forward pass ran with:
-    :func:`fedpeft.methods.folding.checkpoint_contexts`). Set on the layers themselves rather than through
-    ``gradient_checkpointing_enable``, which also hooks the embeddings to make their output
-    require gradients (not needed without reentrant checkpoints). Hugging Face checkpoints
-    a layer only while it is in training mode: the cohort engine sets that on these layers
-    alone for its steps (``fedpeft.methods.cohort.checkpointing``), the rest of the model
-    keeping its mode."""
-    import functools
-
-    from torch.utils.checkpoint import checkpoint
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    from fedpeft.methods.folding import checkpoint_contexts
-
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    if not layers:
-        raise BackboneError(
-            f"model.gradient_checkpointing: {type(model).__name__}'s backbone has no layer that transformers "
-            "can checkpoint"
-        )
-    for layer in layers:
-        layer.gradient_checkpointing = True
-        layer._gradient_checkpointing_func = functools.partial(
-            checkpoint, use_reentrant=False, context_fn=functools.partial(checkpoint_contexts, layer)
-        )
 
 
 def set_dropout(module: nn.Module, p: float) -> None:

@@ -9,7 +9,8 @@ Precision is autocast over the model's forward pass: the trainable parameters (t
 "master" tensors the optimizer updates) stay float32, the frozen weights are stored in
 bfloat16 or float16 (nothing updates them), matrix products run in that dtype, and the
 logits come back float32. float16 needs loss scaling against gradient underflow
-(``fedpeft.methods.cohort.LOSS_SCALE``); bfloat16 has float32's exponent range and needs none.
+(``fedpeft.engines.local.gradients.LOSS_SCALE``); bfloat16 has float32's exponent range
+and needs none.
 """
 
 from __future__ import annotations

@@ -11,9 +11,11 @@ from typing import Literal
 from pydantic import Field
 
 from fedpeft.config.methods.base import MethodConfig
+from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import AdaMixSpec
 
 
+@register_method_config("adamix")
 class AdaMixConfig(MethodConfig):
     """AdaMix adapters under FedAvg. Paper: Wang et al. (2022), a C2A baseline."""
 

@@ -10,9 +10,11 @@ from typing import Literal
 from pydantic import Field
 
 from fedpeft.config.methods.base import MethodConfig
+from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import AdapterSpec, HyperSpec
 
 
+@register_method_config("c2a")
 class C2AConfig(MethodConfig):
     """Hypernetwork-generated Houlsby adapters under FedAvg. Paper: C2A (Kim et al., 2023)."""
 

@@ -10,9 +10,11 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from fedpeft.config.methods.base import MethodConfig
+from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import AdapterSpec, LoraSpec, Trainable
 
 
+@register_method_config("centralized")
 class CentralizedConfig(MethodConfig):
     """One model trained on the pooled data."""
 

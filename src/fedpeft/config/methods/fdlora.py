@@ -10,9 +10,11 @@ from typing import Literal
 from pydantic import Field
 
 from fedpeft.config.methods.base import MethodConfig
+from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import LoraSpec
 
 
+@register_method_config("fdlora")
 class FDLoRAConfig(MethodConfig):
     """Personal + global LoRA, outer Nesterov SGD, AdaFusion. Paper: FDLoRA, Algorithm 1."""
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 from typing import Literal
 
 from fedpeft.config.methods.base import MethodConfig
+from fedpeft.config.methods.registry import register_method_config
 
 
+@register_method_config("fedbf")
 class FedBFConfig(MethodConfig):
     """BitFit under FedAvg. Paper: FeDeRA (Yan et al., 2024), sec. 5.1 baselines."""
 

@@ -11,9 +11,11 @@ from typing import Literal
 from pydantic import Field
 
 from fedpeft.config.methods.base import MethodConfig
+from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import LoraSpec
 
 
+@register_method_config("fedexlora")
 class FedExLoRAConfig(MethodConfig):
     """FedAvg of LoRA plus the residual folded into the frozen weights. Paper: FedEx-LoRA
     (Singhal et al., ACL 2025)."""

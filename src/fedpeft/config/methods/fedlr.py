@@ -10,9 +10,11 @@ from typing import Literal
 from pydantic import Field
 
 from fedpeft.config.methods.base import MethodConfig
+from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import LoraSpec
 
 
+@register_method_config("fedlr")
 class FedLRConfig(MethodConfig):
     """LoRA under FedAvg. Paper: FeDeRA (Yan et al., 2024), sec. 5.1; HOMLoRA in PF2LoRA."""
 

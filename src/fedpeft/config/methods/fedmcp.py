@@ -10,9 +10,11 @@ from typing import Literal
 from pydantic import Field
 
 from fedpeft.config.methods.base import MethodConfig
+from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import AdapterSpec
 
 
+@register_method_config("fedmcp")
 class FedMCPConfig(MethodConfig):
     """Global + private Houlsby adapters, two heads, CKA contrast. Paper: FedMCP, sec. 3."""
 

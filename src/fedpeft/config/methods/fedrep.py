@@ -10,9 +10,11 @@ from typing import Literal
 from pydantic import Field
 
 from fedpeft.config.methods.base import MethodConfig
+from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import AdapterSpec, LoraSpec, Trainable
 
 
+@register_method_config("fedrep")
 class FedRepConfig(MethodConfig):
     """Shared body, personal head, trained head first then body. Paper: FedRep (Collins et al., 2021)."""
 

@@ -10,9 +10,11 @@ from typing import Literal
 from pydantic import Field
 
 from fedpeft.config.methods.base import MethodConfig
+from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import AdapterSpec, LoraSpec, Trainable
 
 
+@register_method_config("fedrod")
 class FedRoDConfig(MethodConfig):
     """Generic model (balanced softmax) + personal head. Paper: FedRoD (Chen & Chao, ICLR 2022)."""
 

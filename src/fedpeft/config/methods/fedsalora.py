@@ -10,9 +10,11 @@ from typing import Literal
 from pydantic import Field
 
 from fedpeft.config.methods.base import MethodConfig
+from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import LoraSpec
 
 
+@register_method_config("fedsalora")
 class FedSALoRAConfig(MethodConfig):
     """``A`` averaged, ``B`` (and by default the head) per client. Paper: FedSA-LoRA (Guo et
     al., ICLR 2025)."""

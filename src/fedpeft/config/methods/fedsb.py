@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field
 
 from fedpeft.config.methods.base import MethodConfig
+from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import LoraSpec
 
 
@@ -18,6 +19,7 @@ def lora_sb() -> LoraSpec:
     return LoraSpec(r=64, alpha=64)
 
 
+@register_method_config("fedsb")
 class FedSBConfig(MethodConfig):
     """Only LoRA-SB's ``r x r`` matrix trained and averaged. Paper: Fed-SB (Singhal et al., 2025)."""
 

@@ -10,9 +10,11 @@ from typing import Literal
 from pydantic import Field
 
 from fedpeft.config.methods.base import MethodConfig
+from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import LoraSpec
 
 
+@register_method_config("ffalora")
 class FFALoRAConfig(MethodConfig):
     """LoRA with ``A`` frozen, ``B`` trained and averaged. Paper: FFA-LoRA (Sun et al., ICLR 2024)."""
 

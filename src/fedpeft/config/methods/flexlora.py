@@ -9,8 +9,10 @@ from __future__ import annotations
 from typing import Literal
 
 from fedpeft.config.methods.ranks import RankedLoraConfig
+from fedpeft.config.methods.registry import register_method_config
 
 
+@register_method_config("flexlora")
 class FlexLoRAConfig(RankedLoraConfig):
     """Clients of any rank, the server's SVD of their mean update. Paper: FlexLoRA (Bai et
     al., NeurIPS 2024)."""

@@ -10,8 +10,10 @@ from __future__ import annotations
 from typing import Literal
 
 from fedpeft.config.methods.ranks import RankedLoraConfig
+from fedpeft.config.methods.registry import register_method_config
 
 
+@register_method_config("flora")
 class FLoRAConfig(RankedLoraConfig):
     """Stacked LoRA factors merged into the frozen weights each round, clients of any rank.
     Paper: FLoRA (Wang et al., NeurIPS 2024)."""

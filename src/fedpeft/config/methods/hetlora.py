@@ -11,9 +11,11 @@ from pydantic import Field, model_validator
 
 from fedpeft.config.methods.base import MethodConfig
 from fedpeft.config.methods.ranks import RankDraw, Ranks, check_ranks
+from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import LoraSpec
 
 
+@register_method_config("hetlora")
 class HETLoRAConfig(MethodConfig):
     """Heterogeneous-rank LoRA. Paper: HETLoRA (Cho et al., 2024), PF2LoRA baselines."""
 

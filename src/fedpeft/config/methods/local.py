@@ -10,9 +10,11 @@ from typing import Literal
 from pydantic import Field
 
 from fedpeft.config.methods.base import MethodConfig
+from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import AdapterSpec, LoraSpec, Trainable
 
 
+@register_method_config("local")
 class LocalConfig(MethodConfig):
     """Each client fine-tunes its own copy of the trainable tensors."""
 

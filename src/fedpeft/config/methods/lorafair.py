@@ -11,9 +11,11 @@ from typing import Literal
 from pydantic import Field
 
 from fedpeft.config.methods.base import MethodConfig
+from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import LoraSpec
 
 
+@register_method_config("lorafair")
 class LoRAFAIRConfig(MethodConfig):
     """FedAvg of LoRA with the server's correction of ``B``. Paper: LoRA-FAIR (Bian et al.,
     ICCV 2025)."""

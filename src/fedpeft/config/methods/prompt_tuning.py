@@ -10,9 +10,11 @@ from typing import Literal
 from pydantic import Field
 
 from fedpeft.config.methods.base import MethodConfig
+from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import PromptSpec
 
 
+@register_method_config("prompt_tuning")
 class PromptTuningConfig(MethodConfig):
     """A soft prompt under FedAvg. Paper: Lester et al. (2021), a C2A baseline."""
 

@@ -10,9 +10,11 @@ from typing import Literal
 from pydantic import Field
 
 from fedpeft.config.methods.base import MethodConfig
+from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import LoraSpec
 
 
+@register_method_config("rolora")
 class RoLoRAConfig(MethodConfig):
     """LoRA's ``B`` (odd rounds) and ``A`` (even rounds) trained and averaged in turn.
     Paper: RoLoRA (Chen et al., NeurIPS 2025)."""

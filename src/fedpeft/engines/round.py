@@ -1,0 +1,228 @@
+"""One federated round's pipeline: the order every engine runs a round's messages in.
+
+The uplink's order is part of the design (DESIGN, "Layers that compose with every
+method"): the guarantees of differential privacy, compression and the server's
+optimiser each hold only in it. It is written here once; an engine owns only how its
+clients are reached and how their replies come back.
+
+    the client  (:func:`send`)
+        its trained uplink -> clipped to the round's bound, noised in ``local`` mode
+        (``privacy.*``) -> encoded as an update of what it received (``comm.uplink``)
+
+    the server  (:func:`receive`, then :meth:`ServerRound.finish`)
+        decoded onto what it sent -> its noise on the sum (``privacy.mode user``) ->
+        the method's aggregate (``server.weighting``) -> the server optimiser
+        (``server.optimizer``) -> the next clip bound (adaptive clipping) -> SCAFFOLD's
+        control -> the guard (a non-finite aggregate stops the run) -> the round's
+        records (its rate, its privacy, the analyzers' figures)
+
+A round that aggregates nothing (Poisson sampling drew no client; a deployment heard
+from fewer than ``deploy.min_results``) keeps the global state as it is and says why.
+
+Engines differ in one thing the pipeline is told rather than guesses: whether a
+client's control update can be lost on its way (``confirms_controls``). Over a network
+a reply can be lost or refused after the client moved its SCAFFOLD control, so the
+server records which rounds' control updates it applied and tells the client
+(:mod:`fedpeft.engines.scaffold`); in one process nothing is lost between a client and
+the server, and clients keep their controls at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fedpeft.config import CodecConfig, PrivacyConfig, ServerConfig, TrainConfig
+from fedpeft.engines import compress, guard, privacy, scaffold, schedule
+from fedpeft.engines.local import derive_seed
+from fedpeft.engines.server_opt import as_weighted, server_step
+from fedpeft.methods.base import FitResult, Method, ServerState, Tensors
+
+#: user- and local-level DP: the clients clip their updates, the accountant counts rounds
+CLIPPED_MODES = ("user", "local")
+
+
+# ---------------------------------------------------------------- the client's side
+
+
+@dataclass
+class Outgoing:
+    """A client's update as it leaves: the encoded ``message``, the ``residual`` it keeps
+    (error feedback; empty without it) and whether its update fitted within the clip
+    bound (the report adaptive clipping counts; True when nothing was clipped)."""
+
+    message: Tensors
+    residual: Tensors
+    fitted: bool = True
+
+
+def send(
+    method: Method,
+    privacy_cfg: PrivacyConfig,
+    codec: CodecConfig,
+    received: Tensors,
+    uplink: Tensors,
+    residual: Tensors,
+    *,
+    clip: float,
+    sigma: float,
+    seed: int,
+) -> Outgoing:
+    """The client's side of round's uplink: ``uplink`` (what it trained) clipped to ``clip``
+    and, in ``local`` mode, noised at ``sigma`` (``privacy.*``), then encoded as an update
+    of ``received`` plus the client's ``residual`` (``comm.uplink``). ``seed``: the
+    client's round seed (:func:`~fedpeft.engines.local.derive_seed`)."""
+    fitted = True
+    if privacy_cfg.mode in CLIPPED_MODES:
+        origin = privacy.reference(method, received, uplink)
+        out = privacy.privatise(privacy_cfg, uplink, origin, clip, sigma, seed, method.name)
+        uplink, fitted = out.uplink, out.fitted
+    sent = compress.send_update(uplink, received, residual, codec, compress.message_seed(seed))
+    return Outgoing(sent.message, sent.residual, fitted)
+
+
+def receive(message: Tensors, sent: Tensors, codec: CodecConfig, seed: int) -> Tensors:
+    """The server's side: a client's ``message`` decoded onto ``sent``, what the client
+    received (``seed``: the client's round seed, as :func:`send` had it)."""
+    return compress.receive_update(message, sent, codec, compress.message_seed(seed))
+
+
+# ---------------------------------------------------------------- the server's side
+
+
+@dataclass
+class Round:
+    """What round ``number`` runs under, fixed as it starts: its training settings (its rate
+    under ``train.lr_schedule``), the clip bound its clients clip to, and the epsilon spent
+    once it is released (user and local DP; None otherwise)."""
+
+    number: int
+    train: TrainConfig
+    clip: float
+    spent: float | None = None
+
+    @property
+    def lr(self) -> float:
+        return self.train.lr
+
+
+@dataclass
+class Returned:
+    """One client's decoded update, as the server aggregates it: the ``result`` (its uplink
+    decoded), what it is an update of (``reference``: what the client received, with
+    zeros for the method's messages) and, when the client reported it, whether its
+    update fitted within the clip bound (adaptive clipping's report; None: not said)."""
+
+    result: FitResult
+    reference: Tensors
+    fitted: bool | None = None
+
+
+class ServerRound:
+    """The server's half of every round, for one method and one run's settings.
+
+    ``accountant``: user or local DP's (:func:`fedpeft.engines.privacy.accountant_for`);
+    ``clients``: all N clients (SCAFFOLD's control moves by ``sum(dc_i) / N``);
+    ``confirms_controls``: see the module's docstring; ``analyzers``: name -> f(previous
+    global tensors, new ones), recorded every round that aggregates."""
+
+    def __init__(
+        self,
+        method: Method,
+        train: TrainConfig,
+        server: ServerConfig,
+        privacy_cfg: PrivacyConfig,
+        *,
+        seed: int,
+        clients: int,
+        accountant: privacy.Accountant | None = None,
+        confirms_controls: bool = False,
+        analyzers: dict[str, Callable[[Tensors, Tensors], dict]] | None = None,
+    ):
+        self.method, self.train, self.server_cfg, self.privacy = method, train, server, privacy_cfg
+        self.seed, self.clients, self.accountant = seed, clients, accountant
+        self.confirms_controls = confirms_controls
+        self.analyzers = analyzers or {}
+        #: privacy.mode sample: DP-SGD's accountant (the engine builds it from its clients)
+        self.sample_accountant: privacy.SampleAccountant | None = None
+
+    def begin(self, rnd: int, server: ServerState) -> Round:
+        """Round ``rnd``'s settings; a :class:`~fedpeft.engines.privacy.PrivacyBudgetExceeded`
+        when releasing it would spend more than the budget allows."""
+        spent = None
+        if self.accountant is not None and self.privacy.mode in CLIPPED_MODES:
+            spent = privacy.check_budget(self.privacy, self.accountant, rnd)
+        clip = privacy.current_clip(self.privacy, server)
+        return Round(rnd, schedule.for_round(self.train, rnd), clip, spent)
+
+    def finish(
+        self,
+        step: Round,
+        server: ServerState,
+        returned: list[Returned],
+        record: dict,
+        done: list[dict],
+        *,
+        skip: str | None = None,
+        count: int | None = None,
+    ) -> ServerState:
+        """The global state after round ``step``: ``returned`` aggregated in the pipeline's
+        order, or ``server`` unchanged when the engine says why not (``skip``). Writes the
+        round's figures into ``record`` (``done``: the records before it); ``count``: the
+        clients behind ``returned`` when they are fewer than its results (SecAgg+ returns
+        their mean as one)."""
+        if schedule.scheduled(self.train):
+            record["lr"] = step.lr
+        if self.sample_accountant is not None:  # what the clients' own DP-SGD steps spent
+            record["privacy"] = privacy.sample_record(self.privacy, self.sample_accountant, done, record)
+        if skip is not None:
+            record["skipped"] = skip
+            if self.privacy.mode in CLIPPED_MODES:  # released all the same: the unchanged model
+                record["privacy"] = {"epsilon": step.spent, "delta": self.privacy.delta, "clip": step.clip}
+            return server
+        new = self._aggregate(step, server, returned, record, count)
+        for name, analyze in self.analyzers.items():  # of what was aggregated: none in a skipped round
+            record[name] = analyze(server.tensors, new.tensors)
+        return new
+
+    def _aggregate(
+        self, step: Round, server: ServerState, returned: list[Returned], record: dict, count: int | None
+    ) -> ServerState:
+        results, next_clip = [r.result for r in returned], None
+        if self.privacy.mode in CLIPPED_MODES:  # the server's noise, before the method aggregates
+            results, noted, next_clip = self._noised(step, returned, count)
+            record["privacy"] = {"epsilon": step.spent, "delta": self.privacy.delta, **noted}
+        aggregated = self.method.aggregate(server, as_weighted(self.server_cfg, results), step.number)
+        new = server_step(self.server_cfg, server, aggregated)
+        if next_clip is not None:  # adaptive clipping's bound: server state, never sent
+            new = privacy.with_clip(new, next_clip)
+        if scaffold.enabled(self.method):
+            updates = [r.control for r in results]
+            new = scaffold.update_control(self.method, server, new, updates, self.clients)
+            if self.confirms_controls:
+                new = scaffold.mark_applied(new, [r.result.cid for r in returned], step.number)
+        guard.check_aggregate(step.number, new, step.lr, server)
+        return new
+
+    def _noised(
+        self, step: Round, returned: list[Returned], count: int | None
+    ) -> tuple[list[FitResult], dict, float | None]:
+        """The results after the server's side of ``privacy.mode``, its record (``clipped``
+        only when every client said whether it fitted) and the next clip bound."""
+        assert self.accountant is not None
+        said = [r.fitted for r in returned]
+        seed = derive_seed(self.seed, step.number, privacy.SERVER_STREAM)
+        results, noted, next_clip = privacy.server_side(
+            self.privacy,
+            [r.result for r in returned],
+            [r.reference for r in returned],
+            [True if f is None else f for f in said],
+            step.clip,
+            self.accountant.per_round,
+            self.accountant.sigma,
+            seed,
+            count,
+        )
+        if None in said:  # the count of clipped updates is not the server's to know
+            noted.pop("clipped")
+        return results, {"noise_multiplier": self.accountant.sigma, **noted}, next_clip

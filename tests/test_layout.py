@@ -1,0 +1,112 @@
+"""The package's shape (docs/architecture.md): imports that flow one way, files a reader
+can hold in mind, one module for each step of the server's round."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+MODULES = {
+    ".".join(path.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__"): path
+    for path in sorted((SRC / "fedpeft").rglob("*.py"))
+}
+
+
+def module_of(name: str) -> str | None:
+    """The module of ``src/`` that importing ``name`` loads (a name inside a module: that module)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(path: Path) -> set[str]:
+    """The fedpeft modules ``path`` imports, at module level or inside functions; an import
+    under ``if TYPE_CHECKING:`` is for annotations only and is left out."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for node in ast.walk(block)
+    }
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {
+                module_of(f"{node.module}.{alias.name}") or module_of(node.module) for alias in node.names
+            }
+        elif isinstance(node, ast.Import):
+            found |= {module_of(alias.name) for alias in node.names}
+    return {m for m in found if m is not None}
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of ``graph`` with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[set[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.add(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(component)
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def test_no_import_circle_spans_more_than_two_modules():
+    graph = {name: imports_of(path) - {name} for name, path in MODULES.items()}
+    assert len(graph) > 100 and sum(map(len, graph.values())) > 300  # the graph was read
+    circles = [sorted(c) for c in import_circles(graph) if len(c) > 2]
+    assert not circles, f"import circles: {circles}"
+
+
+def test_the_circle_finder_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_circles(graph) == [{"a", "b", "c"}]
+
+
+def test_no_source_file_is_over_600_lines():
+    long = {
+        str(p.relative_to(SRC)): n for p in MODULES.values() if (n := len(p.read_text().splitlines())) > 600
+    }
+    assert not long, f"files over 600 lines: {long}"
+
+
+@pytest.mark.parametrize(
+    "call", ["server_step(", "guard.check_aggregate(", "privacy.server_side(", "scaffold.update_control("]
+)
+def test_each_step_of_the_servers_round_is_called_from_one_module(call):
+    """The round pipeline (``engines/round.py``) calls them; every engine calls it."""
+    callers = sorted(
+        name
+        for name, path in MODULES.items()
+        if any(call in line and "def " not in line for line in path.read_text().splitlines())
+    )
+    assert callers == ["fedpeft.engines.round"]
