@@ -155,8 +155,7 @@ def engine_round(model, method, initial, clients, size: int, device) -> float:
     server = method.init_server(model)
     sync(device)
     start = time.perf_counter()
-    results, _ = engine.fit_round(server, 1)
-    method.aggregate(server, results, 1)
+    engine.train_round(server, 1)
     sync(device)
     return time.perf_counter() - start
 

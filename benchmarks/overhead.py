@@ -64,8 +64,7 @@ def main() -> None:
     sampled = sample_clients(cfg.seed, 1, len(setup.clients), args.clients)
 
     def engine_round() -> None:
-        results, _ = engine.fit_round(server, 1)
-        setup.method.aggregate(server, results, 1)
+        engine.train_round(server, 1)
 
     engine_round()  # warm-up: first-touch allocations, kernel selection
     t_engine, t_plain = [], []

@@ -66,7 +66,7 @@ def main() -> None:
     engine = InProcessEngine(
         model, method, [ClientData(c, rows, rows) for c in range(args.per_round)], rows, warm
     )
-    engine.fit_round(method.init_server(model), 1)
+    engine.train_round(method.init_server(model), 1)
     out = []
     for count in [int(c) for c in args.clients.split(",")]:
         directory = work / f"{count}" / STORE_DIR
@@ -86,8 +86,7 @@ def main() -> None:
             server, times = method.init_server(model), []
             for rnd in range(1, args.rounds + 1):
                 t0 = time.perf_counter()
-                results, _ = engine.fit_round(server, rnd)
-                server = method.aggregate(server, results, rnd)
+                server, _, _ = engine.train_round(server, rnd)
                 ckpt = Checkpoint(rnd, "scale", server, store, [], [])
                 save_checkpoint(directory.parent / "checkpoint.pt", ckpt)
                 times.append(time.perf_counter() - t0)

@@ -344,6 +344,18 @@ class InProcessEngine:
             **({"client_readout": readouts} if readouts else {}),
         }
 
+    def train_round(self, server: ServerState, rnd: int) -> tuple[ServerState, list[FitResult], dict]:
+        """Round ``rnd`` from ``server`` without its evaluation (what the benchmarks time): the
+        clients' local rounds and the server's update through the round pipeline; the new
+        state, the results as aggregated and the round's record so far."""
+        step = self.rounds.begin(rnd, server)
+        self.method.train, self.lr = step.train, step.lr  # the round's rate
+        returned, record = self.fit_round(server, step)
+        skip = None if returned else "no client drawn (train.client_sampling: poisson)"
+        new = self.rounds.finish(step, server, returned, record, [], skip=skip)
+        self.forget_loaded()
+        return new, [r.result for r in returned], record
+
     def attacked(self, job: Job, result: FitResult, rnd: int) -> FitResult:
         """``result`` as a faulty client sends it (``faults.attack``, a model attack), else as it is."""
         if result.cid not in self.faulty or self.faults.attack == "label_flip":
