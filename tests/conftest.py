@@ -14,6 +14,11 @@ import torch
 
 from fedpeft.config import ExperimentConfig, parse_config, set_dotted
 
+# The shared helpers (tests/helpers/) assert too: rewrite them as pytest rewrites tests.
+pytest.register_assert_rewrite("tests.helpers")
+
+from tests.helpers.configs import TINY, TINY_CHAT_TEMPLATE  # noqa: E402
+
 # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine a
 # second spinning OpenMP thread turns microsecond matmuls into milliseconds.
 torch.set_num_threads(1)
@@ -41,17 +46,6 @@ def tiny_backbone(tmp_path_factory) -> Path:
     return out
 
 
-TINY = {
-    "name": "tiny",
-    "seed": 3,
-    "data": {"source": "wordnet", "max_samples": 300, "max_test_samples": 60, "max_length": 16},
-    "partition": {"scheme": "dirichlet", "num_clients": 4, "alpha": 0.5, "min_size": 10},
-    "train": {"rounds": 2, "clients_per_round": 2, "local_steps": 2, "batch_size": 8, "lr": 0.01},
-    "eval": {"every": 1, "batch_size": 64},
-    "log": {"plots": False},  # drawing a tiny run's figures takes longer than training it
-}
-
-
 @pytest.fixture
 def tiny_config(tiny_backbone, tmp_path):
     """``make(**dotted_overrides) -> ExperimentConfig`` for a seconds-long experiment."""
@@ -65,13 +59,6 @@ def tiny_config(tiny_backbone, tmp_path):
         return parse_config(data, "tiny")
 
     return make
-
-
-#: A chat template for the tiny decoder (its tokenizer, MiniLM's, has none).
-TINY_CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} [SEP] {% endfor %}"
-    "{% if add_generation_prompt %}assistant : {% endif %}"
-)
 
 
 @pytest.fixture(scope="session")
@@ -102,3 +89,13 @@ def tiny_decoder(tmp_path_factory) -> Path:
     LlamaForCausalLM(cfg).save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+@pytest.fixture
+def forget_nodes():
+    """Nodes live in the ClientApp module's cache; drop them (and their models) after each
+    test. Modules that run a fake federation (tests/helpers/flower.py) use it for every test."""
+    yield
+    from fedpeft.flower import apps
+
+    apps._nodes.clear()

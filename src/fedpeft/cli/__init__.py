@@ -7,7 +7,7 @@ every command is top-level: ``fedpeft serve``, not ``fedpeft deploy serve``.
 
 Importing this package, ``fedpeft --help`` and a config's errors load no model library
 (torch, transformers, flwr, ...): a command imports what it needs when it runs
-(tests/test_cli_help.py checks it). Its help is plain, rewrapped text
+(tests/cli/test_help.py checks it). Its help is plain, rewrapped text
 (:mod:`fedpeft.cli.help`).
 """
 

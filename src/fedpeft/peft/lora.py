@@ -15,7 +15,7 @@ from torch import nn
 from fedpeft.config.methods.specs import LoraSpec
 
 #: The attention's query and value projections (the papers' ``query``/``value``) in each
-#: family fedpeft has checked (tests/test_decoder_families.py builds a tiny one of each);
+#: family fedpeft has checked (tests/models/test_decoder_families.py builds a tiny one of each);
 #: a fused projection (Phi-3's ``qkv_proj``, GPT-2's ``c_attn``) is adapted whole.
 QUERY_VALUE = {
     **dict.fromkeys(

@@ -7,7 +7,7 @@ trainable modules: LoRA, adapters, prompts, ...) and ``ranks`` (heterogeneous Lo
 Only pydantic here, no torch: a config is read and checked, and ``fedpeft --help``
 answers, without loading a model library. The methods themselves (:mod:`fedpeft.methods`)
 import their config class from here; ``fedpeft.methods.REGISTRY`` names the same methods
-with the same config classes (tests/test_config.py checks it).
+with the same config classes (tests/config/test_config.py checks it).
 
 ``CONFIGS`` (``method.name`` -> config class, in ``fedpeft.methods.REGISTRY``'s order) and
 each class by its name (``FedLRConfig``, ...) are read from the registry on first use, which

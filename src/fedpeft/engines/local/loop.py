@@ -20,7 +20,7 @@ Clients of a cohort differ in data: each step's batches are padded to the cohort
 widest and longest (padded rows weigh 0 in the loss, padded tokens are masked), and a
 client that has taken all its steps is inactive: its tensors and optimizer state do
 not move. So a cohort gives every client the same round it would have alone, up to the
-float rounding of padded reductions (see ``tests/test_cohort.py`` for the tolerance).
+float rounding of padded reductions (see ``tests/engines/test_cohort.py`` for the tolerance).
 
 Randomness: each client's batches come from its own seeded generator, as alone. A model
 with active dropout cannot give the same draws batched and alone, so it trains its

@@ -1,0 +1,31 @@
+"""``benchmarks/decoders.py``'s random decoder (its 1 B row runs on a GPU only): the same
+code path at a tiny shape writes a decoder that fedpeft loads and trains."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from decoders import SHAPE_1B, random_decoder  # noqa: E402
+
+from fedpeft.experiment import run  # noqa: E402
+from fedpeft.report.results import read_records  # noqa: E402
+from tests.helpers.configs import lm_config
+
+
+@pytest.mark.slow  # writes and trains a decoder with SmolLM2's tokenizer: about 10 s
+def test_a_random_decoder_of_any_shape_loads_and_trains(tiny_config, tmp_path):
+    tiny = {**SHAPE_1B, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+    path = random_decoder(tmp_path / "random", tiny)
+    assert random_decoder(tmp_path / "random", tiny) == path  # written once
+    cfg = lm_config(tiny_config, path, **{"train.rounds": 1, "eval.every": 1, "data.max_length": 160})
+    run(cfg)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    # random weights: the next-token loss of a near-uniform guess over SmolLM2's vocabulary
+    assert read_records(cfg.output_dir)[-1]["loss"] == pytest.approx(math.log(vocab), abs=1.0)

@@ -1,0 +1,1 @@
+"""Tests of the ``fedpeft`` command line (``fedpeft.cli``)."""

@@ -1,0 +1,151 @@
+"""Folded cohorts (issue 36, item 2): the frozen backbone runs once on the cohort's
+batches folded into one, only the trained tensors per client (``fedpeft.engines.local.folding``).
+
+A folded cohort gives each client the round it gets alone, to float rounding: the same
+tolerances as a vmapped cohort (``tests/engines/test_cohort.py``), on a tiny BERT classifier and
+a tiny random Llama, and on that Llama quantised to NF4 (bitsandbytes' CPU kernels, which
+vmap cannot batch) within the tolerance stated there."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from fedpeft.config import ConfigError
+from fedpeft.engines.local import fold_refusal, predict_cohort
+from fedpeft.engines.local.folding import ClientAxis, fold
+from fedpeft.experiment import build, make_engine
+from fedpeft.models.causal import SCORED
+from tests.helpers.cohort import assert_cohort_equals_alone, round_jobs
+from tests.helpers.configs import MIXED_RANKS, lm_config
+
+FOLDS = ["fedlr", "federa", "fedbf", "fedap", "fdlora", "local", "centralized", "flexlora", "lorafair"]
+
+
+def test_a_stacked_linear_and_layer_norm_run_each_clients_rows_with_its_tensors():
+    torch.manual_seed(0)
+    clients, rows, width = 3, 4, 5
+    x = torch.randn(clients * rows, 2, width)
+    weight, bias = torch.randn(clients, 6, width), torch.randn(clients, 6)
+    scale, shift = torch.randn(clients, width), torch.randn(clients, width)
+    with ClientAxis(clients):
+        linear = torch.nn.functional.linear(x, weight, bias)
+        shared_weight = torch.nn.functional.linear(x, weight[0], bias)  # BitFit: only the bias stacked
+        norm = torch.nn.functional.layer_norm(x, (width,), scale, shift)
+        plain = torch.nn.functional.linear(x, weight[0])  # nothing stacked: as it is
+    parts = x.view(clients, rows, 2, width)
+    for c in range(clients):
+        at = slice(c * rows, (c + 1) * rows)
+        torch.testing.assert_close(linear[at], torch.nn.functional.linear(parts[c], weight[c], bias[c]))
+        torch.testing.assert_close(
+            shared_weight[at], torch.nn.functional.linear(parts[c], weight[0], bias[c])
+        )
+        torch.testing.assert_close(
+            norm[at], torch.nn.functional.layer_norm(parts[c], (width,), scale[c], shift[c])
+        )
+    torch.testing.assert_close(plain, torch.nn.functional.linear(x, weight[0]))
+
+
+def test_folding_offsets_each_clients_scored_positions_and_keeps_padding():
+    ids = torch.zeros(2, 3, 4, dtype=torch.long)  # 2 clients x 3 rows x 4 tokens
+    scored = torch.tensor([[0, 5, -1], [2, 11, 7]])
+    folded = fold({"input_ids": ids, "attention_mask": ids, SCORED: scored})
+    assert folded["input_ids"].shape == (6, 4)
+    assert folded[SCORED].tolist() == [0, 5, -1, 14, 23, 19]
+
+
+@pytest.mark.parametrize("name", FOLDS)
+def test_a_folded_cohort_equals_one_at_a_time(tiny_config, name):
+    """Clients of different step counts, folded: each gets its round alone; a client that
+    finishes early stays put."""
+    cfg = tiny_config(method={"name": name, **MIXED_RANKS.get(name, {})},
+                      **{"train.local_steps": None, "train.local_epochs": 1, "train.optimizer_state": "keep",
+                         "train.cohort_mode": "folded"})  # fmt: skip
+    setup = build(cfg)
+    assert fold_refusal(setup.method, setup.model) == ""
+    cids = list(range(len(setup.clients)))
+    sizes = {-(-len(setup.clients[c].train) // cfg.train.batch_size) for c in cids}
+    assert len(sizes) > 1, "want clients with different step counts"
+    assert_cohort_equals_alone(setup, cids, name)
+
+
+def test_a_folded_cohort_runs_the_models_own_attention_kernel(tiny_config, monkeypatch):
+    """Folded, the backbone is not vmapped: SDPA runs once per layer and step for the whole
+    cohort (vmap would loop it over the clients, so a vmapped cohort uses eager attention)."""
+    setup = build(tiny_config(**{"train.local_steps": 2, "train.cohort_mode": "folded"}))
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    counted = lambda *a, **k: calls.append(a[0].shape) or sdpa(*a, **k)  # noqa: E731
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+    jobs = round_jobs(setup, [0, 1, 2])
+    setup.method.fit_cohort(setup.model, jobs)
+    layers = setup.model.backbone.config.num_hidden_layers
+    assert len(calls) == 2 * layers
+    assert calls[0][0] == 3 * setup.cfg.train.batch_size  # the three clients' rows, folded
+
+
+def test_fedprox_and_scaffold_fold_too(tiny_config):
+    """The update after the gradients (FedProx's pull, SCAFFOLD's correction, the optimizer)
+    is each client's own, vmapped, in a folded cohort as in a vmapped one."""
+    cfg = tiny_config(**{"train.local_steps": 3, "train.prox_mu": 0.5, "train.cohort_mode": "folded"})
+    setup = build(cfg)
+    assert_cohort_equals_alone(setup, [0, 1, 2], "fedlr+fedprox")
+    cfg = tiny_config(**{"train.local_steps": 3, "train.optimizer": "sgd", "train.lr": 0.05,
+                         "train.correction": "scaffold", "train.cohort_mode": "folded"})  # fmt: skip
+    setup = build(cfg)
+    jobs = round_jobs(setup, [0, 1, 2])
+    control = {n: 0.01 * torch.ones_like(t) for n, t in jobs[0].received.items()}
+    for job in jobs:
+        job.control = copy.deepcopy(control)
+    assert_cohort_equals_alone(setup, [0, 1, 2], "fedlr+scaffold", jobs=jobs)
+
+
+@pytest.mark.parametrize("name", ["compacter", "prompt_tuning", "c2a", "ditto"])
+def test_methods_that_cannot_fold_say_why_and_a_folded_run_of_them_is_refused(tiny_config, name):
+    setup = build(tiny_config(method={"name": name}))
+    why = fold_refusal(setup.method, setup.model)
+    assert why.startswith(f"method {name} ")
+    with pytest.raises(ConfigError, match=f"train.cohort_mode folded: method {name} "):
+        make_engine(build(tiny_config(method={"name": name}, **{"train.cohort_mode": "folded"})), None)
+
+
+def test_a_folded_causal_lm_cohort_equals_one_at_a_time(tiny_config, tiny_decoder):
+    """A tiny random Llama with LoRA: the response-token loss at each client's scored
+    positions, folded (its SCORED positions offset per client)."""
+    setup = build(
+        lm_config(tiny_config, tiny_decoder, **{"train.cohort_mode": "folded", "train.local_steps": 3})
+    )
+    assert_cohort_equals_alone(setup, [0, 1, 2], "fedlr causal_lm")
+
+
+def test_a_quantised_decoder_trains_folded_cohorts(tiny_config, tiny_decoder):
+    """NF4 (bitsandbytes' CPU kernels, which vmap cannot batch): ``cohort_mode: auto``
+    folds, and each client gets its round alone to float rounding: the 4-bit matmul
+    dequantises and multiplies the same numbers folded or not, but in different blocks,
+    so the loss agrees to 1e-5 and the tensors to 1e-4 (Adam: as test_cohort says)."""
+    cfg = lm_config(tiny_config, tiny_decoder, **{"model.quantization": "nf4", "train.cohort_size": 3,
+                                                   "train.local_steps": 3})  # fmt: skip
+    setup = build(cfg)
+    engine = make_engine(setup, None)
+    assert engine.cohort_size == 3
+    assert_cohort_equals_alone(setup, [0, 1, 2], "fedlr nf4")
+
+
+def test_a_quantised_classifier_scores_clients_folded(tiny_config):
+    """Scoring a cohort of client models on a quantised backbone folds too (vmap cannot):
+    the same predictions as each model alone."""
+    setup = build(tiny_config(**{"model.quantization": "nf4"}))
+    model, method = setup.model, setup.method
+    server = method.init_server(model)
+    states = []
+    for shift in (0.0, 0.5, -0.5):
+        state = {n: t + shift * torch.randn_like(t) for n, t in method.downlink(server, 0).items()}
+        states.append(state)
+    data = setup.clients[0].train
+    together = predict_cohort(model, states, data, batch_size=8)
+    for state, preds in zip(states, together, strict=True):
+        (alone,) = predict_cohort(model, [state], data, batch_size=8)
+        assert (preds == alone).all()
+    assert not (together[1] == together[2]).all()  # the states differ, so do their predictions

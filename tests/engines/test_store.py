@@ -1,0 +1,123 @@
+"""The client store: personal states in RAM within a budget, spilled to disk beyond it."""
+
+from __future__ import annotations
+
+import gc
+
+import psutil
+import pytest
+import torch
+
+from fedpeft.engines import checkpoint as C
+from fedpeft.engines.store import ClientStore, StoreError
+from fedpeft.experiment import build, fingerprint, run
+from fedpeft.report.results import read_records
+from tests.helpers.runs import Killed, die_on_fit, round_scores
+
+
+def _state(cid: int, floats: int = 1000) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(cid)
+    return {"a": torch.randn(floats, generator=g), "b": torch.randn(3, 2, generator=g).double()}
+
+
+def test_spilled_states_come_back_bit_identical(tmp_path):
+    one = sum(t.numel() * t.element_size() for t in _state(0).values())
+    store = ClientStore(tmp_path, budget=10 * one)
+    for cid in range(100):
+        store[cid] = _state(cid)
+        assert store.bytes <= 10 * one
+    assert store.spilled == 90 and len(store) == 100 and len(store.memory) == 10
+    for cid in [5, 99, 0, 42]:
+        state = store[cid]
+        for key, value in _state(cid).items():
+            assert torch.equal(state[key], value) and state[key].dtype == value.dtype
+    assert store.loaded == 3  # 99 was still in memory
+    store[7] = {}  # an empty state needs no file
+    assert store[7] == {} and 7 in store
+
+
+def test_a_state_reads_back_in_name_order_from_memory_and_from_its_file(tmp_path):
+    """A safetensors file does not keep its tensors' order, so the store hands every state
+    back in name order: the same order before and after a spill (a norm summed over a
+    state's tensors, as gradient clipping sums, then does not change on a resume)."""
+    names = ["own.z", "b.lora_B", "a.lora_A", "head.weight", "m.0", "m.10", "m.2"]
+    state = {n: torch.full((2,), float(i)) for i, n in enumerate(names)}
+    store = ClientStore(tmp_path, budget=1)  # every state but the newest spills
+    store[0] = state
+    assert list(store[0]) == sorted(names)
+    store[1] = {"x": torch.zeros(1)}  # evicts client 0 to its file
+    assert 0 not in store.memory
+    back = store[0]
+    assert list(back) == sorted(names) and store.loaded == 1
+    for n in names:
+        assert torch.equal(back[n], state[n])
+
+
+def test_budget_bounds_resident_memory(tmp_path):
+    """2,000 states of 256 KiB (500 MiB in all) through a 16 MiB store: resident memory
+    grows by about the budget, not by the states' total."""
+    gc.collect()
+    rss = psutil.Process().memory_info().rss
+    store = ClientStore(tmp_path, budget=16 * 2**20)
+    for cid in range(2000):
+        store[cid] = {"a": torch.full((64 * 1024,), float(cid))}
+    grown = psutil.Process().memory_info().rss - rss
+    assert grown < 64 * 2**20, f"resident memory grew by {grown / 2**20:.0f} MiB"
+    assert store.disk_bytes() > 450 * 2**20
+    assert float(store[1234]["a"][0]) == 1234.0
+
+
+def test_commit_keeps_the_checkpointed_files_until_the_next_one(tmp_path):
+    store = ClientStore(tmp_path, budget=None)
+    store[1], store[2] = _state(1), _state(2)
+    index = store.commit()
+    store.collect()
+    store[1] = _state(11)  # a newer state
+    second = store.commit()  # ... written for the next checkpoint
+    old = tmp_path / index[1]
+    assert old.is_file()  # still named by the last good checkpoint until collect()
+    store.collect()  # (the next checkpoint is safely written)
+    assert not old.is_file()
+    store[2] = _state(22)  # a state written after that checkpoint, then an interruption
+    store.commit()
+    # A resume from the second index gets exactly its states back; the newer file is removed.
+    reopened, resets = ClientStore.open(tmp_path, second)
+    assert resets == {}
+    assert torch.equal(reopened[1]["a"], _state(11)["a"]) and torch.equal(reopened[2]["a"], _state(2)["a"])
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.glob("*/*")) == sorted(second.values())
+
+
+def test_missing_store_file_is_a_clear_resume_error(tiny_config):
+    cfg = tiny_config(method={"name": "pf2lora"})
+    run(cfg)
+    for path in (cfg.output_dir / C.STORE_DIR).glob("*/*"):
+        path.unlink()
+    with pytest.raises(StoreError, match=r"client \d+: .*clients/.*safetensors is missing"):
+        C.load_checkpoint(cfg.output_dir / "checkpoint.pt", fingerprint(cfg))
+
+
+# the spilling budget (~13 s) in the slow tier: the default tier's 10 minutes (CI runs both)
+@pytest.mark.parametrize("budget_mb", [pytest.param(0.001, marks=pytest.mark.slow), None])
+def test_interrupted_run_with_a_spilling_store_resumes_exactly(tiny_config, tmp_path, budget_mb):
+    """PF2LoRA's personal adapters and kept Adam state through a store far smaller than
+    one client's state (every state spills) or without a budget; the run is killed in
+    round 3 and resumed: the same records as uninterrupted."""
+    common = {
+        "method": {"name": "pf2lora"},
+        "train.rounds": 4,
+        "train.optimizer_state": "keep",
+        "train.client_memory_mb": budget_mb,
+    }
+    straight = tiny_config(**common, output_dir=str(tmp_path / "straight"))
+    broken = tiny_config(**common, output_dir=str(tmp_path / "broken"))
+    run(straight)
+    setup = build(broken)
+    die_on_fit(setup)
+    with pytest.raises(Killed):
+        run(broken, setup=setup)
+    run(broken, resume=True)
+    assert round_scores(read_records(straight.output_dir)) == round_scores(read_records(broken.output_dir))
+    ckpt = C.load_checkpoint(broken.output_dir / "checkpoint.pt", fingerprint(broken))
+    assert isinstance(ckpt.personal, ClientStore) and len(ckpt.personal) > 0
+    files = list((broken.output_dir / C.STORE_DIR).glob("*/*"))
+    assert len(files) == len(ckpt.personal)  # one file per client: superseded ones deleted
