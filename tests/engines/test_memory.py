@@ -79,11 +79,12 @@ def _measure(backbone: str, out: str) -> dict:
 
 @pytest.mark.slow  # about 70 s of a 2-core machine: a scale test, run by .ci/run
 def test_200_clients_share_one_backbone(tiny_backbone, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, __file__, str(tiny_backbone), str(tmp_path)],
+    proc = subprocess.run(  # a module of the tests package, run from the checkout's root
+        [sys.executable, "-m", "tests.engines.test_memory", str(tiny_backbone), str(tmp_path)],
         capture_output=True,
         text=True,
         check=False,
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads(proc.stdout.strip().splitlines()[-1])
