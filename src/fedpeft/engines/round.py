@@ -169,8 +169,8 @@ class ServerRound:
         """The global state after round ``step``: ``returned`` aggregated in the pipeline's
         order, or ``server`` unchanged when the engine says why not (``skip``). Writes the
         round's figures into ``record`` (``done``: the records before it); ``count``: the
-        clients behind ``returned`` when they are fewer than its results (SecAgg+ returns
-        their mean as one)."""
+        clients behind ``returned`` when they outnumber its results (SecAgg+ returns their
+        mean as one result)."""
         if schedule.scheduled(self.train):
             record["lr"] = step.lr
         if self.sample_accountant is not None:  # what the clients' own DP-SGD steps spent
