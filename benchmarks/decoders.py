@@ -104,7 +104,7 @@ def measure(row: dict, args: argparse.Namespace) -> dict:
     import torch
 
     from fedpeft.config import load_config
-    from fedpeft.engines.local import Job, enable_checkpointing, needs_plain_autograd
+    from fedpeft.engines.local import Job, RoundContext, enable_checkpointing, needs_plain_autograd
     from fedpeft.engines.memory import measure_peak_cuda, measure_peak_rss, release_free_heap
     from fedpeft.experiment import attach_method, place
     from fedpeft.models.backbone import build_model
@@ -135,8 +135,8 @@ def measure(row: dict, args: argparse.Namespace) -> dict:
     shared = {n: initial[n] for n in method.shared_names}
 
     def round_of(steps: int):
-        method.train = cfg.train.model_copy(update={"local_steps": steps})
-        method.fit_cohort(model, [Job(shared, {}, c, c.cid) for c in cohort])
+        context = RoundContext(cfg.train.model_copy(update={"local_steps": steps}))
+        method.fit_cohort(model, [Job(shared, {}, c, c.cid, context=context) for c in cohort])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 

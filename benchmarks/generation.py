@@ -177,7 +177,7 @@ def print_throughput(
     ``args.repeats``."""
     import torch
 
-    from fedpeft.engines.local import Job, derive_seed
+    from fedpeft.engines.local import Job, RoundContext, derive_seed
     from fedpeft.experiment import build
 
     torch.set_num_threads(args.threads)
@@ -189,9 +189,8 @@ def print_throughput(
         method.messages.join(setup.model, method.messages.join_message(server))
         personal = method.init_client(setup.model, setup.initial, client)
         setups[name] = setup
-        jobs[name] = Job(
-            method.downlink(server, client.cid), personal, client, derive_seed(0, 1, client.cid), rnd=1
-        )
+        seed, context = derive_seed(0, 1, client.cid), RoundContext(method.train)
+        jobs[name] = Job(method.downlink(server, client.cid), personal, client, seed, rnd=1, context=context)
     seconds: dict[str, list[float]] = {n: [] for n in names}
     tokens: dict[str, float] = {}
     for rep in range(1 + args.repeats):

@@ -42,6 +42,7 @@ from plain_loop import plain_steps  # noqa: E402
 from fedpeft.config import load_config  # noqa: E402
 from fedpeft.data.task import Encoded, take_steps  # noqa: E402
 from fedpeft.engines.inprocess import InProcessEngine, Schedule  # noqa: E402
+from fedpeft.engines.local import RoundContext  # noqa: E402
 from fedpeft.experiment import place  # noqa: E402
 from fedpeft.methods import build_method  # noqa: E402
 from fedpeft.methods.base import ClientData, Job, load_tensors, read_tensors  # noqa: E402
@@ -139,7 +140,8 @@ def one_at_a_time(model, method, initial, train, clients, device) -> float:
 
 def cohort(model, method, initial, clients, device) -> float:
     """Seconds for the clients' rounds as one cohort (fedpeft's vmapped path)."""
-    jobs = [Job({n: initial[n] for n in method.shared_names}, {}, c, c.cid) for c in clients]
+    shared, context = {n: initial[n] for n in method.shared_names}, RoundContext(method.train)
+    jobs = [Job(shared, {}, c, c.cid, context=context) for c in clients]
     sync(device)
     start = time.perf_counter()
     method.fit_cohort(model, jobs)

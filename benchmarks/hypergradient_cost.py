@@ -19,7 +19,7 @@ import time
 import torch
 
 from fedpeft.config import load_config
-from fedpeft.engines.local import Job
+from fedpeft.engines.local import Job, RoundContext
 from fedpeft.experiment import build
 
 
@@ -42,7 +42,9 @@ def main() -> None:
 
     def local_round(bilevel: bool) -> float:
         method.cfg = method.cfg.model_copy(update={"bilevel": bilevel})
-        (result,) = method.fit_cohort(setup.model, [Job(received, personal, client, seed=0)])
+        (result,) = method.fit_cohort(
+            setup.model, [Job(received, personal, client, seed=0, context=RoundContext(method.train))]
+        )
         return result.metrics["time_step"]
 
     local_round(True)  # warm-up

@@ -131,6 +131,7 @@ def encoded(rows: int, length: int, vocab: int, seed: int = 0):
 
 def fedpeft(phase: str, rows: int, length: int) -> tuple[int, int | None]:
     """fedpeft's resident memory after loading and its peak during ``phase``."""
+    from fedpeft.engines.local import RoundContext
     from fedpeft.methods.base import ClientData, Job
     from fedpeft.metrics.scorers import scorer_for
 
@@ -138,7 +139,8 @@ def fedpeft(phase: str, rows: int, length: int) -> tuple[int, int | None]:
     vocab = model.backbone.config.vocab_size
     if phase == "step":
         client = ClientData(0, encoded(rows, length, vocab), encoded(1, length, vocab))
-        job = Job({n: initial[n] for n in method.shared_names}, {}, client, seed=0)
+        shared = {n: initial[n] for n in method.shared_names}
+        job = Job(shared, {}, client, seed=0, context=RoundContext(method.train))
 
         def run():
             method.fit_cohort(model, [job])

@@ -4,6 +4,7 @@ can hold in mind, one module for each step of the server's round."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,19 @@ def test_each_step_of_the_servers_round_is_called_from_one_module(call):
         if any(call in line and "def " not in line for line in path.read_text().splitlines())
     )
     assert callers == ["fedpeft.engines.round"]
+
+
+def test_no_engine_sets_a_methods_round_settings():
+    """The round's settings reach a method with each job (``Job.context``); nothing outside
+    ``fedpeft.methods`` assigns a method's ``train``, ``sample_dp`` or ``mean`` (the server's
+    rule comes with its construction, ``methods.build_method``)."""
+    assignment = re.compile(r"\b(?:method|self\.method|setup\.method)\.(train|sample_dp|mean)\s*=[^=]")
+    found = [
+        f"{name}:{i}"
+        for name, path in MODULES.items()
+        if not name.startswith("fedpeft.methods")
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if assignment.search(line)
+    ]
+    assert not found, f"a method's round settings assigned from outside: {found}"
+    assert assignment.search("self.method.train = step.train")  # what it looks for

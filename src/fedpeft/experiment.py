@@ -29,7 +29,7 @@ from fedpeft.engines.checkpoint import STORE_DIR, Checkpoints, ResumeError
 from fedpeft.engines.faults import faulty_clients, flip_labels
 from fedpeft.engines.guard import DivergedError, nonfinite_tensor
 from fedpeft.engines.inprocess import InProcessEngine, Schedule
-from fedpeft.engines.local import enable_checkpointing, fold_refusal
+from fedpeft.engines.local import cohort_mode, enable_checkpointing
 from fedpeft.engines.robust import combiner
 from fedpeft.engines.server_opt import check_composes
 from fedpeft.engines.store import ClientStore
@@ -185,7 +185,6 @@ def _build(cfg: ExperimentConfig, model: TaskModel | None, tokenizer) -> Setup:
     scaffold.check_composes(cfg, method)
     privacy.check_composes(cfg, method)
     compress.check_composes(cfg, method)
-    method.mean = combiner(cfg.server)
     device = place(model, cfg.train)
     if cfg.model.gradient_checkpointing:
         enable_checkpointing(model)
@@ -212,8 +211,9 @@ def _build(cfg: ExperimentConfig, model: TaskModel | None, tokenizer) -> Setup:
 def attach_method(cfg: ExperimentConfig, model: TaskModel) -> tuple[Method, Tensors]:
     """Build the configured method and let it prepare ``model`` (seeded, so every process
     that builds the same config holds the same initial adapters); returns the method and
-    the trainable tensors right after preparation."""
-    method = build_method(cfg.method, cfg.train, cfg.seed)
+    the trainable tensors right after preparation. Its server combines uplinks by
+    ``server.aggregation``'s rule where it takes their mean."""
+    method = build_method(cfg.method, cfg.train, cfg.seed, mean=combiner(cfg.server))
     if why := refusal(method, cfg.data.task):
         raise ConfigError(f"method.name {method.name}: not defined for data.task {cfg.data.task}; {why}")
     if cfg.train.precision == "fp16" and (why := refusal(method, "fp16")):
@@ -307,30 +307,17 @@ def pooled_schedule(setup: Setup) -> tuple[list[ClientData], int]:
 
 
 def cohort_size(cfg: ExperimentConfig, method: Method, model: torch.nn.Module) -> int | None:
-    """``train.cohort_size`` as the engine takes it (None: probe the device). On a
-    quantised backbone or with gradient checkpointing, whose steps run in plain autograd
-    (neither bitsandbytes' kernels nor checkpoints can be vmapped), a cohort trains folded
-    (:mod:`fedpeft.engines.local.folding`), as with ``train.cohort_mode: folded``; a method that
-    cannot fold then trains one client at a time."""
-    size, mode = cfg.train.cohort_size, cfg.train.cohort_mode
-    if cfg.model.quantization != "none":
-        why = f"model.quantization {cfg.model.quantization} (bitsandbytes' kernels cannot be vmapped)"
-    elif cfg.model.gradient_checkpointing:
-        why = "model.gradient_checkpointing (checkpoints cannot be vmapped)"
-    else:
-        why = ""
-    if mode == "vmap" and why:
-        raise ConfigError(f"train.cohort_mode vmap: {why}; use cohort_mode folded or auto")
-    folds = mode == "folded" or (mode == "auto" and why)
-    refusal = fold_refusal(method, model) if folds else ""
-    if not refusal:
+    """``train.cohort_size`` as the engine takes it (None: probe the device), refused here
+    when the cohort cannot train as asked (:func:`fedpeft.engines.local.cohort_mode`: a
+    quantised or checkpointed backbone's cohorts fold, and a method that cannot fold then
+    trains one client at a time)."""
+    size = cfg.train.cohort_size
+    mode = cohort_mode(method, model, cfg.train.cohort_mode, cfg.privacy.mode == "sample")
+    if mode.how != "alone":
         return None if size == "auto" else size
-    if mode == "folded":
-        raise ConfigError(f"train.cohort_mode folded: {refusal}; use cohort_mode vmap or auto")
     if size not in ("auto", 1):
         raise ConfigError(
-            f"train.cohort_size {size}: cohorts train folded with {why}, and {refusal}; use cohort_size 1 "
-            "or auto (one client at a time)"
+            f"train.cohort_size {size}: {mode.why}; use cohort_size 1 or auto (one client at a time)"
         )
     return 1
 
@@ -355,10 +342,10 @@ def make_engine(
             replace(c, train=flip_labels(c.train, setup.corpus.num_classes)) if c.cid in faulty else c
             for c in clients
         ]
+    train = cfg.train
     if setup.method.pooled:
         clients, steps = pooled_schedule(setup)
-        setup.method.train = cfg.train.model_copy(update={"local_steps": steps})
-        per_round = 1
+        train, per_round = cfg.train.model_copy(update={"local_steps": steps}), 1
     schedule = Schedule(
         rounds=cfg.train.rounds,
         clients_per_round=per_round,
@@ -401,7 +388,7 @@ def make_engine(
         store=client_store(cfg),
         scorer=scorer_for(cfg.data.task, setup.tokenizer, cfg.eval, setup.corpus),
         on_corrupt_state=cfg.train.on_corrupt_state,
-        lr=cfg.train.lr,
+        train=train,
         memory_check=cfg.train.memory_check,
         server=cfg.server,
         faults=cfg.faults,

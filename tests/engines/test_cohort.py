@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from fedpeft.data.task import IGNORE, Draw, Encoded, take_steps
-from fedpeft.engines.local import optimizer_init, predict_cohort
+from fedpeft.engines.local import RoundContext, optimizer_init, predict_cohort
 from fedpeft.engines.local.attention import eager_attention
 from fedpeft.engines.local.batches import CohortBatches
 from fedpeft.engines.local.optimizer import clip_gradients, optimizer_step
@@ -246,8 +246,8 @@ def test_fedprox_cohort_equals_one_at_a_time_and_autograd(tiny_config):
         opt.zero_grad()
     for name in method.shared_names:
         torch.testing.assert_close(result.uplink[name], named[name].detach(), atol=1e-5, rtol=1e-4)
-    method.train = method.train.model_copy(update={"prox_mu": 0.0})
-    (plain,) = method.fit_cohort(model, [copy.deepcopy(job)])
+    without = RoundContext(job.context.train.model_copy(update={"prox_mu": 0.0}))
+    (plain,) = method.fit_cohort(model, [dataclasses.replace(copy.deepcopy(job), context=without)])
     moved = max((result.uplink[n] - plain.uplink[n]).abs().max().item() for n in method.shared_names)
     assert moved > 1e-4  # the proximal term did pull
 
@@ -276,7 +276,12 @@ def _jobs_after_round_one(cfg):
     cids = list(range(len(setup.clients)))
     trained = set(read_records(cfg.output_dir)[0]["clients"])
     assert 0 < len(trained) < len(cids)
-    return setup, cids, [engine.job(engine.server, 2, cid)[0] for cid in cids], trained
+    return (
+        setup,
+        cids,
+        [engine.job(engine.server, engine.rounds.begin(2, engine.server), cid)[0] for cid in cids],
+        trained,
+    )
 
 
 @pytest.mark.parametrize("name", ["fdlora", "fedkd", "pf2lora", "fedlr"])

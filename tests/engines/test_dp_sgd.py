@@ -13,7 +13,7 @@ import torch
 from fedpeft.config import ConfigError
 from fedpeft.data.task import Draw
 from fedpeft.engines import privacy as DP
-from fedpeft.engines.local import Job, SampleDP
+from fedpeft.engines.local import Job, RoundContext, SampleDP
 from fedpeft.engines.local.attention import eager_attention
 from fedpeft.engines.local.dp import dp_noise, private_gradients
 from fedpeft.experiment import build, make_engine, run
@@ -145,12 +145,12 @@ def test_pf2loras_rows_each_take_a_bilevel_step_clipped_at_both_levels_together(
 def test_a_clients_noise_is_its_own_whatever_its_cohort(tiny_config):
     setup = build(tiny_config())
     method = setup.method
-    method.sample_dp = SampleDP(1.0, 1.0, 8)
+    context = RoundContext(method.train, SampleDP(1.0, 1.0, 8))
     params = {"w": torch.zeros(2, 50_000)}  # stacked: two clients' tensors
-    a = Job({}, {}, setup.clients[0], seed=11)
-    b = Job({}, {}, setup.clients[1], seed=12)
-    alone = next(dp_noise(method, [a], {"w": torch.zeros(1, 50_000)}, torch.device("cpu")))
-    together = next(dp_noise(method, [b, a], params, torch.device("cpu")))
+    a = Job({}, {}, setup.clients[0], seed=11, context=context)
+    b = Job({}, {}, setup.clients[1], seed=12, context=context)
+    alone = next(dp_noise(context, [a], {"w": torch.zeros(1, 50_000)}, torch.device("cpu")))
+    together = next(dp_noise(context, [b, a], params, torch.device("cpu")))
     assert torch.equal(together["w"][1], alone["w"][0])
     assert float(alone["w"].std()) == pytest.approx(1.0, rel=0.02)
 

@@ -9,12 +9,13 @@ vmap cannot batch) within the tolerance stated there."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 
 from fedpeft.config import ConfigError
-from fedpeft.engines.local import fold_refusal, predict_cohort
+from fedpeft.engines.local import CohortMode, RoundContext, cohort_mode, fold_refusal, predict_cohort
 from fedpeft.engines.local.folding import ClientAxis, fold
 from fedpeft.experiment import build, make_engine
 from fedpeft.models.causal import SCORED
@@ -149,3 +150,22 @@ def test_a_quantised_classifier_scores_clients_folded(tiny_config):
         (alone,) = predict_cohort(model, [state], data, batch_size=8)
         assert (preds == alone).all()
     assert not (together[1] == together[2]).all()  # the states differ, so do their predictions
+
+
+def test_how_a_cohort_trains_is_decided_in_one_place(tiny_config):
+    """``cohort_mode``: auto vmaps a plain backbone, folded folds a method that can, DP-SGD
+    cannot fold (refused naming privacy.mode), and a cohort of jobs from two rounds is refused."""
+    setup = build(tiny_config())
+    method, model = setup.method, setup.model
+    assert cohort_mode(method, model, "auto", dp_sgd=False) == CohortMode("vmap")
+    assert cohort_mode(method, model, "vmap", dp_sgd=True).how == "vmap"
+    assert cohort_mode(method, model, "folded", dp_sgd=False).how == "folded"
+    with pytest.raises(ConfigError, match=r"train\.cohort_mode folded: privacy\.mode sample"):
+        cohort_mode(method, model, "folded", dp_sgd=True)
+    with pytest.raises(ConfigError, match=r"train\.cohort_mode folded: privacy\.mode sample"):
+        make_engine(build(tiny_config(**{"train.cohort_mode": "folded", "privacy.mode": "sample",
+                                         "privacy.noise_multiplier": 1.0})), None)  # fmt: skip
+    a, b = round_jobs(setup, [0, 1])
+    later = replace(b, context=RoundContext(b.context.train.model_copy(update={"lr": 0.5})))
+    with pytest.raises(ValueError, match="different round contexts"):
+        method.fit_cohort(model, [a, later])

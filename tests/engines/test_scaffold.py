@@ -9,7 +9,7 @@ import torch
 from fedpeft.config import ConfigError, TrainConfig
 from fedpeft.data.task import Encoded
 from fedpeft.engines.inprocess import InProcessEngine, Schedule
-from fedpeft.engines.local import CONTROL, Job, row_mean
+from fedpeft.engines.local import CONTROL, Job, RoundContext, row_mean
 from fedpeft.engines.scaffold import PREFIX
 from fedpeft.experiment import build
 from fedpeft.methods.base import ClientData, Method, MethodConfig
@@ -107,10 +107,10 @@ def test_a_cohort_trains_each_client_as_alone(tiny_config, tmp_path):
     method, model = setup.method, setup.model
     received = {n: setup.initial[n] for n in method.shared_names}
     control = {n: torch.randn_like(t) * 0.01 for n, t in received.items()}
-    jobs = []
+    jobs, context = [], RoundContext(method.train)
     for client in setup.clients[:3]:
         own = {CONTROL + n: torch.randn_like(t) * 0.01 for n, t in received.items()}
-        jobs.append(Job(received, own, client, seed=client.cid + 7, rnd=2, control=control))
+        jobs.append(Job(received, own, client, seed=client.cid + 7, rnd=2, control=control, context=context))
     together = method.fit_cohort(model, jobs)
     for job, joint in zip(jobs, together, strict=True):
         (alone,) = method.fit_cohort(model, [job])
@@ -120,7 +120,9 @@ def test_a_cohort_trains_each_client_as_alone(tiny_config, tmp_path):
             for n, t in mine.items():
                 torch.testing.assert_close(theirs[n], t, rtol=1e-4, atol=1e-5)
     # and the correction did something: a round without it ends elsewhere
-    (uncorrected,) = method.fit_cohort(model, [Job(received, {}, jobs[0].client, jobs[0].seed, 2)])
+    (uncorrected,) = method.fit_cohort(
+        model, [Job(received, {}, jobs[0].client, jobs[0].seed, 2, context=context)]
+    )
     assert any(not torch.allclose(uncorrected.uplink[n], t) for n, t in together[0].uplink.items())
 
 

@@ -52,18 +52,17 @@ def test_each_rounds_clients_train_at_its_rate_and_a_resumed_run_too(tiny_config
     setup, seen = build(whole), []
     real = setup.method.fit_cohort
 
-    def spying(*args, **kwargs):
-        seen.append(setup.method.train.lr)  # the rate the cohort's optimizer steps at
-        return real(*args, **kwargs)
+    def spying(model, jobs):
+        seen.extend(job.context.train.lr for job in jobs)  # the rate the cohort's optimizer steps at
+        return real(model, jobs)
 
     setup.method.fit_cohort = spying
     run(whole, setup=setup)
     records = read_records(whole.output_dir)
     expected = [round_lr(whole.train, k) for k in range(1, 5)]
     assert [r["lr"] for r in records] == pytest.approx(expected)
-    assert seen == pytest.approx(
-        [lr for lr in expected for _ in range(2)]
-    )  # two clients a round, one at a time
+    assert seen == pytest.approx([lr for lr in expected for _ in range(2)])  # two clients a round
+    assert setup.method.train == whole.train  # the method's own setting, untouched
     # killed in round 3 and resumed: every round at the uninterrupted run's rate, the same results
     cut = tiny_config(output_dir=str(tmp_path / "cut"), **extra)
     setup, calls = build(cut), []

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fedpeft.engines.inprocess import derive_seed
+from fedpeft.engines.local import Job, RoundContext
 from fedpeft.engines.local.attention import eager_attention
-from fedpeft.methods.base import Job
 from fedpeft.peft.svd import FACTORS, decompress
 
 
@@ -60,7 +60,10 @@ def round_jobs(setup, cids, rnd=1):
     for cid in cids:
         client = setup.clients[cid]
         personal = method.init_client(setup.model, initial, client)
-        jobs.append(Job(method.downlink(server, cid), personal, client, derive_seed(3, rnd, cid)))
+        seed = derive_seed(3, rnd, cid)
+        jobs.append(
+            Job(method.downlink(server, cid), personal, client, seed, context=RoundContext(method.train))
+        )
     return jobs
 
 
@@ -73,3 +76,10 @@ def encoded(tensors: dict) -> dict:
     out = decompress(tensors)
     assert out is not None, "a malformed uplink"
     return out
+
+
+def step_inputs(method, client, steps: int, generator: torch.Generator):
+    """Each step's batches of ``method`` for ``client`` in a plain round (no DP-SGD), cut
+    one client at a time (what its ``step_gradients`` is given, less the cohort axis)."""
+    job = Job({}, {}, client, 0, context=RoundContext(method.train))
+    return (tuple(d.batch() for d in draws) for draws in method.step_draws(job, steps, generator))

@@ -11,12 +11,14 @@ the adaptive mutual-distillation loss against a hand computation.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from fedpeft.data.task import IGNORE, take_steps
 from fedpeft.engines.checkpoint import load_checkpoint
+from fedpeft.engines.local import RoundContext
 from fedpeft.experiment import build, fingerprint, run
 from fedpeft.methods.base import FitResult, Job, ServerState, tensor_bytes
 from fedpeft.methods.fedamp import attention_weights, cloud_model, flatten, unflatten
@@ -125,12 +127,16 @@ def test_fedamp_local_round_starts_from_the_clients_own_model(tiny_config):
     method, client = setup.method, setup.clients[1]
     own = perturbed_like(setup.initial, seed=1)  # w_i from an earlier round
     cloud = perturbed_like(setup.initial, seed=2)  # u_i
-    job = Job(cloud, {"own." + n: t for n, t in own.items()}, client, 5, 2)
+    job = Job(
+        cloud, {"own." + n: t for n, t in own.items()}, client, 5, 2, context=RoundContext(method.train)
+    )
     start = method.cohort_start(setup.model, job)
     assert all(torch.equal(start.params[n], own[n]) for n in own)
     assert all(torch.equal(start.consts[n], cloud[n]) for n in cloud)
     (result,) = method.fit_cohort(setup.model, [job])
-    (alone,) = local.method.fit_cohort(local.model, [Job({}, own, local.clients[1], 5, 2)])
+    (alone,) = local.method.fit_cohort(
+        local.model, [replace(job, received={}, personal=own, client=local.clients[1])]
+    )
     for n, t in alone.personal.items():
         torch.testing.assert_close(result.uplink[n], t, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(result.personal["own." + n], t, atol=1e-6, rtol=1e-5)
@@ -248,7 +254,10 @@ def test_fedkd_uplink_is_the_factors_of_the_mentee_update(tiny_config):
     method, model = setup.method, setup.model
     server = method.init_server(model)
     client = setup.clients[0]
-    job = Job(method.downlink(server, 0), method.init_client(model, setup.initial, client), client, 7)
+    job = Job(
+        method.downlink(server, 0), method.init_client(model, setup.initial, client), client, 7,
+        context=RoundContext(method.train),
+    )  # fmt: skip
     (result,) = method.fit_cohort(model, [job])
     assert not any("mentor" in k for k in result.uplink)
     assert all(k.endswith((".svd_u", ".svd_s", ".svd_v", ".delta")) for k in result.uplink)
@@ -338,7 +347,11 @@ def test_fedkd_client_stays_in_sync_across_a_skipped_round(tiny_config):
     server = method.init_server(model)
 
     def train(rnd: int) -> list:
-        jobs = [Job(method.downlink(server, c.cid), personal[c.cid], c, rnd, rnd) for c in clients]
+        context = RoundContext(method.train)
+        jobs = [
+            Job(method.downlink(server, c.cid), personal[c.cid], c, rnd, rnd, context=context)
+            for c in clients
+        ]
         results = method.fit_cohort(model, jobs)
         for c, r in zip(clients, results, strict=True):
             r.cid, personal[c.cid] = c.cid, r.personal
@@ -373,9 +386,8 @@ def test_fedkd_energy_threshold_follows_the_jobs_round(tiny_config):
     delta = {n: 0.01 * torch.randn(t.shape, generator=g) for n, t in server.tensors.items()}
     params = {**setup.initial, **{n: t + delta[n] for n, t in server.tensors.items()}}
     for rnd in (1, 4):
-        job = Job(
-            method.downlink(server, 0), method.init_client(setup.model, setup.initial, client), client, 0, rnd
-        )
+        personal = method.init_client(setup.model, setup.initial, client)
+        job = Job(method.downlink(server, 0), personal, client, 0, rnd, context=RoundContext(method.train))
         sent = method.cohort_finish(job, params, {}, {}).uplink
         for n, d in delta.items():
             if n + ".svd_s" in sent:

@@ -5,9 +5,10 @@ import torch
 
 from fedpeft.engines.local import head_logits, model_features
 from fedpeft.experiment import build
-from fedpeft.methods.base import FitResult, ServerState, step_inputs
+from fedpeft.methods.base import FitResult, ServerState
 from fedpeft.metrics.cka import linear_cka
 from fedpeft.peft.adapters import AdapterPair, adapter_mode
+from tests.helpers.cohort import step_inputs
 
 
 def cka_by_the_formula(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -90,11 +91,13 @@ def test_only_the_global_adapter_is_shared(fedmcp):
 
 
 def _job(setup, cid=0, seed=5):
-    from fedpeft.engines.local import Job
+    from fedpeft.engines.local import Job, RoundContext
 
     server = setup.method.init_server(setup.model)
     personal = setup.method.init_client(setup.model, setup.initial, setup.clients[cid])
-    return Job(dict(server.tensors), personal, setup.clients[cid], seed)
+    return Job(
+        dict(server.tensors), personal, setup.clients[cid], seed, context=RoundContext(setup.method.train)
+    )
 
 
 def test_the_loss_is_the_papers_combination(fedmcp):

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from fedpeft.engines.local import RoundContext
 from fedpeft.experiment import build
 from fedpeft.methods.base import Job, ServerState, tensor_bytes
 from fedpeft.methods.hetlora import pad, rank_of, sparsity_weighted_mean, truncate, update_norm
@@ -62,7 +63,7 @@ def test_client_trains_exactly_its_rank_and_prunes(tiny_config):
         return finish(job, params, *args)
 
     method.cohort_finish = spy
-    (result,) = method.fit_cohort(model, [Job(received, {}, client, 0)])
+    (result,) = method.fit_cohort(model, [Job(received, {}, client, 0, context=RoundContext(method.train))])
     # components 2..3 were zero-padded and stayed zero while training: rank 2 exactly
     lora_a = [t for name, t in trained[0].items() if ".lora_A." in name]
     assert lora_a and all(torch.count_nonzero(a[2:]) == 0 and torch.count_nonzero(a[:2]) > 0 for a in lora_a)

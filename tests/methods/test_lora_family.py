@@ -6,10 +6,12 @@ clients' updates ``s B_k A_k``)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
+from fedpeft.engines.local import RoundContext
 from fedpeft.experiment import build, run
 from fedpeft.methods.base import FitResult, Job, ServerState, read_tensors
 from fedpeft.methods.capabilities import refusal
@@ -157,7 +159,7 @@ def test_rolora_trains_and_sends_b_then_a_in_turn(tiny_config):
     server = method.init_server(model)
     for rnd, trained, frozen in ((1, ".lora_B.", ".lora_A."), (2, ".lora_A.", ".lora_B.")):
         jobs = [
-            type(j)(method.downlink(server, j.client.cid), j.personal, j.client, j.seed, rnd)
+            replace(j, received=method.downlink(server, j.client.cid), rnd=rnd)
             for j in round_jobs(setup, [0, 1, 2], rnd)
         ]
         results = method.fit_cohort(model, jobs)
@@ -519,7 +521,9 @@ def test_flora_merges_the_stacked_update_exactly_and_sends_each_client_what_it_l
         torch.testing.assert_close(t, new.tensors[w], rtol=1e-6, atol=1e-6)
     # and client 0 (rank 1) starts round 2 from a fresh LoRA on the merged weights: B zero,
     # A drawn anew at its rank (not the A it trained), zero past it
-    start = method.cohort_start(model, Job(down, results[0].personal, setup.clients[0], seed=2))
+    start = method.cohort_start(
+        model, Job(down, results[0].personal, setup.clients[0], seed=2, context=RoundContext(method.train))
+    )
     for w, a, b, _ in method.modules.values():
         torch.testing.assert_close(start.params[w], new.tensors[w], rtol=1e-6, atol=1e-6)
         assert not start.params[b].any() and not start.params[a][1:].any()
@@ -622,12 +626,12 @@ def test_fedsb_sets_up_from_the_clients_gradients_then_averages_r_exactly(tiny_c
 
 def _jobs_from(setup, server, cids):
     from fedpeft.engines.inprocess import derive_seed
-    from fedpeft.engines.local import Job
+    from fedpeft.engines.local import Job, RoundContext
 
     method = setup.method
     return [
         Job(method.downlink(server, c), method.init_client(setup.model, setup.initial, setup.clients[c]),
-            setup.clients[c], derive_seed(3, 2, c), 2)
+            setup.clients[c], derive_seed(3, 2, c), 2, context=RoundContext(method.train))
         for c in cids
     ]  # fmt: skip
 
@@ -689,7 +693,7 @@ def test_fedsb_setup_round_under_dp_sgd_is_one_clipped_noised_step(tiny_config):
     rows, each row's full-weight gradient (all modules as one vector) clipped to ``C``
     (checked against the rows' gradients taken one by one), plus ``N(0, (sigma C)^2)``;
     the accountant charges it as one step more."""
-    from fedpeft.engines.local import SampleDP
+    from fedpeft.engines.local import RoundContext, SampleDP
 
     setup = build(tiny_config(method=FEDSB, **{"train.batch_size": 4}))
     method, model = setup.method, setup.model
@@ -703,13 +707,12 @@ def test_fedsb_setup_round_under_dp_sgd_is_one_clipped_noised_step(tiny_config):
         n: sum(g[n] * min(1.0, clip / size) for g, size in zip(per_row, norms, strict=True))
         for n in per_row[0]
     }
-    try:
-        method.sample_dp = SampleDP(clip, 0.0, 4)
-        (quiet,) = method.fit_cohort(model, [job])
-        method.sample_dp = SampleDP(clip, 3.0, 4)
-        (noisy,) = method.fit_cohort(model, [job])
-    finally:
-        method.sample_dp = None
+    (quiet,) = method.fit_cohort(
+        model, [replace(job, context=RoundContext(method.train, SampleDP(clip, 0, 4)))]
+    )
+    (noisy,) = method.fit_cohort(
+        model, [replace(job, context=RoundContext(method.train, SampleDP(clip, 3, 4)))]
+    )
     assert quiet.num_examples == 4
     for n, t in want.items():
         torch.testing.assert_close(quiet.uplink[n], t, rtol=1e-5, atol=1e-7)
@@ -831,7 +834,6 @@ def test_a_second_round_as_one_cohort_equals_one_at_a_time(tiny_config, method):
     """Round 2, where the first leaves clients in different states: RoLoRA's ``A`` round;
     FLoRA's clients (ranks 1, 4, 2) merging round 1's stacks, one from the state it kept
     and two that never trained; FedEx-LoRA's clients on frozen weights a residual moved."""
-    from dataclasses import replace
 
     from tests.helpers.cohort import assert_cohort_equals_alone
 

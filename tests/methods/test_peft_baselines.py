@@ -13,11 +13,11 @@ import torch
 from fedpeft.data.task import IGNORE, make_batch, take_steps
 from fedpeft.engines.local import predict_cohort
 from fedpeft.experiment import build
-from fedpeft.methods.base import load_tensors, step_inputs
+from fedpeft.methods.base import load_tensors
 from fedpeft.models.masks import additive_mask
 from fedpeft.peft.compacter import PHMLinear, phm_weight
 from fedpeft.peft.prompt import PromptedBackbone, PromptSpec
-from tests.helpers.cohort import assert_cohort_equals_alone, round_jobs
+from tests.helpers.cohort import assert_cohort_equals_alone, round_jobs, step_inputs
 
 HIDDEN = 32  # the tiny backbone's (tests/conftest.py): 2 layers, so 4 Houlsby sites
 SITES = 4

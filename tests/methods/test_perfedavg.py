@@ -118,7 +118,8 @@ def test_split_batch_gives_equal_examples_per_step(split, tiny_config, monkeypat
     run(cfg)
     assert sizes and set(sizes) == ({(4, 4)} if split else {(8, 8)})
     setup = build(cfg)
-    pairs = setup.method.batch_pairs(setup.clients[0], 3, torch.Generator().manual_seed(0))
+    size = setup.cfg.train.batch_size
+    pairs = setup.method.batch_pairs(setup.clients[0], size, 3, torch.Generator().manual_seed(0))
     size = setup.cfg.train.batch_size
     drawn = list(take_rows(len(setup.clients[0].train), size, 6, torch.Generator().manual_seed(0)))
     for k, (d1, d2) in enumerate(pairs):  # halves of one batch, or two batches in a row
@@ -135,7 +136,9 @@ def test_split_batch_never_halves_a_one_row_batch(tiny_config, monkeypatch):
     setup = build(cfg)
     client = setup.clients[0]
     client.train = client.train.subset(torch.arange(9))  # batches of 4 + 4 + 1 per pass
-    pairs = list(setup.method.batch_pairs(client, 7, torch.Generator().manual_seed(0)))
+    pairs = list(
+        setup.method.batch_pairs(client, setup.cfg.train.batch_size, 7, torch.Generator().manual_seed(0))
+    )
     assert len(pairs) == 7
     assert all(len(a.rows) == len(b.rows) == 2 for a, b in pairs)
 

@@ -8,6 +8,7 @@ cover the shared invariants; here each paper's own part is checked on the tiny m
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from torch.func import functional_call
 
 from fedpeft.config import ConfigError
 from fedpeft.data.task import make_batch
-from fedpeft.engines.local import OWN, run_cohort
+from fedpeft.engines.local import OWN, RoundContext, run_cohort
 from fedpeft.engines.local.step import clip_groups
 from fedpeft.experiment import build, run
 from fedpeft.methods.base import Job, load_tensors, trainable_params
@@ -32,7 +33,7 @@ def job_of(setup, cid: int, personal=None, seed: int = 11) -> Job:
     received = method.downlink(method.init_server(setup.model), cid)
     if personal is None:
         personal = method.init_client(setup.model, setup.initial, client)
-    return Job(received, personal, client, seed)
+    return Job(received, personal, client, seed, context=RoundContext(method.train))
 
 
 def first_batch(setup, cid: int = 0, rows: int = 8) -> dict:
@@ -194,7 +195,7 @@ def test_ditto_personal_start_options(tiny_config):
         setup = build(tiny_config(method={"name": "ditto", "personal_init": init}))
         method = setup.method
         job = job_of(setup, 0)
-        job = Job(perturbed(job.received), job.personal, job.client, job.seed)  # a later global model
+        job = replace(job, received=perturbed(job.received))  # a later global model
         start = method.cohort_start(setup.model, job)
         expected = setup.initial if init == "initial" else job.received
         assert all(torch.equal(start.params[OWN + n], expected[n]) for n in method.model_names())
@@ -244,7 +245,7 @@ def test_moon_step_is_ce_plus_mu_contrastive(tiny_config):
     first = job_of(setup, 0)
     body = method.body_names()
     prev = perturbed({n: first.received[n] for n in body}, scale=0.2, seed=3)
-    job = Job(first.received, {**first.personal, **{"own." + n: t for n, t in prev.items()}}, first.client, 0)
+    job = replace(first, personal={**first.personal, **{"own." + n: t for n, t in prev.items()}}, seed=0)
     start = method.cohort_start(model, job)
     params = perturbed(start.params, seed=4)  # the model mid-round
     batch = first_batch(setup)
@@ -280,7 +281,7 @@ def test_moon_keeps_its_previous_model_and_vectorises_with_it(tiny_config):
     for c in range(3):
         job = job_of(setup, c, seed=c)
         own = {"own." + n: t for n, t in perturbed({n: job.received[n] for n in body}, 0.2, seed=c).items()}
-        jobs.append(Job(job.received, {**job.personal, **own}, job.client, c))
+        jobs.append(replace(job, personal={**job.personal, **own}))
     assert_cohort_equals_alone(method, setup.model, jobs)
 
 
@@ -295,7 +296,7 @@ def test_moon_client_joining_later_contrasts_against_its_untrained_model(tiny_co
     personal = method.init_client(model, setup.initial, client)
     assert all(torch.equal(personal["own." + n], setup.initial[n]) for n in body)
     later = perturbed({n: setup.initial[n] for n in method.shared_names}, scale=0.2, seed=8)  # round 2's
-    start = method.cohort_start(model, Job(later, personal, client, 0, 2))
+    start = method.cohort_start(model, Job(later, personal, client, 0, 2, context=RoundContext(method.train)))
     assert all(torch.equal(start.consts["prev." + n], setup.initial[n]) for n in body)
     batch = first_batch(setup, 1)
     value, grads = method.step_gradients(model)(start.params, start.consts, (batch,))
@@ -320,14 +321,14 @@ def test_fedrep_phases_move_only_their_own_group(tiny_config):
     job = job_of(
         setup, 0, personal=perturbed(setup.method.init_client(model, setup.initial, setup.clients[0]))
     )
-    job = Job(perturbed(job.received, seed=5), job.personal, job.client, 0)  # nonzero B: decay would show
+    job = replace(job, received=perturbed(job.received, seed=5), seed=0)  # nonzero B: decay would show
 
     method.phase = "head"
     (h,) = run_cohort(model, method, [job])
     assert all(torch.equal(h.uplink[n], job.received[n]) for n in body)
     assert all(not torch.equal(h.personal[n], job.personal[n]) for n in head)
     method.phase = "body"
-    (b,) = run_cohort(model, method, [Job(h.uplink, h.personal, job.client, 1)])
+    (b,) = run_cohort(model, method, [replace(job, received=h.uplink, personal=h.personal, seed=1)])
     method.phase = None
     assert all(torch.equal(b.personal[n], h.personal[n]) for n in head)
     assert all(not torch.equal(b.uplink[n], h.uplink[n]) for n in body)

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedpeft.config import CommConfig, FaultsConfig, PrivacyConfig, ServerConfig
+from fedpeft.config import CommConfig, FaultsConfig, PrivacyConfig, ServerConfig, TrainConfig
 from fedpeft.data.task import Encoded, make_batch
 from fedpeft.engines import compress, guard, privacy, scaffold
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
 from fedpeft.engines.faults import corrupt
-from fedpeft.engines.local import SampleDP, derive_seed
+from fedpeft.engines.local import RoundContext, SampleDP, derive_seed
 from fedpeft.engines.memory import check_memory, cohort_peaks
 from fedpeft.engines.round import Returned, Round, ServerRound, receive, send
 from fedpeft.engines.store import ClientStore, StoreError
@@ -136,7 +136,7 @@ class InProcessEngine:
         store: ClientStore | None = None,
         scorer: Scorer | None = None,
         on_corrupt_state: str = "stop",
-        lr: float = float("nan"),
+        train: TrainConfig | None = None,
         memory_check: bool = True,
         server: ServerConfig | None = None,
         faults: FaultsConfig | None = None,
@@ -151,8 +151,9 @@ class InProcessEngine:
         # train.on_corrupt_state: a stored personal state that cannot be read stops the run
         # (StoreError) or is reset to the method's initial one ("reset"), recorded per round
         self.on_corrupt_state, self.resets = on_corrupt_state, {}
-        self.lr = lr  # named when a round diverges (the round's, under train.lr_schedule)
-        self.base_train = method.train  # train.lr_schedule: each round's rate is set from it
+        # the clients' training settings (the method's, or a pooled reference's steps); each
+        # round's come from them (its rate under train.lr_schedule: round.Round.train)
+        self.train = train or method.train
         self.memory_check = memory_check  # train.memory_check: probe the peak before training
         self.server_cfg = server or ServerConfig()  # the server's step after the method aggregates
         # simulated faulty clients (faults.*): whose uplinks a model attack corrupts
@@ -163,7 +164,7 @@ class InProcessEngine:
         # the server's half of every round (noise, aggregate, server step, SCAFFOLD, guard)
         self.rounds = ServerRound(
             method,
-            method.train,
+            self.train,
             self.server_cfg,
             self.privacy,
             seed=schedule.seed,
@@ -173,12 +174,13 @@ class InProcessEngine:
             ),
             analyzers=analyzers,  # name -> f(previous global tensors, new global tensors)
         )
-        if self.privacy.mode == "sample":  # DP-SGD inside every client's steps
+        self.sample_dp: SampleDP | None = None  # privacy.mode sample: DP-SGD inside every client's steps
+        if self.privacy.mode == "sample":
             sizes = {c.cid: len(c.train) for c in clients}
-            batch = method.train.batch_size
+            batch = self.train.batch_size
             accountant = privacy.dp_sgd_accountant(self.privacy, sizes, method, batch, schedule.rounds)
             self.rounds.sample_accountant = accountant
-            method.sample_dp = SampleDP(self.privacy.clip, accountant.sigma, batch)
+            self.sample_dp = SampleDP(self.privacy.clip, accountant.sigma, batch)
         self.on_round = on_round or (lambda record: None)
         self.on_start = on_start or (lambda records: None)
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -258,9 +260,14 @@ class InProcessEngine:
         self._loaded = ()
 
     # ------------------------------------------------------------ one round
-    def job(self, server: ServerState, rnd: int, cid: int) -> tuple[Job, Tensors, int]:
-        """Client ``cid``'s local round to run, the residual its uplink carries (error
-        feedback) and the bytes it receives for it: the downlink as encoded
+    def context(self, step: Round) -> RoundContext:
+        """The settings of round ``step``'s local training: its ``train`` (the round's rate)
+        and DP-SGD's (``privacy.mode: sample``)."""
+        return RoundContext(step.train, self.sample_dp)
+
+    def job(self, server: ServerState, step: Round, cid: int) -> tuple[Job, Tensors, int]:
+        """Client ``cid``'s local round in round ``step``, the residual its uplink carries
+        (error feedback) and the bytes it receives for it: the downlink as encoded
         (``comm.downlink``) and decoded on the client; the join message and SCAFFOLD's
         control as they are."""
         message = compress.encode(self.method.downlink(server, cid), self.comm.downlink)
@@ -271,9 +278,10 @@ class InProcessEngine:
             self.joined.add(cid)
         client = self.clients[cid]
         control = scaffold.server_control(server, self.method) if scaffold.enabled(self.method) else {}
-        seed = derive_seed(self.schedule.seed, rnd, cid)
+        seed = derive_seed(self.schedule.seed, step.number, cid)
         personal, residual = self.stored(client)
-        return Job(received, personal, client, seed, rnd, control), residual, down + tensor_bytes(control)
+        job = Job(received, personal, client, seed, step.number, control, context=self.context(step))
+        return job, residual, down + tensor_bytes(control)
 
     def sent(self, step: Round, job: Job, result: FitResult, residual: Tensors) -> tuple[Returned, int]:
         """Client ``result.cid``'s uplink as the round's pipeline sends it (clipped, noised,
@@ -301,7 +309,7 @@ class InProcessEngine:
             nothing = {"loss": float("nan"), "fit": {}, "bytes_down": 0, "bytes_up": 0, "time_fit_max": 0.0}
             return [], {"clients": [], **nothing}
         for cid in sampled:
-            job, residuals[cid], received_bytes = self.job(server, rnd, cid)
+            job, residuals[cid], received_bytes = self.job(server, step, cid)
             jobs.append(job)
             down += received_bytes
         results, fit_times, readouts, dropped, up = [], [], {}, {}, 0
@@ -349,7 +357,6 @@ class InProcessEngine:
         clients' local rounds and the server's update through the round pipeline; the new
         state, the results as aggregated and the round's record so far."""
         step = self.rounds.begin(rnd, server)
-        self.method.train, self.lr = step.train, step.lr  # the round's rate
         returned, record = self.fit_round(server, step)
         skip = None if returned else "no client drawn (train.client_sampling: poisson)"
         new = self.rounds.finish(step, server, returned, record, [], skip=skip)
@@ -532,7 +539,6 @@ class InProcessEngine:
         for rnd in range(len(records) + 1, s.rounds + 1):
             step = self.rounds.begin(rnd, server)
             t0 = time.perf_counter()
-            self.method.train, self.lr = step.train, step.lr  # the round's rate
             returned, record = self.fit_round(server, step)
             t1 = time.perf_counter()
             previous = server

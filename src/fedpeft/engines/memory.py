@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fedpeft.data.task import Encoded
+from fedpeft.engines.local import RoundContext
 from fedpeft.methods.base import ClientData, Job, Method, ServerState
 from fedpeft.metrics.scorers import OneAtATime
 
@@ -200,7 +201,7 @@ class _Probe:
         if tokens is not None:
             self.score_size = max(1, min(self.score_size, tokens // self.longest))
         self.score_clients = 1 if isinstance(scorer, OneAtATime) else engine.cohort_size
-        self.step_size = min(self.method.train.batch_size, len(self.client.train))
+        self.step_size = min(engine.train.batch_size, len(self.client.train))
 
     def peak(self, run: Callable[[], object]) -> int | None:
         if self.measure is not None:
@@ -213,13 +214,10 @@ class _Probe:
     def step(self, clients: int, rows: int) -> int | None:
         """One local step of ``clients`` clients of ``rows`` rows each."""
         client = ClientData(self.client.cid, _longest(self.client.train, rows), self.client.test)
-        jobs = [Job(self.received, self.personal, client, 0)] * clients
-        saved = self.method.train
-        self.method.train = saved.model_copy(update={"local_steps": 1, "batch_size": rows})
-        try:
-            return self.peak(lambda: self.method.fit_cohort(self.model, jobs))
-        finally:
-            self.method.train = saved
+        one_step = self.engine.train.model_copy(update={"local_steps": 1, "batch_size": rows})
+        context = RoundContext(one_step, self.engine.sample_dp)
+        jobs = [Job(self.received, self.personal, client, 0, context=context)] * clients
+        return self.peak(lambda: self.method.fit_cohort(self.model, jobs))
 
     def score(self, clients: int, rows: int) -> int | None:
         """One scoring batch of ``rows`` rows for each of ``clients`` clients' models."""
@@ -296,7 +294,7 @@ def _either(keys: list[str]) -> str:
 
 def _advice(probe: _Probe, figures: dict[str, float], clients: int) -> str:
     """What the peak is made of, and the keys that lower each part."""
-    train, scorer = probe.method.train, probe.engine.scorer
+    train, scorer = probe.engine.train, probe.engine.scorer
     cohort = [f"train.cohort_size (now {clients})"] if clients > 1 else []
     step_keys = [f"train.batch_size (now {train.batch_size})", "data.max_length", *cohort]
     if train.precision == "fp32":

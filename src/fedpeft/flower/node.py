@@ -31,7 +31,7 @@ from fedpeft.data.sources import load_client_file, load_corpus
 from fedpeft.data.task import Encoded, encode
 from fedpeft.engines import compress, guard, privacy, scaffold
 from fedpeft.engines.inprocess import derive_seed
-from fedpeft.engines.local import SampleDP
+from fedpeft.engines.local import RoundContext, SampleDP
 from fedpeft.engines.round import send
 from fedpeft.experiment import attach_method, fingerprint, make_split, place
 from fedpeft.flower.codec import Orders
@@ -326,14 +326,14 @@ class Node:
         rnd, clip, lr = orders.round, orders.clip, orders.lr
         seed = derive_seed(self.cfg.seed, rnd, self.cid)
         torch.manual_seed(seed)
-        self.method.train = self.cfg.train if lr is None else self.cfg.train.model_copy(update={"lr": lr})
         personal, residual = self.kept_before(rnd)
         if personal is None:
             personal = self.method.init_client(self.model, self.initial, self.client)
         if control is not None:  # SCAFFOLD: the control the server's c counts
             personal = scaffold.confirmed(personal, orders.control_applied or 0)
-        self.method.sample_dp = self.dp_sgd(orders.sigma)
-        job = Job(received, personal, self.client, seed, rnd, control or {})
+        train = self.cfg.train if lr is None else self.cfg.train.model_copy(update={"lr": lr})
+        context = RoundContext(train, self.dp_sgd(orders.sigma))
+        job = Job(received, personal, self.client, seed, rnd, control or {}, context=context)
         (result,) = self.method.fit_cohort(self.model, [job])  # a cohort of one
         result.cid = self.cid
         kept = result.personal if control is None else scaffold.held(personal, result.personal, rnd)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fedpeft.config.methods import method_config_union
+from fedpeft.config.methods.registry import BUILTIN
 from fedpeft.methods.adamix import AdaMix
 from fedpeft.methods.base import Method, MethodConfig
 from fedpeft.methods.c2a import C2A
@@ -40,47 +41,59 @@ from fedpeft.methods.rolora import RoLoRA
 
 if TYPE_CHECKING:
     from fedpeft.config import TrainConfig
+    from fedpeft.engines.robust import Combine
 
+#: method.name -> its class, in the order the built-in configs are listed
+#: (``fedpeft.config.methods.registry.BUILTIN``: ``fedpeft methods`` and the tables follow it)
 REGISTRY: dict[str, type[Method]] = {
     cls.name: cls
-    for cls in (
-        FedFT,
-        FedBF,
-        FedAP,
-        FedLR,
-        PromptTuning,
-        Compacter,
-        AdaMix,
-        FeDeRA,
-        PF2LoRA,
-        PerFedAvg,
-        HETLoRA,
-        FedMCP,
-        FDLoRA,
-        C2A,
-        Ditto,
-        MOON,
-        FedRep,
-        FedRoD,
-        FedAMP,
-        FedKD,
-        LocalOnly,
-        Centralized,
-        FFALoRA,
-        FedSALoRA,
-        RoLoRA,
-        FedExLoRA,
-        FlexLoRA,
-        LoRAFAIR,
-        FLoRA,
-        FedSB,
+    for cls in sorted(
+        (
+            AdaMix,
+            C2A,
+            Centralized,
+            Compacter,
+            Ditto,
+            FDLoRA,
+            FFALoRA,
+            FLoRA,
+            FeDeRA,
+            FedAMP,
+            FedAP,
+            FedBF,
+            FedExLoRA,
+            FedFT,
+            FedKD,
+            FedLR,
+            FedMCP,
+            FedRep,
+            FedRoD,
+            FedSALoRA,
+            FedSB,
+            FlexLoRA,
+            HETLoRA,
+            LoRAFAIR,
+            LocalOnly,
+            MOON,
+            PF2LoRA,
+            PerFedAvg,
+            PromptTuning,
+            RoLoRA,
+        ),
+        key=lambda cls: BUILTIN.index(cls.name),
     )
 }
 
 
-def build_method(cfg: MethodConfig, train: TrainConfig, seed: int = 0) -> Method:
-    """The configured method; ``seed`` is the experiment's (for a method's own draws)."""
-    return REGISTRY[cfg.name](cfg, train, seed)
+def build_method(cfg: MethodConfig, train: TrainConfig, seed: int = 0, mean: Combine | None = None) -> Method:
+    """The configured method; ``seed`` is the experiment's (for a method's own draws),
+    ``mean`` the rule its server combines uplinks by where it takes their mean
+    (``server.aggregation``: :func:`fedpeft.engines.robust.combiner`; default the weighted
+    mean)."""
+    method = REGISTRY[cfg.name](cfg, train, seed)
+    if mean is not None:
+        method.mean = mean
+    return method
 
 
 __all__ = ["REGISTRY", "Method", "MethodConfig", "build_method", "method_config_union"]

@@ -56,13 +56,14 @@ from fedpeft.config.methods.adamix import AdaMixConfig
 from fedpeft.data.task import IGNORE, Draw, take_rows
 from fedpeft.engines.local import (
     GradientFn,
+    Job,
     StepInput,
     backprop_reporting,
     derive_seed,
     model_inputs,
     model_scale,
 )
-from fedpeft.methods.base import ClientData, Method, Tensors
+from fedpeft.methods.base import Method, Tensors
 from fedpeft.methods.capabilities import OWN_BATCHES
 from fedpeft.peft.adamix import AdaMixAdapter, add_adamix, routed_mixes
 
@@ -120,12 +121,12 @@ class AdaMix(Method):
     def passes(self) -> int:
         return 2 if self.cfg.consistency > 0 else 1
 
-    def step_draws(self, client: ClientData, steps: int, generator: torch.Generator) -> Iterator[tuple[Draw]]:
+    def step_draws(self, job: Job, steps: int, generator: torch.Generator) -> Iterator[tuple[Draw]]:
         """FedAvg's batches, each with its routing (``ROUTE``), drawn from the client's own
         routing stream (seeded from its round's seed)."""
-        spec = self.cfg.adapter
+        spec, client = self.cfg.adapter, job.client
         router = torch.Generator().manual_seed(derive_seed(generator.initial_seed(), ROUTE_STREAM))
-        for rows in take_rows(len(client.train), self.train.batch_size, steps, generator):
+        for rows in take_rows(len(client.train), job.context.train.batch_size, steps, generator):
             route = torch.randint(0, spec.experts, (self.passes, len(self.sites), 2), generator=router)
             if spec.share_down:
                 route[..., 0] = 0

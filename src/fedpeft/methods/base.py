@@ -48,9 +48,7 @@ from fedpeft.engines.local import (
     OPT,
     GradientFn,
     Job,
-    SampleDP,
     Start,
-    StepInput,
     Tensors,
     backprop,
     model_loss,
@@ -175,14 +173,6 @@ def trainable_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
-def step_inputs(
-    method: Method, client: ClientData, steps: int, generator: torch.Generator
-) -> Iterator[StepInput]:
-    """Each step's batches of ``method`` for ``client``, cut one client at a time (what its
-    ``step_gradients`` is given, less the cohort axis): its ``step_draws``'."""
-    return (tuple(d.batch() for d in draws) for draws in method.step_draws(client, steps, generator))
-
-
 # ---------------------------------------------------------------- the interface
 
 
@@ -204,6 +194,8 @@ class Method:
 
     def __init__(self, cfg: MethodConfig, train: TrainConfig, seed: int = 0):
         self.cfg = cfg
+        #: the experiment's training settings, for what the method sets up; a round's own
+        #: (its rate, what its engine changes for it) come with each job: ``job.context.train``
         self.train = train
         self.seed = seed  # the experiment's seed, for a method's own draws (HETLoRA's ranks)
         self.shared_names: list[str] = []
@@ -211,11 +203,9 @@ class Method:
         #: one-off figures of init_server (e.g. FeDeRA's decomposition time), recorded with round 1
         self.setup_info: dict[str, float] = {}
         #: ``(states, weights) -> state``: how this method's server combines its clients'
-        #: uplinks where it takes their mean; the engine sets it to ``server.aggregation``'s
-        #: rule (``fedpeft.engines.robust``)
+        #: uplinks where it takes their mean: ``server.aggregation``'s rule, given to
+        #: ``fedpeft.methods.build_method`` (``fedpeft.engines.robust``)
         self.mean: Callable[[list[Tensors], list[float]], Tensors] = weighted_mean
-        # privacy.mode sample: DP-SGD in every local step (set by the engine; None: plain steps)
-        self.sample_dp: SampleDP | None = None
         #: what crosses beside the shared tensors (:class:`~fedpeft.methods.messages.Messages`)
         self.messages = Messages(self)
 
@@ -277,8 +267,8 @@ class Method:
         """A client's tensors entering its round (everything it trains: what it received
         and its personal parameters), its optimizer state and its number of steps."""
         params = {**job.received, **self.params_of(job.personal)}
-        opt = optimizer_state(job.personal, {n: params[n] for n in self.optimised_names()}, self.train)
-        return Start(params, opt, {}, local_steps(len(job.client.train), self.train))
+        opt = optimizer_state(job.personal, {n: params[n] for n in self.optimised_names()}, job.context.train)
+        return Start(params, opt, {}, local_steps(len(job.client.train), job.context.train))
 
     def clip_group(self, name: str) -> str:
         """The gradient-clipping group of optimised tensor ``name`` (as its step names it):
@@ -305,15 +295,14 @@ class Method:
         ``train``'s local steps, nothing on top."""
         return local_steps(n, self.train), 0
 
-    def step_draws(
-        self, client: ClientData, steps: int, generator: torch.Generator
-    ) -> Iterator[tuple[Draw, ...]]:
-        """Each step's batches, as drawn (:class:`~fedpeft.data.task.Draw`: rows of the
-        client's data, cut by the engine for a whole cohort at once): one shuffled batch
+    def step_draws(self, job: Job, steps: int, generator: torch.Generator) -> Iterator[tuple[Draw, ...]]:
+        """Each step's batches of ``job``'s client, as drawn (:class:`~fedpeft.data.task.Draw`:
+        rows of its data, cut by the engine for a whole cohort at once): one shuffled batch
         of ``train.batch_size`` per step (DP-SGD: a batch drawn anew at every step)."""
-        if self.sample_dp is not None:  # DP-SGD: each batch drawn anew, as its accountant assumes
-            return ((draw,) for draw in sample_draws(client.train, self.sample_dp.batch, steps, generator))
-        return ((draw,) for draw in take_draws(client.train, self.train.batch_size, steps, generator))
+        data, dp = job.client.train, job.context.sample_dp
+        if dp is not None:  # DP-SGD: each batch drawn anew, as its accountant assumes
+            return ((draw,) for draw in sample_draws(data, dp.batch, steps, generator))
+        return ((draw,) for draw in take_draws(data, job.context.train.batch_size, steps, generator))
 
     def step_gradients(self, model: TaskModel) -> GradientFn:
         """``(params, consts, batches) -> (loss, grads)``, one client's gradients at a step
@@ -326,7 +315,7 @@ class Method:
     def cohort_finish(self, job: Job, params: Tensors, opt: Tensors, metrics: dict[str, float]) -> FitResult:
         """A client's result from its trained tensors and optimizer state (kept with
         ``train.optimizer_state: keep``)."""
-        kept = {OPT + k: v for k, v in opt.items()} if self.train.optimizer_state == "keep" else {}
+        kept = {OPT + k: v for k, v in opt.items()} if job.context.train.optimizer_state == "keep" else {}
         return FitResult(
             uplink={n: params[n] for n in self.shared_names},
             personal={**{n: params[n] for n in self.personal_names}, **kept},

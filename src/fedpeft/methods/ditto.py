@@ -119,9 +119,9 @@ class Ditto(FedAvgPeft):
         w = {**job.received, **self.params_of(job.personal)}
         v = self.own_model(job.personal) or {n: t.clone() for n, t in w.items()}
         params = {**w, **{OWN + n: t for n, t in v.items()}}
-        opt = optimizer_state(job.personal, params, self.train)
+        opt = optimizer_state(job.personal, params, job.context.train)
         consts = {ANCHOR + n: t for n, t in w.items()}
-        return Start(params, opt, consts, local_steps(len(job.client.train), self.train))
+        return Start(params, opt, consts, local_steps(len(job.client.train), job.context.train))
 
     def step_gradients(self, model) -> GradientFn:
         """``grad F(w)`` for ``w`` and ``grad F(v) + lambda (v - w^t)`` for ``v``, from one

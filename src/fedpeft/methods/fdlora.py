@@ -227,19 +227,13 @@ class FDLoRA(FedAvgPeft):
         return [done[i] for i in range(len(jobs))]
 
     def cohort_start(self, model, job: Job) -> Start:
-        n = len(job.client.train)
+        n, train = len(job.client.train), job.context.train
         if self.stage == "personal":  # stage 1: theta_p from the initial LoRA, its own optimizer
             params = dict(self.start)
-            return Start(
-                params,
-                optimizer_init(params, self.train),
-                {},
-                self.cfg.personal_steps or local_steps(n, self.train),
-            )
+            steps = self.cfg.personal_steps or local_steps(n, train)
+            return Start(params, optimizer_init(params, train), {}, steps)
         params = dict(job.received)
-        return Start(
-            params, optimizer_state(job.personal, params, self.train), {}, local_steps(n, self.train)
-        )
+        return Start(params, optimizer_state(job.personal, params, train), {}, local_steps(n, train))
 
     def cohort_finish(self, job: Job, params: Tensors, opt: Tensors, metrics: dict[str, float]) -> FitResult:
         kept = {k: v for k, v in job.personal.items() if k.startswith(OPT)}
@@ -250,7 +244,7 @@ class FDLoRA(FedAvgPeft):
         own = {k: v for k, v in job.personal.items() if k.startswith(OWN)}
         if self.synchronises(job.rnd):
             own = {OWN + n: t.clone() for n, t in params.items()}
-        if self.train.optimizer_state == "keep":
+        if job.context.train.optimizer_state == "keep":
             kept = {OPT + k: v for k, v in opt.items()}
         return FitResult(dict(params), {**own, **kept}, len(job.client.train), metrics)
 

@@ -200,9 +200,9 @@ class FedAMP(FedAvgPeft):
     def cohort_start(self, model, job: Job) -> Start:
         """Start from the client's own ``w_i``; the received ``u_i`` is a constant of the round."""
         params = self.own_model(job.received, job.personal)
-        opt = optimizer_state(job.personal, {n: params[n] for n in self.optimised_names()}, self.train)
+        opt = optimizer_state(job.personal, {n: params[n] for n in self.optimised_names()}, job.context.train)
         anchor = {n: job.received[n] for n in self.shared_names}
-        return Start(params, opt, anchor, local_steps(len(job.client.train), self.train))
+        return Start(params, opt, anchor, local_steps(len(job.client.train), job.context.train))
 
     def step_gradients(self, model) -> GradientFn:
         """Backprop of ``F_i(w) + lam / (2 alpha_k) ||w - u_i||^2``."""

@@ -406,8 +406,8 @@ class FedKD(FedAvgPeft):
     def cohort_start(self, model, job: Job) -> Start:
         """The mentee as received (applied to the kept copy), the mentor and heads as kept."""
         params = {**self.base_mentee(job.received, job.personal), **self.params_of(job.personal)}
-        opt = optimizer_state(job.personal, {n: params[n] for n in self.optimised_names()}, self.train)
-        return Start(params, opt, {}, local_steps(len(job.client.train), self.train))
+        opt = optimizer_state(job.personal, {n: params[n] for n in self.optimised_names()}, job.context.train)
+        return Start(params, opt, {}, local_steps(len(job.client.train), job.context.train))
 
     def clip_group(self, name: str) -> str:
         """The mentor and the mentee are clipped each on its own."""

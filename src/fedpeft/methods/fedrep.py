@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from fedpeft.config.methods.fedrep import FedRepConfig
 from fedpeft.engines.local import (
@@ -56,6 +56,9 @@ from fedpeft.engines.local import (
 )
 from fedpeft.methods.base import FitResult, Job, Tensors, local_steps
 from fedpeft.methods.fedavg import FedAvgPeft
+
+if TYPE_CHECKING:
+    from fedpeft.config import TrainConfig
 
 Phase = Literal["head", "body"]
 
@@ -84,12 +87,13 @@ class FedRep(FedAvgPeft):
         super().__init__(cfg, train, seed)
         self.phase: Phase | None = None  # the phase the cohort loop is running
 
-    def head_steps(self, n: int) -> int:
-        return self.cfg.head_steps or self.cfg.head_epochs * math.ceil(n / self.train.batch_size)
+    def head_steps(self, n: int, train: TrainConfig) -> int:
+        """The head phase's steps for a client of ``n`` rows under ``train``'s batch size."""
+        return self.cfg.head_steps or self.cfg.head_epochs * math.ceil(n / train.batch_size)
 
     def private_steps(self, n: int) -> tuple[int, int]:
         """Both phases' steps every round: the head's DP-SGD steps shape the body's too."""
-        return self.head_steps(n) + local_steps(n, self.train), 0
+        return self.head_steps(n, self.train) + local_steps(n, self.train), 0
 
     # ----- the local round: two phases of the vectorised cohort loop
     def fit_cohort(self, model, jobs: list[Job]) -> list[FitResult]:
@@ -128,11 +132,11 @@ class FedRep(FedAvgPeft):
     def cohort_start(self, model, job: Job) -> Start:
         """The received body and the client's head; the optimizer state of the phase's
         group only; the phase's number of steps."""
-        params = {**job.received, **self.params_of(job.personal)}
+        params, train = {**job.received, **self.params_of(job.personal)}, job.context.train
         group = self.optimised_names()
-        opt = optimizer_state(job.personal, {n: params[n] for n in group}, self.train)
+        opt = optimizer_state(job.personal, {n: params[n] for n in group}, train)
         n = len(job.client.train)
-        steps = self.head_steps(n) if self.phase == "head" else local_steps(n, self.train)
+        steps = self.head_steps(n, train) if self.phase == "head" else local_steps(n, train)
         return Start(params, opt, {}, steps)
 
     def step_gradients(self, model) -> GradientFn:

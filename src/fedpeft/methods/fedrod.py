@@ -141,9 +141,9 @@ class FedRoD(FedAvgPeft):
     def cohort_start(self, model, job: Job) -> Start:
         """FedAvg's start, with the client's log label prior as a constant of its steps."""
         params = {**job.received, **self.params_of(job.personal)}
-        opt = optimizer_state(job.personal, params, self.train)
+        opt = optimizer_state(job.personal, params, job.context.train)
         prior = label_log_prior(job.client.train.labels, self.num_classes, self.cfg.prior_floor)
-        return Start(params, opt, {LOG_PRIOR: prior}, local_steps(len(job.client.train), self.train))
+        return Start(params, opt, {LOG_PRIOR: prior}, local_steps(len(job.client.train), job.context.train))
 
     def step_gradients(self, model) -> GradientFn:
         """One backprop of ``BSM(g(z)) + CE(g(z).detach() + p(z.detach()))``; reports the

@@ -230,7 +230,7 @@ class FedSB(FedAvgPeft):
         of ``train.batch_size`` rows drawn as every DP-SGD step draws one, each row's
         gradient (all modules as one vector) clipped to ``privacy.clip``, plus
         ``N(0, (sigma clip)^2)`` noise."""
-        data, n, dp = job.client.train, int(job.received[SETUP]), self.sample_dp
+        data, n, dp = job.client.train, int(job.received[SETUP]), job.context.sample_dp
         rows = torch.randperm(len(data), generator=job.generator())[: min(dp.batch if dp else n, len(data))]
         if dp is not None:  # DP-SGD: one row at a time, each clipped; the sum noised below
             return self.private_gradient_sums(model, job, rows)
@@ -238,7 +238,8 @@ class FedSB(FedAvgPeft):
 
     def private_gradient_sums(self, model, job: Job, rows: torch.Tensor) -> FitResult:
         """DP-SGD's setup step: per-row gradient sums clipped to ``clip``, summed, noised."""
-        dp, total, losses = self.sample_dp, {w: torch.zeros(shape) for w, shape in self.frozen.items()}, []
+        dp, losses = job.context.sample_dp, []
+        total = {w: torch.zeros(shape) for w, shape in self.frozen.items()}
         for row in rows.split(1):
             result = self.summed_gradients(model, job, row)
             grads = {w: result.uplink[GRAD + w] for w in self.frozen}
@@ -272,8 +273,8 @@ class FedSB(FedAvgPeft):
         model.train()
         try:
             with torch.enable_grad():
-                for start in range(0, len(rows), self.train.batch_size):
-                    chunk = rows[start : start + self.train.batch_size]
+                for start in range(0, len(rows), job.context.train.batch_size):
+                    chunk = rows[start : start + job.context.train.batch_size]
                     batch = {k: v.to(device) for k, v in make_batch(data, chunk.to(data.ids.device)).items()}
                     value = loss({**current, **weights}, batch) * len(chunk)  # a sum
                     for w, g in zip(weights, torch.autograd.grad(value, list(weights.values())), strict=True):
@@ -295,14 +296,14 @@ class FedSB(FedAvgPeft):
     def cohort_start(self, model, job: Job) -> Start:
         shared = {n: job.received[n] for n in self.shared_names}
         params = {**shared, **self.params_of(job.personal), **self.held(job.received, job.personal)}
-        opt = optimizer_state(job.personal, {n: params[n] for n in self.optimised_names()}, self.train)
-        return Start(params, opt, {}, local_steps(len(job.client.train), self.train))
+        opt = optimizer_state(job.personal, {n: params[n] for n in self.optimised_names()}, job.context.train)
+        return Start(params, opt, {}, local_steps(len(job.client.train), job.context.train))
 
     def step_gradients(self, model) -> GradientFn:
         return group_backprop(model, set(self.optimised_names()))
 
     def cohort_finish(self, job: Job, params: Tensors, opt: Tensors, metrics: dict[str, float]) -> FitResult:
-        kept = {OPT + k: v for k, v in opt.items()} if self.train.optimizer_state == "keep" else {}
+        kept = {OPT + k: v for k, v in opt.items()} if job.context.train.optimizer_state == "keep" else {}
         return FitResult(
             uplink={n: params[n] for n in self.shared_names},
             personal={

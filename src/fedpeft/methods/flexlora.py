@@ -108,12 +108,12 @@ class FlexLoRA(FedAvgPeft):
     def cohort_start(self, model, job: Job) -> Start:
         rank = rank_of(job.received)
         params = {**pad(job.received, self.cfg.lora.r), **self.params_of(job.personal)}
-        opt = optimizer_state(mask_components(job.personal, rank), params, self.train)
-        return Start(params, opt, {}, local_steps(len(job.client.train), self.train))
+        opt = optimizer_state(mask_components(job.personal, rank), params, job.context.train)
+        return Start(params, opt, {}, local_steps(len(job.client.train), job.context.train))
 
     def cohort_finish(self, job: Job, params: Tensors, opt: Tensors, metrics: dict[str, float]) -> FitResult:
         rank = rank_of(job.received)
-        kept = {OPT + k: v for k, v in opt.items()} if self.train.optimizer_state == "keep" else {}
+        kept = {OPT + k: v for k, v in opt.items()} if job.context.train.optimizer_state == "keep" else {}
         return FitResult(
             uplink=truncate({n: params[n] for n in self.shared_names}, rank),
             personal={**{n: params[n] for n in self.personal_names}, **mask_components(kept, rank)},

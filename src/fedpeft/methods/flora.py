@@ -227,8 +227,8 @@ class FLoRA(FedAvgPeft):
         head = {n: t for n, t in job.received.items() if n in self.shared_names}
         fresh = self.fresh_lora(self.rank(job.client.cid), job.generator())
         params = {**head, **fresh, **self.params_of(job.personal), **weights}
-        opt = optimizer_state(job.personal, {n: params[n] for n in self.optimised_names()}, self.train)
-        return Start(params, opt, {}, local_steps(len(job.client.train), self.train))
+        opt = optimizer_state(job.personal, {n: params[n] for n in self.optimised_names()}, job.context.train)
+        return Start(params, opt, {}, local_steps(len(job.client.train), job.context.train))
 
     def step_gradients(self, model) -> GradientFn:
         return group_backprop(model, set(self.optimised_names()))
@@ -240,7 +240,7 @@ class FLoRA(FedAvgPeft):
         rank = self.rank(job.client.cid)
         _, done = self.frozen_weights(job.received, job.personal)
         kept = {}
-        if self.train.optimizer_state == "keep":
+        if job.context.train.optimizer_state == "keep":
             kept = {OPT + k: v for k, v in opt.items() if not any(x in k for x in (".lora_A.", ".lora_B."))}
         return FitResult(
             uplink=truncate({n: params[n] for n in self.shared_names}, rank),

@@ -194,8 +194,8 @@ class HETLoRA(FedAvgPeft):
         client's tail mask as a constant of its step."""
         rank, r_max = rank_of(job.received), self.cfg.lora.r
         params = {**pad(job.received, r_max), **self.params_of(job.personal)}
-        opt = optimizer_state(mask_components(job.personal, rank), params, self.train)
-        steps = local_steps(len(job.client.train), self.train)
+        opt = optimizer_state(mask_components(job.personal, rank), params, job.context.train)
+        steps = local_steps(len(job.client.train), job.context.train)
         return Start(params, opt, {"tail": self.tail_mask(rank)}, steps)
 
     def step_gradients(self, model) -> GradientFn:
@@ -217,7 +217,7 @@ class HETLoRA(FedAvgPeft):
         new_rank = self.pruned_rank(trained, rank)
         uplink = truncate(trained, new_rank)
         own = {OWN + n: t for n, t in pad(uplink, r_max).items()}
-        kept = {OPT + k: v for k, v in opt.items()} if self.train.optimizer_state == "keep" else {}
+        kept = {OPT + k: v for k, v in opt.items()} if job.context.train.optimizer_state == "keep" else {}
         return FitResult(
             uplink=uplink,
             personal={

@@ -106,10 +106,10 @@ class MOON(FedAvgPeft):
         """FedAvg's start, with the received global and the previous local representation
         tensors as constants of every step."""
         params = {**job.received, **self.params_of(job.personal)}
-        opt = optimizer_state(job.personal, params, self.train)
+        opt = optimizer_state(job.personal, params, job.context.train)
         names = self.body_names()
         consts = {**{GLOB + n: params[n] for n in names}, **{PREV + n: job.personal[OWN + n] for n in names}}
-        return Start(params, opt, consts, local_steps(len(job.client.train), self.train))
+        return Start(params, opt, consts, local_steps(len(job.client.train), job.context.train))
 
     def step_gradients(self, model) -> GradientFn:
         """Backprop of ``CE + mu * row_mean(l_con)`` on the step's batch."""

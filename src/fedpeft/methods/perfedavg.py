@@ -25,7 +25,7 @@ from torch.func import grad, grad_and_value
 
 from fedpeft.config.methods.perfedavg import PerFedAvgConfig
 from fedpeft.data.task import make_batch, take_draws
-from fedpeft.engines.local import GradientFn, model_inputs, model_loss, prepare_step
+from fedpeft.engines.local import GradientFn, Job, model_inputs, model_loss, prepare_step
 from fedpeft.methods.base import ClientData, Tensors, load_tensors
 from fedpeft.methods.capabilities import OWN_BATCHES, OWN_GRADIENTS
 from fedpeft.methods.fedavg import FedAvgPeft
@@ -68,8 +68,8 @@ class PerFedAvg(FedAvgPeft):
         return {n: p for n, p in model.named_parameters() if n in names}
 
     # ----- the local step, as pure functions (vectorised over a cohort by the engine)
-    def step_draws(self, client: ClientData, steps: int, generator: torch.Generator):
-        return self.batch_pairs(client, steps, generator)
+    def step_draws(self, job: Job, steps: int, generator: torch.Generator):
+        return self.batch_pairs(job.client, job.context.train.batch_size, steps, generator)
 
     def step_gradients(self, model) -> GradientFn:
         """The MAML gradient of the step's ``(D1, D2)`` (:func:`maml_grads`)."""
@@ -80,12 +80,11 @@ class PerFedAvg(FedAvgPeft):
 
         return gradients
 
-    def batch_pairs(self, client: ClientData, steps: int, generator: torch.Generator):
-        """``(D1, D2)`` for each step: two batches of ``train.batch_size`` (the paper's
-        Per-FedAvg), or with ``split_batch`` the two halves of one batch, so that a step
-        sees as many examples as another method's step. A one-row batch (the end of a
+    def batch_pairs(self, client: ClientData, size: int, steps: int, generator: torch.Generator):
+        """``(D1, D2)`` for each step: two batches of ``size`` (``train.batch_size``: the
+        paper's Per-FedAvg), or with ``split_batch`` the two halves of one batch, so that a
+        step sees as many examples as another method's step. A one-row batch (the end of a
         pass over ``n = 1 mod batch_size`` examples) cannot be halved and is skipped."""
-        size = self.train.batch_size
         if not self.cfg.split_batch:
             draws = take_draws(client.train, size, 2 * steps, generator)
             for _ in range(steps):

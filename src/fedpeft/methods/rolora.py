@@ -78,7 +78,10 @@ class RoLoRA(FedAvgPeft):
         params = start.params
         group = self.optimised_names()
         return Start(
-            params, optimizer_state(job.personal, {n: params[n] for n in group}, self.train), {}, start.steps
+            params,
+            optimizer_state(job.personal, {n: params[n] for n in group}, job.context.train),
+            {},
+            start.steps,
         )
 
     def step_gradients(self, model) -> GradientFn:

@@ -5,7 +5,8 @@ A method writes its round as ``cohort_start``, ``step_gradients`` and ``cohort_f
 (``fedpeft.methods.base.Method``) from the pieces below; the engine runs it
 (:func:`run_cohort`). The modules, in the order a round uses them:
 
-- ``jobs``: what a round is given (:class:`Job`) and starts from (:class:`Start`);
+- ``jobs``: what a round is given (:class:`Job`, with the round's :class:`RoundContext`)
+  and starts from (:class:`Start`);
 - ``batches``: a cohort's batches, padded and stacked on a client axis;
 - ``gradients``: the model's loss and backprop as pure functions (:func:`backprop`);
 - ``dp``: DP-SGD's per-example clipping and noise, and fedpeft's one clip factor;
@@ -14,6 +15,7 @@ A method writes its round as ``cohort_start``, ``step_gradients`` and ``cohort_f
 - ``step``: one client's local step (gradients -> corrections -> clip -> optimizer);
 - ``attention``, ``checkpoints``: the kernels and checkpoints a cohort trains with;
 - ``folding``: a cohort folded into one batch where ``vmap`` cannot batch the model;
+- ``modes``: whether a cohort vmaps, folds or trains one client at a time (:func:`cohort_mode`);
 - ``loop``: the cohort loop (:func:`run_cohort`);
 - ``predict``: each client's predictions, vmapped (:func:`predict_cohort`).
 
@@ -21,7 +23,7 @@ Nothing here imports a method: the loop is handed the method object and calls it
 """
 
 from fedpeft.engines.local.checkpoints import enable_checkpointing
-from fedpeft.engines.local.dp import SampleDP, clip_factor, noise_generator, norm
+from fedpeft.engines.local.dp import clip_factor, noise_generator, norm
 from fedpeft.engines.local.folding import fold_refusal
 from fedpeft.engines.local.gradients import (
     backprop,
@@ -43,22 +45,27 @@ from fedpeft.engines.local.jobs import (
     Batch,
     GradientFn,
     Job,
+    RoundContext,
+    SampleDP,
     Start,
     StepInput,
     Tensors,
     derive_seed,
 )
 from fedpeft.engines.local.loop import run_cohort
+from fedpeft.engines.local.modes import CohortMode, cohort_mode
 from fedpeft.engines.local.optimizer import carry_kept_state, optimizer_init, optimizer_state
 from fedpeft.engines.local.predict import predict_cohort
 
 __all__ = [
     "CONTROL",
+    "CohortMode",
     "OPT",
     "OWN",
     "Batch",
     "GradientFn",
     "Job",
+    "RoundContext",
     "SampleDP",
     "Start",
     "StepInput",
@@ -67,6 +74,7 @@ __all__ = [
     "backprop_reporting",
     "carry_kept_state",
     "clip_factor",
+    "cohort_mode",
     "derive_seed",
     "enable_checkpointing",
     "fold_refusal",

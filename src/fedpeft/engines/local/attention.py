@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from fedpeft.engines.local.jobs import RoundContext
     from fedpeft.methods.base import Method
 
 
@@ -29,12 +30,12 @@ def eager_attention(model: torch.nn.Module) -> Iterator[None]:
         config._attn_implementation = before
 
 
-def training_attention(model: torch.nn.Module, method: Method, clients: int):
+def training_attention(model: torch.nn.Module, method: Method, clients: int, context: RoundContext):
     """The attention a cohort trains with: eager (:func:`eager_attention`), which ``vmap``
     batches, except for a cohort of one (not vmapped: ``loop.run_cohort``), which keeps the
     model's own kernel (SDPA: faster, and without the ``(heads, L, L)`` weights eager
     attention holds per layer for the backward pass) when the method takes no gradient of
     a gradient (fused kernels have no second derivative) and no gradient per example
     (DP-SGD vmaps over the rows)."""
-    alone = clients == 1 and not method.higher_order and method.sample_dp is None
+    alone = clients == 1 and not method.higher_order and context.sample_dp is None
     return nullcontext() if alone else eager_attention(model)

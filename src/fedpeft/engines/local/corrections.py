@@ -11,13 +11,14 @@ import torch
 from fedpeft.engines.local.jobs import CONTROL, Job, Tensors
 
 if TYPE_CHECKING:
+    from fedpeft.config import TrainConfig
     from fedpeft.methods.base import FitResult, Method
 
 
-def proximal_anchor(method: Method, params: Tensors) -> Tensors:
+def proximal_anchor(method: Method, train: TrainConfig, params: Tensors) -> Tensors:
     """FedProx's anchor (``train.prox_mu`` > 0): the shared tensors as the round starts
     (what the client received), which the local step is pulled back to; else nothing."""
-    if method.train.prox_mu == 0:
+    if train.prox_mu == 0:
         return {}
     return {n: params[n].clone() for n in method.shared_names if n in params}
 

@@ -12,32 +12,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch.func import vmap
 
 from fedpeft.engines.local.batches import stack
-from fedpeft.engines.local.jobs import GradientFn, Job, StepInput, Tensors, derive_seed
-
-if TYPE_CHECKING:
-    from fedpeft.methods.base import Method
-
-
-@dataclass(frozen=True)
-class SampleDP:
-    """Sample-level DP-SGD (``privacy.mode: sample``; Abadi et al. 2016): every step's
-    batch is ``batch`` rows drawn without replacement, each row's gradient is clipped to
-    ``clip`` (all of a client's trained tensors as one vector), and ``N(0, (sigma clip)^2)``
-    is added to their sum, which is divided by the rows drawn: ``batch``, or all of a
-    client's rows when it has fewer (a constant of the client's, public under replace-one
-    neighbours, whose row counts are the same)."""
-
-    clip: float
-    sigma: float
-    batch: int
-
+from fedpeft.engines.local.jobs import (
+    GradientFn,
+    Job,
+    RoundContext,
+    SampleDP,
+    StepInput,
+    Tensors,
+    derive_seed,
+)
 
 #: the random stream of a client's DP-SGD noise, beside its round's seed
 NOISE_STREAM = 0x44505347
@@ -87,11 +75,13 @@ def private_gradients(
     return (losses * weight).sum() / drawn, {n: g / drawn for n, g in summed.items()}
 
 
-def dp_noise(method: Method, jobs: list[Job], params: Tensors, device: torch.device) -> Iterator[Tensors]:
+def dp_noise(
+    context: RoundContext, jobs: list[Job], params: Tensors, device: torch.device
+) -> Iterator[Tensors]:
     """Each step's DP-SGD noise for the cohort, stacked: standard normal, one draw per
     trained tensor of each client, from the client's own stream (:func:`noise_generator`),
     so a client draws the same noise in any cohort; nothing without ``privacy.mode: sample``."""
-    if method.sample_dp is None:
+    if context.sample_dp is None:
         while True:
             yield {}
     generators = [noise_generator(job) for job in jobs]

@@ -34,7 +34,7 @@ from torch.func import functional_call, vmap
 from torch.overrides import TorchFunctionMode
 
 from fedpeft.engines.local.gradients import model_inputs, model_scale
-from fedpeft.engines.local.jobs import Batch, StepInput, Tensors
+from fedpeft.engines.local.jobs import Batch, RoundContext, StepInput, Tensors
 from fedpeft.engines.local.step import apply_gradients
 from fedpeft.models.causal import SCORED
 
@@ -102,8 +102,6 @@ def fold_refusal(method: Method, model: nn.Module) -> str:
     """Why ``method`` (prepared on ``model``) cannot train in folded cohorts; "" when it can."""
     if _overrides(method, "step_gradients"):
         return f"method {method.name} takes its own gradients (not plain backprop of the model's loss)"
-    if method.sample_dp is not None:
-        return "privacy.mode sample takes per-example gradients with vmap"
     modules = dict(model.named_modules())
     for name in [*method.shared_names, *method.personal_names]:
         owner, _, attr = name.rpartition(".")
@@ -163,13 +161,13 @@ def folded_gradients(model: nn.Module, stacked: Tensors, batch: Batch, scale: fl
     return losses.detach(), {n: g / scale for n, g in out.items()} if scale != 1.0 else out
 
 
-def folded_step(method: Method, model: nn.Module):
+def folded_step(method: Method, model: nn.Module, context: RoundContext):
     """A cohort's local step (:func:`~fedpeft.engines.local.step.local_step`'s signature, every
     input stacked ``(C, ...)``) by folding: the gradients of all clients in one forward and
     backward pass of the model, then each client's update, vmapped."""
-    if refusal := fold_refusal(method, model):
+    if refusal := fold_refusal(method, model) or (context.sample_dp and "privacy.mode sample"):
         raise ValueError(f"a folded cohort: {refusal}")
-    apply, scale = vmap(apply_gradients(method, model)), model_scale(model)
+    apply, scale = vmap(apply_gradients(method, model, context)), model_scale(model)
     optimised = set(method.optimised_names())
 
     def step(params, opt, consts, batches: StepInput, anchor, correction, noise):

@@ -96,11 +96,23 @@ def quantised(model: torch.nn.Module) -> bool:
     return any(not p.is_floating_point() for p in model.parameters())
 
 
+def plain_autograd_reason(model: torch.nn.Module) -> str:
+    """Why ``model``'s training steps run in plain autograd, outside functorch, naming the
+    setting ("" when they do not): a quantised backbone (bitsandbytes has no functorch
+    rules) or one that checkpoints its layers (``torch.utils.checkpoint`` cannot run under
+    ``vjp`` or ``vmap``)."""
+    integers = {p.dtype for p in model.parameters() if not p.is_floating_point()}
+    if integers:  # bitsandbytes stores LLM.int8() weights as int8, 4-bit ones packed in uint8
+        kind = "int8" if torch.int8 in integers else "nf4"
+        return f"model.quantization {kind} (bitsandbytes' kernels cannot be vmapped)"
+    if checkpointed_layers(model):
+        return "model.gradient_checkpointing (checkpoints cannot be vmapped)"
+    return ""
+
+
 def needs_plain_autograd(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s training steps run in plain autograd, outside functorch: a
-    quantised backbone (bitsandbytes has no functorch rules) or one that checkpoints its
-    layers (``torch.utils.checkpoint`` cannot run under ``vjp`` or ``vmap``)."""
-    return quantised(model) or bool(checkpointed_layers(model))
+    """Whether ``model``'s training steps run in plain autograd (:func:`plain_autograd_reason`)."""
+    return bool(plain_autograd_reason(model))
 
 
 @contextmanager

@@ -43,7 +43,8 @@ from fedpeft.engines.local.corrections import client_control, proximal_anchor, s
 from fedpeft.engines.local.dp import dp_noise
 from fedpeft.engines.local.folding import folded_step
 from fedpeft.engines.local.gradients import needs_plain_autograd, plain_autograd, prepare_step
-from fedpeft.engines.local.jobs import Job
+from fedpeft.engines.local.jobs import Job, RoundContext
+from fedpeft.engines.local.modes import cohort_mode
 from fedpeft.engines.local.step import local_step, unvmapped
 
 if TYPE_CHECKING:
@@ -52,21 +53,21 @@ if TYPE_CHECKING:
 
 def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[FitResult]:
     """Every job's local round, trained together (see the module docstring)."""
-    if has_active_dropout(model) and len(jobs) > 1:
-        return [r for job in jobs for r in run_cohort(model, method, [job])]
+    context, how = round_context(jobs), "alone"
+    if len(jobs) > 1:  # train.cohort_mode: vmapped, folded or one client at a time
+        how = cohort_mode(method, model, context.train.cohort_mode, context.sample_dp is not None).how
+        if how == "alone" or has_active_dropout(model):
+            return [r for job in jobs for r in run_cohort(model, method, [job])]
     device = next(model.parameters()).device
     starts = [method.cohort_start(model, job) for job in jobs]
     batches = CohortBatches(
-        [
-            list(method.step_draws(job.client, s.steps, job.generator()))
-            for job, s in zip(jobs, starts, strict=True)
-        ],
+        [list(method.step_draws(job, s.steps, job.generator())) for job, s in zip(jobs, starts, strict=True)],
         device,
     )
     params = stack([s.params for s in starts], device)
     opt = stack([s.opt for s in starts], device)
     consts = stack([s.consts for s in starts], device)
-    anchor = proximal_anchor(method, params)
+    anchor = proximal_anchor(method, context.train, params)
     own = [client_control(job) for job in jobs]  # SCAFFOLD's c_i (none without it)
     correction = stack(
         [{n: c - own_i[n] for n, c in job.control.items()} for job, own_i in zip(jobs, own, strict=True)],
@@ -75,21 +76,21 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
     dropout = has_active_dropout(model)
     if dropout:
         torch.manual_seed(jobs[0].seed)  # a cohort of one: its own dropout draws, as alone
-    folded = len(jobs) > 1 and folds(method, model)
+    folded = how == "folded"
     if folded:
-        step = folded_step(method, model)
+        step = folded_step(method, model, context)
     elif len(jobs) == 1:
-        step = unvmapped(local_step(method, model))
+        step = unvmapped(local_step(method, model, context))
     else:
-        step = vmap(local_step(method, model), randomness="different" if dropout else "error")
-    noises = dp_noise(method, jobs, params, device)
+        step = vmap(local_step(method, model, context), randomness="different" if dropout else "error")
+    noises = dp_noise(context, jobs, params, device)
     model.train(dropout)  # eval mode when no dropout is active: the same function, no RNG calls
     step_counts = [s.steps for s in starts]  # on the CPU: no device sync to ask who is still training
     steps = torch.tensor(step_counts, device=device)
     losses = torch.zeros(len(jobs), device=device)
     tokens = torch.zeros(len(jobs), dtype=torch.long, device=device)  # real tokens each client trained on
     start = time.perf_counter()
-    attention = nullcontext() if folded else training_attention(model, method, len(jobs))
+    attention = nullcontext() if folded else training_attention(model, method, len(jobs), context)
     with plain_autograd(needs_plain_autograd(model)), attention, checkpointing(model):
         for k in range(len(batches)):
             stacked = prepare_step(model, batches.step(k), batches.scored[k] or None)
@@ -117,17 +118,17 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
         }
         result = method.cohort_finish(job, p, o, metrics)
         if job.control:
-            settle_control(result, job, own_i, p, s.steps, method.train.lr)
+            settle_control(result, job, own_i, p, s.steps, context.train.lr)
         results.append(result)
     return results
 
 
-def folds(method: Method, model: torch.nn.Module) -> bool:
-    """Whether a cohort trains folded (:mod:`~fedpeft.engines.local.folding`) rather than vmapped:
-    ``train.cohort_mode``; auto folds where the steps run in plain autograd (a quantised or
-    checkpointed backbone: :func:`needs_plain_autograd`), which vmap cannot batch."""
-    mode = method.train.cohort_mode
-    return mode == "folded" or (mode == "auto" and needs_plain_autograd(model))
+def round_context(jobs: list[Job]) -> RoundContext:
+    """The round's settings the cohort's jobs share (a cohort is of one round)."""
+    context = jobs[0].context
+    if any(job.context != context for job in jobs[1:]):
+        raise ValueError("a cohort's jobs come from one round, but these carry different round contexts")
+    return context
 
 
 def has_active_dropout(model: torch.nn.Module) -> bool:

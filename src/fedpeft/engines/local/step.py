@@ -14,19 +14,19 @@ import torch
 
 from fedpeft.engines.local.dp import private_gradients
 from fedpeft.engines.local.gradients import model_scale
-from fedpeft.engines.local.jobs import StepInput, Tensors
+from fedpeft.engines.local.jobs import RoundContext, StepInput, Tensors
 from fedpeft.engines.local.optimizer import clip_gradients, optimizer_step
 
 if TYPE_CHECKING:
     from fedpeft.methods.base import Method
 
 
-def local_step(method: Method, model: torch.nn.Module):
-    """One client's local step as a pure function (what ``loop.run_cohort`` vmaps): the
-    method's gradients (DP-SGD's, under ``privacy.mode: sample``), then
-    :func:`apply_gradients`."""
-    gradients, dp = method.step_gradients(model), method.sample_dp
-    apply = apply_gradients(method, model)
+def local_step(method: Method, model: torch.nn.Module, context: RoundContext):
+    """One client's local step in round ``context`` as a pure function (what
+    ``loop.run_cohort`` vmaps): the method's gradients (DP-SGD's, under ``privacy.mode:
+    sample``), then :func:`apply_gradients`."""
+    gradients, dp = method.step_gradients(model), context.sample_dp
+    apply = apply_gradients(method, model, context)
 
     def step(
         params: Tensors,
@@ -46,7 +46,7 @@ def local_step(method: Method, model: torch.nn.Module):
     return step
 
 
-def apply_gradients(method: Method, model: torch.nn.Module):
+def apply_gradients(method: Method, model: torch.nn.Module, context: RoundContext):
     """``apply(params, opt, loss, grads, anchor, correction) -> (params, opt, loss)``:
     what one client's local step does with its gradients, as a pure function. With FedProx
     (Li et al. 2020; ``train.prox_mu``), the gradient of ``mu/2 ||w - anchor||^2`` over the
@@ -54,8 +54,9 @@ def apply_gradients(method: Method, model: torch.nn.Module):
     the method's. With SCAFFOLD (``train.correction``), ``correction`` (``c - c_i`` per
     shared tensor) is added to the clipped gradient, so the step follows ``g - c_i + c``
     (clipping bounds the stochastic gradient, not the drift estimate). Then the optimizer
-    step, and plain SGD at the method's own rate on :meth:`Method.sgd_rates`'s tensors."""
-    cfg, skip_overflow = method.train, model_scale(model) != 1.0
+    step (``context.train``: the round's rate), and plain SGD at the method's own rate on
+    :meth:`Method.sgd_rates`'s tensors."""
+    cfg, skip_overflow = context.train, model_scale(model) != 1.0
     mu, rates = cfg.prox_mu, method.sgd_rates()
 
     def apply(

@@ -1,0 +1,56 @@
+"""How a cohort of more than one client trains (``train.cohort_mode``), decided in one place.
+
+- ``vmap``: one client's step (:mod:`~fedpeft.engines.local.step`) vmapped over the cohort;
+- ``folded``: the cohort's batches folded into one, the frozen modules run once on it and
+  only the adapters per client (:mod:`~fedpeft.engines.local.folding`);
+- ``alone``: one client after another.
+
+``auto`` vmaps, except where the model's steps run in plain autograd (a quantised or a
+checkpointed backbone: vmap cannot batch bitsandbytes' kernels or checkpoints), where it
+folds, or trains one client at a time when the method cannot fold. The cohort loop
+(``loop.run_cohort``) follows :func:`cohort_mode`; the experiment's set-up asks it too,
+to refuse a ``train.cohort_size`` or ``train.cohort_mode`` that cannot be had before
+anything trains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from fedpeft.config.common import ConfigError
+from fedpeft.engines.local.folding import fold_refusal
+from fedpeft.engines.local.gradients import plain_autograd_reason
+
+if TYPE_CHECKING:
+    from fedpeft.methods.base import Method
+
+
+@dataclass(frozen=True)
+class CohortMode:
+    """How a cohort trains, and why it does not vmap ("" where it does)."""
+
+    how: Literal["vmap", "folded", "alone"]
+    why: str = ""
+
+
+def cohort_mode(method: Method, model: torch.nn.Module, requested: str, dp_sgd: bool) -> CohortMode:
+    """How a cohort of ``method`` (prepared on ``model``) trains under ``train.cohort_mode``
+    ``requested``, with or without DP-SGD (``privacy.mode: sample``, which vmaps over each
+    client's rows and so cannot fold). A mode that cannot be had is a
+    :class:`~fedpeft.config.ConfigError` naming the setting in the way."""
+    plain = plain_autograd_reason(model)
+    if requested == "vmap" and plain:
+        raise ConfigError(f"train.cohort_mode vmap: {plain}; use cohort_mode folded or auto")
+    if requested == "vmap" or (requested == "auto" and not plain):
+        return CohortMode("vmap")
+    refusal = fold_refusal(method, model)
+    if dp_sgd:
+        refusal = refusal or "privacy.mode sample takes per-example gradients with vmap"
+    if not refusal:
+        return CohortMode("folded", plain or "train.cohort_mode folded")
+    if requested == "folded":
+        raise ConfigError(f"train.cohort_mode folded: {refusal}; use cohort_mode vmap or auto")
+    return CohortMode("alone", f"cohorts train folded with {plain}, and {refusal}")
