@@ -343,7 +343,7 @@ def test_vectorised_evaluation_equals_one_model_at_a_time(tiny_config):
 
 
 def test_fitting_cohort_size_from_probed_costs():
-    from fedpeft.engines.inprocess import fitting_cohort
+    from fedpeft.engines.memory import fitting_cohort
 
     # 10 GiB free, 80 % usable: (8 GiB - 1 GiB fixed) / 0.5 GiB per client = 14 clients
     gib = 2**30

@@ -164,17 +164,17 @@ def test_drift_is_recorded_plotted_and_uses_one_probe(tiny_config, monkeypatch):
 
     from fedpeft.data.sources import load_corpus
     from fedpeft.data.task import encode
-    from fedpeft.engines.inprocess import InProcessEngine, drift_probe_rows
+    from fedpeft.engines.drift import DriftProbe, drift_probe_rows
     from fedpeft.experiment import run
 
     probes = []
-    original = InProcessEngine.logits
+    original = DriftProbe.logits
 
     def spy(self, tensors):
         probes.append(self.probe.ids.clone())
         return original(self, tensors)
 
-    monkeypatch.setattr(InProcessEngine, "logits", spy)
+    monkeypatch.setattr(DriftProbe, "logits", spy)
     cfg = tiny_config(
         partition__scheme="groups",
         partition__min_size=2,

@@ -12,7 +12,7 @@ makes a resumed run identical to an uninterrupted one.
 With ``eval.drift`` every round also records client drift, the C2A paper's analysis
 (sec. 2.2, 5.5): the linear CKA between the logits of each sampled client's model after
 its local round and those of the global model it started the round from, on one probe
-batch of the global test set drawn once (:meth:`InProcessEngine.drift`).
+batch of the global test set drawn once (:mod:`fedpeft.engines.drift`).
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ import numpy as np
 import torch
 
 from fedpeft.config import CommConfig, FaultsConfig, PrivacyConfig, ServerConfig, TrainConfig
-from fedpeft.data.task import Encoded, make_batch
+from fedpeft.data.task import Encoded
 from fedpeft.engines import compress, guard, privacy, scaffold
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
+from fedpeft.engines.drift import DriftProbe, drift_probe_rows
 from fedpeft.engines.faults import corrupt
 from fedpeft.engines.local import RoundContext, SampleDP, derive_seed
-from fedpeft.engines.memory import check_memory, cohort_peaks
+from fedpeft.engines.memory import check_memory, probe_cohort_size
 from fedpeft.engines.round import Returned, Round, ServerRound, receive, send
 from fedpeft.engines.store import ClientStore, StoreError
 from fedpeft.methods.base import (
@@ -45,7 +46,6 @@ from fedpeft.methods.base import (
     restrict_heads,
     tensor_bytes,
 )
-from fedpeft.metrics.cka import linear_cka
 from fedpeft.metrics.classification import mean_scores, pooled, spread
 from fedpeft.metrics.scorers import ClassificationScorer, Scorer
 
@@ -64,17 +64,6 @@ class Schedule:
     per_client_scores: bool = False  # record each client's local-test scores (the cross-silo table)
     drift_probe: int = 0  # eval.drift: examples in the client-drift probe batch (0: no drift)
     poisson: bool = False  # train.client_sampling: poisson (each client with probability S / M)
-
-
-#: The random stream of the drift probe batch (beside ``[seed, rnd]``, the clients sampled in round rnd).
-DRIFT_STREAM = 0x44524946
-
-
-def drift_probe_rows(seed: int, available: int, size: int) -> np.ndarray:
-    """The global test rows of the client-drift probe batch: ``size`` of ``available``
-    (all when there are fewer), drawn without replacement, seeded by ``seed`` alone, sorted."""
-    rng = np.random.default_rng([seed, DRIFT_STREAM])
-    return np.sort(rng.choice(available, size=min(size, available), replace=False))
 
 
 #: The random stream of Poisson client sampling (beside ``[seed, rnd]``).
@@ -200,10 +189,10 @@ class InProcessEngine:
         self._loaded: tuple[torch.Tensor, ...] = ()
         self.cohort_size = schedule.cohort_size or 1  # with None, probed when the run starts
         self.scorer = scorer or ClassificationScorer(schedule.eval_batch_size)
-        self.probe: Encoded | None = None  # the client-drift probe batch, the same every round
+        self.drift: DriftProbe | None = None  # eval.drift: on a probe batch, the same every round
         if schedule.drift_probe:
             rows = drift_probe_rows(schedule.seed, len(global_test), schedule.drift_probe)
-            self.probe = global_test.subset(rows)
+            self.drift = DriftProbe(self, global_test.subset(rows))
 
     # ------------------------------------------------------------ state helpers
     def personal_of(self, client: ClientData) -> Tensors:
@@ -431,66 +420,6 @@ class InProcessEngine:
             out[f"local_{name}"] = spread(values)
         return out
 
-    # ------------------------------------------------------------ client drift
-    @torch.no_grad()
-    def logits(self, tensors: Tensors) -> torch.Tensor:
-        """``(P, C)`` float64 logits of the model holding ``tensors`` on the probe batch."""
-        self.load(tensors)
-        self.model.eval()
-        out = []
-        for start in range(0, len(self.probe), self.schedule.eval_batch_size):
-            rows = torch.arange(start, min(start + self.schedule.eval_batch_size, len(self.probe)))
-            batch = make_batch(self.probe, rows)
-            out.append(self.model(batch["input_ids"], batch["attention_mask"]).double().cpu())
-        return torch.cat(out)
-
-    def local_model(self, server: ServerState, result: FitResult) -> Tensors:
-        """Client ``result.cid``'s model after its local round (``server``: the state the
-        round started from), rebuilt from its result alone: what it received with its update
-        (``method.messages.uplink_as_shared``) in place of the shared tensors, and its new personal
-        state, combined as the method scores a client (:meth:`Method.eval_state`)."""
-        method = self.method
-        received = {**method.downlink(server, result.cid), **method.messages.uplink_as_shared(result.uplink)}
-        self.forget_loaded()  # eval_state may use the model (Per-FedAvg adapts one step)
-        state = method.eval_state(self.model, received, result.personal, self.clients[result.cid])
-        self.forget_loaded()
-        return state
-
-    def drift(self, server: ServerState, results: list[FitResult]) -> dict:
-        """Client drift of this round's clients: per client, the linear CKA between the logits
-        of its model after its local round (:meth:`local_model`) and those of the global
-        model ``server`` it started from (:meth:`Method.global_state`) on the probe batch;
-        their mean and minimum. 1 when a client did not move. Skipped, with the reason, when
-        there is no single global model or a client's update is not its trained tensors
-        (only then can its model be rebuilt from the update)."""
-        method = self.method
-        if len(self.probe) < 2:  # CKA compares how examples relate: it needs two at least
-            return {"skipped": f"the probe batch has {len(self.probe)} example(s) (the global test set's)"}
-        global_tensors = method.global_state(server)
-        if global_tensors is None:
-            why = f"method {method.name} has no single global model (Method.global_state is None)"
-            return {"skipped": why}
-        shared = set(method.shared_names)
-        for r in results:
-            if not set(r.uplink) <= shared:
-                sent = sorted(set(r.uplink) - shared)[0]
-                return {
-                    "skipped": f"method {method.name}: client {r.cid}'s update is not its trained tensors "
-                    f"(it sends {sent!r}, no shared parameter), so its local model cannot be rebuilt from it"
-                }
-        reference = self.logits(global_tensors)
-        per_client = {}
-        for r in results:
-            per_client[str(r.cid)] = float(linear_cka(self.logits(self.local_model(server, r)), reference))
-        self.forget_loaded()
-        values = list(per_client.values())
-        return {
-            "mean": float(np.mean(values)),
-            "min": float(np.min(values)),
-            "clients": per_client,
-            "probe": len(self.probe),
-        }
-
     # ------------------------------------------------------------ the run
     def start(self, resume: bool, resume_from: int | None = None) -> tuple[ServerState, list[dict]]:
         """The server state and records to continue from (the newest readable checkpoint, or
@@ -547,7 +476,7 @@ class InProcessEngine:
             self.forget_loaded()
             results = [r.result for r in returned]
             t2 = time.perf_counter()
-            if self.probe is not None and results:  # timed with the evaluation
+            if self.drift is not None and results:  # timed with the evaluation
                 record["drift"] = self.drift(previous, results)
             if rnd % s.eval_every == 0 or rnd == s.rounds:
                 record.update(self.evaluate(server, final=rnd == s.rounds))
@@ -562,30 +491,3 @@ class InProcessEngine:
             self.server = server
             self.on_round(record)
         return records
-
-
-# ---------------------------------------------------------------- cohort size
-
-
-def fitting_cohort(free: int, fixed: float, per_client: float, limit: int, headroom: float = 0.8) -> int:
-    """The most clients (at most ``limit``, at least 1) whose cohort needs at most
-    ``headroom * free`` bytes, a cohort of ``n`` needing ``fixed + n * per_client``."""
-    if per_client <= 0:
-        return limit
-    return max(1, min(limit, int((headroom * free - fixed) // per_client)))
-
-
-def probe_cohort_size(engine: InProcessEngine, server: ServerState) -> int:
-    """``train.cohort_size: auto``. On a GPU: the peak memory of one local step and of
-    one scoring batch for cohorts of 1 and 4 clients (:func:`~fedpeft.engines.memory.cohort_peaks`)
-    gives the cost per client; the cohort is the most clients that fit 80 % of the free
-    memory (at most the clients per round). Elsewhere: 1 (on a CPU, batching clients
-    gains nothing)."""
-    s = engine.schedule
-    device = next(engine.model.parameters()).device
-    if device.type != "cuda" or s.clients_per_round == 1:
-        return 1
-    one, four = cohort_peaks(engine, server)
-    per_client = (four - one) / 3
-    free, _ = torch.cuda.mem_get_info(device)
-    return fitting_cohort(free, one - per_client, per_client, s.clients_per_round)

@@ -398,3 +398,30 @@ def check_memory(engine: InProcessEngine, server: ServerState, limit_mb: float |
             f"{_advice(probe, figures, clients)}"
         )
     return figures
+
+
+# ---------------------------------------------------------------- train.cohort_size: auto
+
+
+def fitting_cohort(free: int, fixed: float, per_client: float, limit: int, headroom: float = 0.8) -> int:
+    """The most clients (at most ``limit``, at least 1) whose cohort needs at most
+    ``headroom * free`` bytes, a cohort of ``n`` needing ``fixed + n * per_client``."""
+    if per_client <= 0:
+        return limit
+    return max(1, min(limit, int((headroom * free - fixed) // per_client)))
+
+
+def probe_cohort_size(engine: InProcessEngine, server: ServerState) -> int:
+    """``train.cohort_size: auto``. On a GPU: the peak memory of one local step and of
+    one scoring batch for cohorts of 1 and 4 clients (:func:`~fedpeft.engines.memory.cohort_peaks`)
+    gives the cost per client; the cohort is the most clients that fit 80 % of the free
+    memory (at most the clients per round). Elsewhere: 1 (on a CPU, batching clients
+    gains nothing)."""
+    s = engine.schedule
+    device = next(engine.model.parameters()).device
+    if device.type != "cuda" or s.clients_per_round == 1:
+        return 1
+    one, four = cohort_peaks(engine, server)
+    per_client = (four - one) / 3
+    free, _ = torch.cuda.mem_get_info(device)
+    return fitting_cohort(free, one - per_client, per_client, s.clients_per_round)
