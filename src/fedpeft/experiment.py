@@ -6,6 +6,7 @@ This is the recipe layer (the engines and methods are the building blocks); the 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -30,6 +31,7 @@ from fedpeft.engines.faults import faulty_clients, flip_labels
 from fedpeft.engines.guard import DivergedError, nonfinite_tensor
 from fedpeft.engines.inprocess import InProcessEngine, Schedule
 from fedpeft.engines.local import cohort_mode, enable_checkpointing
+from fedpeft.engines.ranks import Ranks, joined
 from fedpeft.engines.robust import combiner
 from fedpeft.engines.server_opt import check_composes
 from fedpeft.engines.store import ClientStore
@@ -327,10 +329,14 @@ def make_engine(
     on_round: Callable[[dict], None] | None,
     say: Callable[[str], None] | None = None,
     tracking: Tracking | None = None,
+    ranks: Ranks | None = None,
 ) -> InProcessEngine:
     """The in-process engine for ``setup``, writing ``metrics.jsonl`` (and ``tracking``'s
-    trackers) as rounds complete."""
+    trackers) as rounds complete; over ``ranks``, rank 0 alone writes."""
     cfg, out = setup.cfg, Path(setup.cfg.output_dir)
+    if ranks is not None and cfg.eval.drift:
+        raise ConfigError("eval.drift: not over several ranks (a rank holds only its clients' new states)")
+    leader = ranks is None or ranks.leader
     clients, per_round = setup.clients, cfg.train.clients_per_round
     faulty = faulty_clients(cfg.faults, cfg.seed, len(clients))
     if faulty and setup.method.pooled:
@@ -382,10 +388,10 @@ def make_engine(
         eval_clients=setup.clients,
         checkpoints=checkpoints(cfg, say),
         fingerprint=fingerprint(cfg),
-        on_round=record_round,
-        on_start=start,
+        on_round=record_round if leader else None,
+        on_start=start if leader else None,
         analyzers=update_variation_analyzers(setup.method),
-        store=client_store(cfg),
+        store=client_store(cfg, shared=ranks is not None),
         scorer=scorer_for(cfg.data.task, setup.tokenizer, cfg.eval, setup.corpus),
         on_corrupt_state=cfg.train.on_corrupt_state,
         train=train,
@@ -395,6 +401,7 @@ def make_engine(
         faulty=faulty,
         comm=cfg.comm,
         privacy_cfg=cfg.privacy,
+        ranks=ranks,
     )
 
 
@@ -405,11 +412,12 @@ def checkpoints(cfg: ExperimentConfig, say: Callable[[str], None] | None = None)
     return Checkpoints(Path(cfg.output_dir) / "checkpoint.pt", cfg.checkpoint.keep, say)
 
 
-def client_store(cfg: ExperimentConfig) -> ClientStore:
+def client_store(cfg: ExperimentConfig, shared: bool = False) -> ClientStore:
     """The clients' personal states: in memory within ``train.client_memory_mb``, spilled
-    to ``output_dir/clients/``, where checkpoints keep them too."""
+    to ``output_dir/clients/``, where checkpoints keep them too (and, ``shared``, where the
+    ranks of a run hand them on)."""
     budget = None if cfg.train.client_memory_mb is None else int(cfg.train.client_memory_mb * 2**20)
-    needs_files = cfg.checkpoint.enabled or budget is not None
+    needs_files = cfg.checkpoint.enabled or budget is not None or shared
     return ClientStore(Path(cfg.output_dir) / STORE_DIR if needs_files else None, budget)
 
 
@@ -499,20 +507,24 @@ def _run(
     if resume and not cfg.checkpoint.enabled:
         raise ResumeError("--resume needs checkpoints, but the config sets checkpoint: false")
     t_setup = time.perf_counter()
-    tracking = Tracking(cfg, resume)  # a tracker's missing package fails before the model loads
+    ranks = joined()  # several processes share the rounds (torchrun); rank 0 alone writes
+    leader = ranks is None or ranks.leader
+    tracking = Tracking(cfg, resume) if leader else None  # a tracker's missing package fails first
     setup = setup or build(cfg)
     load_tensors(setup.model, setup.initial)  # a setup may serve several runs
-    hist = open_output(setup)
-    with tracking:
-        engine = make_engine(setup, on_round, say, tracking)
+    hist = open_output(setup) if leader else None
+    with tracking or contextlib.nullcontext():
+        engine = make_engine(setup, on_round, say, tracking, ranks)
         t_run = time.perf_counter()
         try:
             records = engine.run(resume=resume, resume_from=resume_from)
         except DivergedError as err:
-            if err.round > 1:  # the last good global model (none was trained before round 1)
+            if err.round > 1 and leader:  # the last good global model (none was trained before round 1)
                 export(setup, err.last_good.tensors, Path(cfg.output_dir))
             raise
         t_end = time.perf_counter()
+        if not leader:
+            return {"rank": ranks.rank, "rounds": len(records)}
         device = str(next(setup.model.parameters()).device)
         extra = {"time_setup": t_run - t_setup, "time_total": t_end - t_setup, "device": device}
         client_models = lambda client: engine.client_model(engine.server, client)[0]  # noqa: E731

@@ -18,10 +18,9 @@ from fedpeft.engines.schedule import round_lr
 from fedpeft.experiment import fingerprint
 from fedpeft.methods.base import FitResult, ServerState
 from fedpeft.methods.messages import Messages
-from tests.helpers.configs import SCAFFOLD
+from tests.helpers.configs import SCAFFOLD, USER_DP
 from tests.helpers.flower import in_process_and_deployed
 
-USER_DP = {"privacy": {"mode": "user", "noise_multiplier": 0.7, "clip": 0.05}}
 SCHEDULED = {"train.lr_schedule": "linear", "train.lr_min": 0.002}
 
 

@@ -29,6 +29,9 @@ FEDSB = {"name": "fedsb", "lora": {"r": 4, "alpha": 4}, "init_samples": 12}
 PF2 = {"name": "pf2lora", "lora": {"r": 4, "alpha": 8}, "client_rank": 2, "client_alpha": 4}
 
 
+#: user-level DP (a fixed noise multiplier: no calibration to wait for)
+USER_DP = {"privacy": {"mode": "user", "noise_multiplier": 0.7, "clip": 0.05}}
+
 SCAFFOLD = {"train.correction": "scaffold", "train.optimizer": "sgd", "train.lr": 0.05}
 
 

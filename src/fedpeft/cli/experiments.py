@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from fedpeft.cli import common
+from fedpeft.cli import common, ranks
 from fedpeft.cli.common import ConfigArg, SetOpt, checked_config, fail, parse_overrides
 from fedpeft.cli.tables import (
     narrow_table,
@@ -56,12 +56,52 @@ def run(
         bool,
         typer.Option("--debug", help="On an error, also print its full traceback (always in fedpeft.log)."),
     ] = False,
+    nproc: Annotated[
+        int,
+        typer.Option(
+            "--nproc",
+            min=1,
+            help="Share each round's clients among N local processes (ranks, started by torch's elastic "
+            "launcher: gloo on CPUs, NCCL with rank r on GPU r). Across machines: torchrun -m fedpeft run.",
+        ),
+    ] = 1,
+    max_restarts: Annotated[
+        int,
+        typer.Option(
+            "--max-restarts",
+            min=0,
+            help="With --nproc: restart the ranks up to this many times when one fails; they resume from the "
+            "last checkpoint.",
+        ),
+    ] = 0,
     set_: SetOpt = None,
 ) -> None:
     """Run a federated experiment and write its results directory."""
     cfg = checked_config(config, [*(set_ or []), *(["export.personal=true"] if export_personal else [])])
+    if nproc > 1 and not ranks.launched():
+        again = [
+            *(["--resume"] if resume else []),
+            *([f"--resume-from={resume_from}"] if resume_from else []),
+        ]
+        args = ["run", *([str(config)] if config else []), *again, *(["--debug"] if debug else [])]
+        args += [
+            f"--set={item}"
+            for item in [*(set_ or []), *(["export.personal=true"] if export_personal else [])]
+        ]
+        if why := ranks.launch(nproc, max_restarts, args):
+            fail(f"{why}; resume with: fedpeft run {' '.join(args[1:])} --nproc {nproc} --resume")
+        return
+    if ranks.restarted() and any(Path(cfg.output_dir).glob("checkpoint*.pt*")):
+        resume = True  # the launcher restarted the ranks after a failure: go on from the last checkpoint
     from fedpeft.experiment import run as run_experiment
     from fedpeft.report.runlog import LOG_FILE, close_log, is_expected, one_line, open_log
+
+    if ranks.rank() != 0:  # rank 0 reports and logs; another rank only says why it stopped
+        try:
+            run_experiment(cfg, resume=resume, resume_from=resume_from)
+        except Exception as err:  # noqa: BLE001 -- one line; rank 0 logs the run
+            fail(f"rank {ranks.rank()}: {one_line(err)}")
+        return
 
     log = open_log(Path(cfg.output_dir))
     start = "resume" if resume or resume_from is not None else "start"

@@ -83,13 +83,14 @@ def save_checkpoint(path: Path, ckpt: Checkpoint, keep: int = 1) -> None:
 
 
 def load_checkpoint(
-    path: Path, fingerprint: str, budget: int | None = None, on_corrupt_state: str = "stop"
+    path: Path, fingerprint: str, budget: int | None = None, on_corrupt_state: str = "stop", tidy: bool = True
 ) -> Checkpoint:
     """The checkpoint at ``path``; clients' states in a store (the files beside it, each
     checked against its checksum now and read lazily later, within ``budget`` bytes of
     memory) when it was written from one. A client's missing or corrupt file is a
     :class:`~fedpeft.engines.store.StoreError`, or with ``on_corrupt_state="reset"`` drops
-    that client's state (listed in ``Checkpoint.resets``)."""
+    that client's state (listed in ``Checkpoint.resets``). ``tidy``: delete the store's files
+    that no kept checkpoint names (the ranks other than 0 leave that to it)."""
     if not path.is_file():
         raise ResumeError(f"{path}: no checkpoint to resume from")
     try:
@@ -111,6 +112,7 @@ def load_checkpoint(
             checksums=payload.get("personal_checksums"),
             retained=[set(r) for r in payload.get("personal_retained", [])],
             on_corrupt=on_corrupt_state,
+            tidy=tidy,
         )
     return Checkpoint(
         payload["round"], fingerprint, server, personal, payload["records"], payload["joined"], resets

@@ -27,11 +27,12 @@ import torch
 from fedpeft.config import CommConfig, FaultsConfig, PrivacyConfig, ServerConfig, TrainConfig
 from fedpeft.data.task import Encoded
 from fedpeft.engines import compress, guard, privacy, scaffold
-from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
+from fedpeft.engines.checkpoint import Checkpoint, Checkpoints, load_checkpoint
 from fedpeft.engines.drift import DriftProbe, drift_probe_rows
 from fedpeft.engines.faults import corrupt
 from fedpeft.engines.local import RoundContext, SampleDP, derive_seed
 from fedpeft.engines.memory import check_memory, probe_cohort_size
+from fedpeft.engines.ranks import Ranks, Share, client_cost
 from fedpeft.engines.round import Returned, Round, ServerRound, receive, send
 from fedpeft.engines.store import ClientStore, StoreError
 from fedpeft.methods.base import (
@@ -132,8 +133,11 @@ class InProcessEngine:
         faulty: Sequence[int] = (),
         comm: CommConfig | None = None,
         privacy_cfg: PrivacyConfig | None = None,
+        ranks: Ranks | None = None,
     ):
         self.model, self.method, self.clients = model, method, clients
+        # several processes share the rounds (fedpeft.engines.ranks); None: this one alone
+        self.ranks = ranks
         self.eval_clients = eval_clients if eval_clients is not None else clients
         self.global_test, self.schedule = global_test, schedule
         self.checkpoints, self.fingerprint = checkpoints, fingerprint
@@ -293,33 +297,17 @@ class InProcessEngine:
         s, rnd = self.schedule, step.number
         rate = s.clients_per_round / len(self.clients) if s.poisson else None
         sampled = sample_clients(s.seed, rnd, len(self.clients), s.clients_per_round, rate)
-        jobs, residuals, down = [], {}, 0
         if not sampled:  # Poisson sampling may draw no client
             nothing = {"loss": float("nan"), "fit": {}, "bytes_down": 0, "bytes_up": 0, "time_fit_max": 0.0}
             return [], {"clients": [], **nothing}
-        for cid in sampled:
-            job, residuals[cid], received_bytes = self.job(server, step, cid)
-            jobs.append(job)
-            down += received_bytes
-        results, fit_times, readouts, dropped, up = [], [], {}, {}, 0
-        self.forget_loaded()  # a fit may load its own tensors
-        for start in range(0, len(jobs), self.cohort_size):
-            cohort = jobs[start : start + self.cohort_size]
-            t0 = time.perf_counter()
-            fitted = self.method.fit_cohort(self.model, cohort)
-            for job, result in zip(cohort, fitted, strict=True):
-                result.cid = job.client.cid
-            fitted = [self.attacked(job, result, rnd) for job, result in zip(cohort, fitted, strict=True)]
-            kept, cut = guard.screen(fitted)  # a diverged client keeps its last finite state
-            by_client = {job.client.cid: job for job in cohort}
-            for result in kept:  # sent and stored at once, as each cohort ends
-                if readout := self.method.readout(result):  # on the client, of what it trained
-                    readouts[str(result.cid)] = readout
-                returned, sent_bytes = self.sent(step, by_client[result.cid], result, residuals[result.cid])
-                results.append(returned)
-                up += sent_bytes
-            dropped.update(cut)
-            fit_times.append(time.perf_counter() - t0)
+        if self.ranks is None:
+            share = self.train_clients(server, step, sampled)
+        else:  # this process's share of the clients, then every rank's updates in the order drawn
+            costs = [client_cost(self.clients[cid], self.train) for cid in sampled]
+            share = self.train_clients(server, step, self.ranks.mine(sampled, costs))
+            share = self.ranks.combine(share, sampled, self.personal, next(self.model.parameters()).device)
+            self.joined.update(sampled)
+        results, dropped, down, up = share.returned, share.dropped, share.down, share.up
         if not results:
             raise guard.all_dropped(rnd, dropped, step.lr, server)
         if self.method.pooled:  # pooled training: nothing crossed a network
@@ -337,9 +325,38 @@ class InProcessEngine:
             "bytes_down": down,
             "bytes_up": up,
             # the slowest cohort: what a round takes when cohorts train in parallel
-            "time_fit_max": max(fit_times),
-            **({"client_readout": readouts} if readouts else {}),
+            "time_fit_max": max(share.fit_times, default=0.0),
+            **({"client_readout": share.readouts} if share.readouts else {}),
         }
+
+    def train_clients(self, server: ServerState, step: Round, cids: list[int]) -> Share:
+        """Clients ``cids``' local rounds in round ``step``, in cohorts of up to
+        ``cohort_size`` trained at once (a client's round does not depend on its cohort),
+        and their updates as the server receives them, in the order of ``cids``."""
+        jobs, residuals, out = [], {}, Share()
+        for cid in cids:
+            job, residuals[cid], received_bytes = self.job(server, step, cid)
+            jobs.append(job)
+            out.down += received_bytes
+        self.forget_loaded()  # a fit may load its own tensors
+        for start in range(0, len(jobs), self.cohort_size):
+            cohort = jobs[start : start + self.cohort_size]
+            t0 = time.perf_counter()
+            fitted = self.method.fit_cohort(self.model, cohort)
+            for job, result in zip(cohort, fitted, strict=True):
+                result.cid = job.client.cid
+            fitted = [self.attacked(job, r, step.number) for job, r in zip(cohort, fitted, strict=True)]
+            kept, cut = guard.screen(fitted)  # a diverged client keeps its last finite state
+            by_client = {job.client.cid: job for job in cohort}
+            for result in kept:  # sent and stored at once, as each cohort ends
+                if readout := self.method.readout(result):  # on the client, of what it trained
+                    out.readouts[str(result.cid)] = readout
+                returned, sent_bytes = self.sent(step, by_client[result.cid], result, residuals[result.cid])
+                out.returned.append(returned)
+                out.up += sent_bytes
+            out.dropped.update(cut)
+            out.fit_times.append(time.perf_counter() - t0)
+        return out
 
     def train_round(self, server: ServerState, rnd: int) -> tuple[ServerState, list[FitResult], dict]:
         """Round ``rnd`` from ``server`` without its evaluation (what the benchmarks time): the
@@ -424,11 +441,20 @@ class InProcessEngine:
     def start(self, resume: bool, resume_from: int | None = None) -> tuple[ServerState, list[dict]]:
         """The server state and records to continue from (the newest readable checkpoint, or
         round ``resume_from``'s); the client join applied to the model."""
-        store = self.personal
+        store, ranks = self.personal, self.ranks
+        if ranks is not None and store.directory is not None:
+            ranks.check_shared(store.directory.parent)
         if resume:
             if self.checkpoints is None:
                 raise RuntimeError("resume needs checkpoints, and this engine keeps none")
-            ckpt = self.checkpoints.load(self.fingerprint, store.budget, resume_from, self.on_corrupt_state)
+            fingerprint, on_corrupt = self.fingerprint, self.on_corrupt_state
+            load = lambda: self.checkpoints.load(fingerprint, store.budget, resume_from, on_corrupt)  # noqa: E731
+            if ranks is None:
+                ckpt = load()
+            else:  # rank 0 picks the checkpoint (and tidies); the others read the one it picked
+                path = self.checkpoints.path
+                read = lambda: load_checkpoint(path, fingerprint, store.budget, on_corrupt, tidy=False)  # noqa: E731
+                ckpt = ranks.leader_first(load, read)
             server, records = ckpt.server, ckpt.records
             self.resets.update(ckpt.resets or {})
             self.joined = set(ckpt.joined)
@@ -438,15 +464,20 @@ class InProcessEngine:
                 for cid, state in ckpt.personal.items():
                     store[cid] = state
         else:
+            leader = ranks is None or ranks.leader
             if store.directory is not None:  # a fresh run: no state of an earlier one
-                self.personal, _ = ClientStore.open(store.directory, {}, store.budget)
-            if self.checkpoints is not None:
+                self.personal, _ = ClientStore.open(store.directory, {}, store.budget, tidy=leader)
+            if self.checkpoints is not None and leader:
                 self.checkpoints.clear()
+            if ranks is not None:
+                ranks.barrier()  # nothing of this run is written before every rank has started
             t0 = time.perf_counter()
             server, records = self.method.init_server(self.model), []
             self.setup_info = {"time_init_server": time.perf_counter() - t0, **self.method.setup_info}
         # Every client applies the join message to its backbone copy; here they share one copy.
         self.method.messages.join(self.model, self.method.messages.join_message(server))
+        if ranks is not None:
+            self.setup_info["ranks"] = float(ranks.world)
         if self.schedule.cohort_size is None:
             self.cohort_size = probe_cohort_size(self, server)
             self.setup_info["cohort_size"] = float(self.cohort_size)
@@ -478,16 +509,19 @@ class InProcessEngine:
             t2 = time.perf_counter()
             if self.drift is not None and results:  # timed with the evaluation
                 record["drift"] = self.drift(previous, results)
-            if rnd % s.eval_every == 0 or rnd == s.rounds:
+            leader = self.ranks is None or self.ranks.leader
+            if leader and (rnd % s.eval_every == 0 or rnd == s.rounds):  # rank 0 alone evaluates
                 record.update(self.evaluate(server, final=rnd == s.rounds))
             if self.resets:  # clients whose stored state could not be read, started afresh
                 record["state_resets"] = {str(c): why for c, why in sorted(self.resets.items())}
                 self.resets = {}
             record = close_record(rnd, record, records, (t0, t1, t2, time.perf_counter()), self.setup_info)
             records.append(record)
-            if self.checkpoints is not None:
+            if self.checkpoints is not None and leader:
                 ckpt = Checkpoint(rnd, self.fingerprint, server, self.personal, records, sorted(self.joined))
                 self.checkpoints.save(ckpt)
+            elif self.ranks is not None:  # rank 0 deletes the files no kept checkpoint names
+                self.personal.collect(self.checkpoints.keep if self.checkpoints else 1, delete=leader)
             self.server = server
             self.on_round(record)
         return records

@@ -128,6 +128,7 @@ class ClientStore(MutableMapping[int, Tensors]):
         checksums: dict[str, str] | None = None,
         retained: list[set[str]] | None = None,
         on_corrupt: str = "stop",
+        tidy: bool = True,
     ) -> tuple[ClientStore, dict[int, str]]:
         """The store a checkpoint's ``index`` describes, every file checked against its
         checksum (``checksums``; a checkpoint written before checksums existed has none:
@@ -135,7 +136,7 @@ class ClientStore(MutableMapping[int, Tensors]):
         A missing or corrupt file is a :class:`StoreError` or, with ``on_corrupt="reset"``,
         drops that client's state. Files under ``directory`` that neither the index nor the
         earlier kept checkpoints (``retained``) name, written after that checkpoint before an
-        interruption, are deleted."""
+        interruption, are deleted (``tidy``; not by the ranks other than 0, which share it)."""
         store = cls(directory, budget, index, checksums, retained)
         resets: dict[int, str] = {}
         for cid, name in sorted(index.items()):
@@ -149,9 +150,9 @@ class ClientStore(MutableMapping[int, Tensors]):
                 resets[cid] = str(err)
                 del store.files[cid]
         keep = {directory / f for f in set(store.files.values()).union(*store.retained) if f}
-        for path in directory.glob("*/*"):
+        for path in directory.glob("*/*") if tidy else ():
             if path not in keep:
-                path.unlink()
+                path.unlink(missing_ok=True)
         return store, resets
 
     def verify(self, cid: int) -> None:
@@ -202,23 +203,55 @@ class ClientStore(MutableMapping[int, Tensors]):
         self.dirty.clear()
         return dict(self.files)
 
+    # ----- several stores on one directory (ranks: fedpeft.engines.ranks)
+    def publish(self, cids: list[int]) -> dict[int, tuple[str, str] | None]:
+        """The index entries of clients ``cids`` (their file and its checksum; None: no
+        state), their states written first: what another store on this directory needs
+        to read them (:meth:`adopt`)."""
+        for cid in sorted(self.dirty & set(cids)):
+            self._write(cid, unpack(self.memory[cid]))
+        return {
+            cid: (name, self.checksums.get(name, "")) if (name := self.files.get(cid)) is not None else None
+            for cid in cids
+        }
+
+    def adopt(self, entries: dict[int, tuple[str, str] | None]) -> None:
+        """Take another store's newer entries (:meth:`publish`) for its clients: a copy of
+        their states held here is dropped, their files read from now on."""
+        for cid, entry in entries.items():
+            self._drop(cid)
+            old = self.files.pop(cid, None)
+            if entry is None:
+                if old is not None:
+                    self.superseded.add(old)
+                continue
+            name, digest = entry
+            if old is not None and old != name:
+                self.superseded.add(old)
+            self.files[cid] = name
+            if name:
+                self.checksums[name] = digest
+                self.serial = max(self.serial, int(name.split(".")[1]) + 1)
+
     def checksums_of(self, index: dict[int, str]) -> dict[str, str]:
         return {name: self.checksums[name] for name in index.values() if name}
 
-    def collect(self, keep: int = 1) -> None:
+    def collect(self, keep: int = 1, delete: bool = True) -> None:
         """Call once the checkpoint holding the index of the last :meth:`commit` is safely
         written, ``keep`` checkpoints being kept (that one and ``keep - 1`` earlier ones):
-        deletes the files that no kept checkpoint names any more."""
+        deletes the files that no kept checkpoint names any more (``delete=False``: only
+        forgets them, where another store on the directory deletes them)."""
         named_before, self.committed = self.committed, set(self.files.values())
         self.retained.append(self.superseded & named_before)  # only the earlier checkpoints name them
-        self._delete(self.superseded - named_before)  # written and superseded between two commits
+        self._delete(self.superseded - named_before, delete)  # written and superseded between two commits
         self.superseded = set()
         while len(self.retained) > keep - 1:
-            self._delete(self.retained.pop(0))
+            self._delete(self.retained.pop(0), delete)
 
-    def _delete(self, names: set[str]) -> None:
+    def _delete(self, names: set[str], delete: bool = True) -> None:
         for name in names - {""}:
-            (self.directory / name).unlink(missing_ok=True)
+            if delete:
+                (self.directory / name).unlink(missing_ok=True)
             self.checksums.pop(name, None)
 
     def disk_bytes(self) -> int:
