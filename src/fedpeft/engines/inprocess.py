@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -49,6 +49,31 @@ from fedpeft.methods.base import (
 )
 from fedpeft.metrics.classification import mean_scores, pooled, spread
 from fedpeft.metrics.scorers import ClassificationScorer, Scorer
+
+
+@dataclass
+class ClientScores:
+    """Clients' own models' scores, client after client: on the global test set (when
+    there is no global model), on their validation splits (with their sizes), on their test
+    splits, and of the other models a method names (:meth:`Method.extra_eval_states`)."""
+
+    global_: list[dict] = field(default_factory=list)
+    val: list[dict] = field(default_factory=list)
+    val_sizes: list[int] = field(default_factory=list)
+    local: list[dict] = field(default_factory=list)
+    extra: dict[str, list[dict]] = field(default_factory=dict)
+
+    @classmethod
+    def join(cls, parts: list[ClientScores]) -> ClientScores:
+        """The scores of consecutive slices of the clients, as one."""
+        names = [name for part in parts for name in part.extra]
+        return cls(
+            [s for p in parts for s in p.global_],
+            [s for p in parts for s in p.val],
+            [n for p in parts for n in p.val_sizes],
+            [s for p in parts for s in p.local],
+            {name: [s for p in parts for s in p.extra.get(name, [])] for name in dict.fromkeys(names)},
+        )
 
 
 @dataclass
@@ -300,12 +325,15 @@ class InProcessEngine:
         if not sampled:  # Poisson sampling may draw no client
             nothing = {"loss": float("nan"), "fit": {}, "bytes_down": 0, "bytes_up": 0, "time_fit_max": 0.0}
             return [], {"clients": [], **nothing}
+        exchange = {}
         if self.ranks is None:
             share = self.train_clients(server, step, sampled)
         else:  # this process's share of the clients, then every rank's updates in the order drawn
             costs = [client_cost(self.clients[cid], self.train) for cid in sampled]
             share = self.train_clients(server, step, self.ranks.mine(sampled, costs))
+            t0 = time.perf_counter()  # the exchange: waiting for the slowest rank, then the all-gather
             share = self.ranks.combine(share, sampled, self.personal, next(self.model.parameters()).device)
+            exchange = {"time_exchange": time.perf_counter() - t0}
             self.joined.update(sampled)
         results, dropped, down, up = share.returned, share.dropped, share.down, share.up
         if not results:
@@ -326,6 +354,7 @@ class InProcessEngine:
             "bytes_up": up,
             # the slowest cohort: what a round takes when cohorts train in parallel
             "time_fit_max": max(share.fit_times, default=0.0),
+            **exchange,
             **({"client_readout": share.readouts} if share.readouts else {}),
         }
 
@@ -390,51 +419,63 @@ class InProcessEngine:
         and every client's scores on its local test split: all clients, so that every
         method is scored on the same ones (a client that never trained holds the global
         model and its initial personal state). Clients' own models are scored in cohorts
-        of ``cohort_size``, their forward passes vmapped. Each client's own scores are
-        kept (``local_by_client``, clients with a test split in order) in the ``final``
-        round, and in every round when the schedule asks."""
-        out, size, scorer = {}, self.cohort_size, self.scorer
-        has_global_test = len(self.global_test) > 0  # none in the cross-silo setting
+        of ``cohort_size``, their forward passes vmapped; over ranks, each rank scores a
+        contiguous slice of the clients and rank 0 the global model. Each client's own
+        scores are kept (``local_by_client``, clients with a test split in order) in the
+        ``final`` round, and in every round when the schedule asks."""
+        out, ranks = {}, self.ranks
         global_tensors = self.method.global_state(server)
-        if global_tensors is not None and has_global_test:
+        if global_tensors is not None and len(self.global_test) and (ranks is None or ranks.leader):
             self.load(global_tensors)
-            out["global"] = scorer.score(self.model, self.global_test)
-        per_client_global, per_client_local, per_client_val, extra_local = [], [], [], {}
-        val_sizes: list[int] = []
-        for start in range(0, len(self.eval_clients), size):
-            clients = self.eval_clients[start : start + size]
-            models = [self.client_model(server, client) for client in clients]
+            out["global"] = self.scorer.score(self.model, self.global_test)
+        clients = self.eval_clients
+        if ranks is None:
+            scores = self.client_scores(server, clients, global_tensors is None)
+        else:
+            lo, hi = (len(clients) * r // ranks.world for r in (ranks.rank, ranks.rank + 1))
+            scores = ClientScores.join(
+                ranks.gather(self.client_scores(server, clients[lo:hi], global_tensors is None))
+            )
+        out["clients_evaluated"] = len(clients)
+        if scores.global_:
+            out["global"] = mean_scores(scores.global_)
+        if scores.local:
+            out["local"] = spread(scores.local)
+            if self.schedule.per_client_scores or final:
+                out["local_by_client"] = scores.local
+        if scores.val:
+            out["val"] = {**spread(scores.val), **pooled(scores.val, scores.val_sizes)}
+        for name, values in scores.extra.items():
+            out[f"local_{name}"] = spread(values)
+        return out
+
+    def client_scores(
+        self, server: ServerState, clients: list[ClientData], on_global_test: bool
+    ) -> ClientScores:
+        """``clients``' own models' scores, in cohorts of ``cohort_size``: on the global test
+        set (``on_global_test``: there is no global model), their validation and test splits."""
+        out, size, scorer = ClientScores(), self.cohort_size, self.scorer
+        score_all = lambda states, data: scorer.score_clients(self.model, states, data, self.load)  # noqa: E731
+        for start in range(0, len(clients), size):
+            cohort = clients[start : start + size]
+            models = [self.client_model(server, client) for client in cohort]
             self.forget_loaded()  # the scorer may load clients' tensors
-            score_all = lambda states, data: scorer.score_clients(self.model, states, data, self.load)  # noqa: E731
-            if global_tensors is None and has_global_test:  # no global model: each client's own
-                per_client_global += score_all([m for m, _ in models], self.global_test)
+            if on_global_test and len(self.global_test):  # no global model: each client's own
+                out.global_ += score_all([m for m, _ in models], self.global_test)
             if not self.schedule.eval_local:
                 continue
-            validated = [i for i, c in enumerate(clients) if c.val is not None and len(c.val)]
+            validated = [i for i, c in enumerate(cohort) if c.val is not None and len(c.val)]
             if validated:
-                per_client_val += score_all(
-                    [models[i][0] for i in validated], [clients[i].val for i in validated]
-                )
-                val_sizes += [len(clients[i].val) for i in validated]
-            tested = [i for i, c in enumerate(clients) if len(c.test)]
+                out.val += score_all([models[i][0] for i in validated], [cohort[i].val for i in validated])
+                out.val_sizes += [len(cohort[i].val) for i in validated]
+            tested = [i for i, c in enumerate(cohort) if len(c.test)]
             if not tested:
                 continue
-            data = [clients[i].test for i in tested]
-            per_client_local += score_all([models[i][0] for i in tested], data)
+            data = [cohort[i].test for i in tested]
+            out.local += score_all([models[i][0] for i in tested], data)
             for name in models[tested[0]][1]:
-                extra_local.setdefault(name, []).extend(score_all([models[i][1][name] for i in tested], data))
+                out.extra.setdefault(name, []).extend(score_all([models[i][1][name] for i in tested], data))
         self.forget_loaded()
-        out["clients_evaluated"] = len(self.eval_clients)
-        if per_client_global:
-            out["global"] = mean_scores(per_client_global)
-        if per_client_local:
-            out["local"] = spread(per_client_local)
-            if self.schedule.per_client_scores or final:
-                out["local_by_client"] = per_client_local
-        if per_client_val:
-            out["val"] = {**spread(per_client_val), **pooled(per_client_val, val_sizes)}
-        for name, values in extra_local.items():
-            out[f"local_{name}"] = spread(values)
         return out
 
     # ------------------------------------------------------------ the run
@@ -510,7 +551,7 @@ class InProcessEngine:
             if self.drift is not None and results:  # timed with the evaluation
                 record["drift"] = self.drift(previous, results)
             leader = self.ranks is None or self.ranks.leader
-            if leader and (rnd % s.eval_every == 0 or rnd == s.rounds):  # rank 0 alone evaluates
+            if rnd % s.eval_every == 0 or rnd == s.rounds:
                 record.update(self.evaluate(server, final=rnd == s.rounds))
             if self.resets:  # clients whose stored state could not be read, started afresh
                 record["state_resets"] = {str(c): why for c, why in sorted(self.resets.items())}

@@ -17,10 +17,10 @@ and initial adapters) and runs the same rounds:
 A client's personal state stays with the rank that trained it: it is written to the
 run's client store (``output_dir/clients``, which every rank must see: checked as the
 run starts), and the ranks exchange the store's index entries of the clients they
-trained, so whichever rank draws a client next reads its state from there. Only rank 0
-writes the run's records, checkpoints, exports, plots and trackers, and it alone
-evaluates; a checkpoint does not depend on the number of ranks, so a run resumes with
-any ``--nproc``.
+trained, so whichever rank draws a client next reads its state from there. Each rank
+scores a contiguous slice of the clients, rank 0 the global model; only rank 0 writes the
+run's records, checkpoints, exports, plots and trackers. A checkpoint does not depend on
+the number of ranks, so a run resumes with any ``--nproc``.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Ranks:
 
     @property
     def leader(self) -> bool:
-        """Rank 0: the one that writes and evaluates."""
+        """Rank 0: the one that writes."""
         return self.rank == 0
 
     def gather(self, value: T) -> list[T]:
