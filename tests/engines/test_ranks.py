@@ -84,10 +84,22 @@ def test_two_ranks_give_one_processs_records(tiny_config, tmp_path, over):
     assert_ranks_give_one_processs_records(tiny_config, tmp_path, **over)
 
 
+#: what composes with every method, over ranks as in one process
+COMPOSED = {
+    "scaffold": SCAFFOLD,
+    "byzantine-median": {
+        "faults.byzantine_clients": 1,
+        "faults.attack": "gaussian",
+        "server.aggregation": "median",
+    },
+    "topk-error-feedback": {"comm.uplink": {"codec": "topk", "fraction": 0.1}},
+}
+
+
 @pytest.mark.slow  # every method, two runs each
-@pytest.mark.parametrize("name", [*sorted(REGISTRY), "scaffold"])
+@pytest.mark.parametrize("name", [*sorted(REGISTRY), *COMPOSED])
 def test_every_method_over_two_ranks_gives_one_processs_records(tiny_config, tmp_path, name):
-    over = SCAFFOLD if name == "scaffold" else {"method": {"name": name}}
+    over = COMPOSED.get(name, {"method": {"name": name}})
     assert_ranks_give_one_processs_records(tiny_config, tmp_path, **over)
 
 
