@@ -75,42 +75,9 @@ def run_ranks(args, out: Path, n: int) -> float:
 
 def flower_child(args, out: Path, workers: int) -> None:
     """The job on Flower's simulation runtime with ``workers`` one-CPU workers (in this process)."""
-    from flwr.app import Context, Message
-    from flwr.clientapp import ClientApp
-    from flwr.serverapp import Grid, ServerApp
-    from flwr.simulation import run_simulation
+    from vs_flower_sim import run_flower_sim
 
-    from fedpeft.config import dump_config
-    from fedpeft.flower import apps
-
-    cfg = job_config(args, out)
-    experiment, state_root = dump_config(cfg), str(out / "nodes")
-    server, client = ServerApp(), ClientApp()
-
-    def with_experiment(context: Context, **node_config) -> Context:
-        return Context(context.run_id, context.node_id, {**context.node_config, **node_config},
-                       context.state, {"experiment": experiment})  # fmt: skip
-
-    @server.main()
-    def main(grid: Grid, context: Context) -> None:
-        apps.server_app(grid, with_experiment(context))
-
-    def forward(msg: Message, context: Context) -> Message:
-        state_dir = f"{state_root}/{context.node_config['partition-id']}"
-        return apps.client_app(msg, with_experiment(context, **{"state-dir": state_dir}))
-
-    client.train()(forward)
-    client.evaluate()(forward)
-    client.query()(forward)
-    run_simulation(
-        server,
-        client,
-        num_supernodes=cfg.partition.num_clients,
-        backend_config={
-            "client_resources": {"num_cpus": 1},
-            "init_args": {"num_cpus": workers, "include_dashboard": False},
-        },
-    )
+    run_flower_sim(job_config(args, out), workers)
 
 
 def run_flower(args, out: Path, n: int, argv: list[str]) -> float:

@@ -90,9 +90,10 @@ def run_fedpeft(cfg) -> list[float]:
     return round_times(cfg.output_dir)
 
 
-def run_flower_sim(cfg) -> list[float]:
-    """fedpeft's apps on Flower's simulation runtime. ``run_simulation`` takes no run
-    config, so thin wrappers hand each app the experiment (and each node a state dir)."""
+def run_flower_sim(cfg, workers: int = 2) -> list[float]:
+    """fedpeft's apps on Flower's simulation runtime, ``workers`` clients at once (Ray
+    workers of one CPU each). ``run_simulation`` takes no run config, so thin wrappers
+    hand each app the experiment (and each node a state dir)."""
     from flwr.app import Context, Message
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
@@ -126,7 +127,7 @@ def run_flower_sim(cfg) -> list[float]:
         num_supernodes=cfg.partition.num_clients,
         backend_config={
             "client_resources": {"num_cpus": 1},
-            "init_args": {"num_cpus": 2, "include_dashboard": False},
+            "init_args": {"num_cpus": workers, "include_dashboard": False},
         },
     )
     return round_times(cfg.output_dir)

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 HEAVY = ("torch", "transformers", "flwr", "bitsandbytes", "peft", "datasets")
@@ -120,3 +121,14 @@ def test_plain_help_text():
         == "Join with 'fedpeft join' (--key K), or 'fedpeft certs' and fedpeft.flower."
     )
     assert first_sentence("One, e.g. X. Two.") == "One, e.g. X."
+
+
+def test_an_error_with_brackets_prints_them_as_they_are(capsys):
+    """A library's message may hold brackets that are not markup (gloo's ``[.../pair.cc:152]``)."""
+    import typer
+
+    from fedpeft.cli.common import fail
+
+    with pytest.raises(typer.Exit):
+        fail(RuntimeError("[/__w/gloo/tcp/pair.cc:152] timed out connecting [bold]"))
+    assert "error: [/__w/gloo/tcp/pair.cc:152] timed out connecting [bold]" in capsys.readouterr().out

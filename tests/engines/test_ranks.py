@@ -129,20 +129,19 @@ def test_a_store_adopts_what_another_store_on_its_directory_wrote(tmp_path):
     assert 5 not in two
 
 
+def ditto_configs(tiny_config, tmp_path, *names: str) -> list:
+    """Three rounds of Ditto (personal state that travels between ranks), one config a name."""
+    extra = {"train.rounds": 3, "partition.num_clients": 6, "train.clients_per_round": 4}
+    return [tiny_config(output_dir=str(tmp_path / n), method={"name": "ditto"}, **extra) for n in names]
+
+
 def test_a_run_resumes_with_another_number_of_ranks(tiny_config, tmp_path):
     """Three rounds on 2 ranks, then round 3 again from round 2's checkpoint in one process
     (and the other way round): the records of an uninterrupted run, as a checkpoint does not
     depend on the number of ranks."""
-    extra = {
-        "train.rounds": 3,
-        "partition.num_clients": 6,
-        "train.clients_per_round": 4,
-        "method": {"name": "ditto"},
-    }
-    alone = tiny_config(output_dir=str(tmp_path / "alone"), **extra)
+    alone, ranked = ditto_configs(tiny_config, tmp_path, "alone", "ranked")
     run(alone)
     want = read_records(alone.output_dir)
-    ranked = tiny_config(output_dir=str(tmp_path / "ranked"), **extra)
     assert fedpeft_run(ranked, 2).returncode == 0
     done = fedpeft_run(ranked, 1, "--resume-from", "2")  # round 3 again, one process
     assert done.returncode == 0, done.stdout + done.stderr
@@ -205,14 +204,7 @@ def test_a_rank_killed_mid_run_is_restarted_and_no_round_is_lost(tiny_config, tm
 def test_two_torchrun_node_groups_on_loopback_give_one_processs_records(tiny_config, tmp_path):
     """``torchrun --nnodes 2`` (one rank a node, a c10d rendezvous on 127.0.0.1): the
     records of one process, as across two machines."""
-    extra = {
-        "train.rounds": 3,
-        "partition.num_clients": 6,
-        "train.clients_per_round": 4,
-        "method": {"name": "ditto"},
-    }
-    alone = tiny_config(output_dir=str(tmp_path / "alone"), **extra)
-    nodes = tiny_config(output_dir=str(tmp_path / "nodes"), **extra)
+    alone, nodes = ditto_configs(tiny_config, tmp_path, "alone", "nodes")
     run(alone)
     config = Path(nodes.output_dir).with_suffix(".yaml")
     config.write_text(dump_config(nodes))

@@ -17,6 +17,7 @@ from typing import Annotated, NoReturn
 import typer
 import yaml
 from rich.console import Console
+from rich.markup import escape
 
 from fedpeft.config import ConfigError, ExperimentConfig, load_config
 
@@ -79,6 +80,7 @@ def checked_config(path: Path | None, sets: list[str] | None) -> ExperimentConfi
 
 
 def fail(err: Exception | str) -> NoReturn:
-    """Print ``err`` as one line and leave with exit code 2."""
-    console.print(f"[bold red]error:[/] {err}", soft_wrap=True)  # paths in one piece, to copy
+    """Print ``err`` as one line and leave with exit code 2 (its brackets as they are: a
+    library's message may hold some, ``[gloo/pair.cc:152]``, that are not rich markup)."""
+    console.print(f"[bold red]error:[/] {escape(str(err))}", soft_wrap=True)  # paths in one piece, to copy
     raise typer.Exit(2)

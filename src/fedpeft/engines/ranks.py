@@ -190,5 +190,10 @@ def joined() -> Ranks | None:
     if not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(local % torch.cuda.device_count())
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # the launcher's store outlives a restart: the group's keys (each rank's address)
+        # live under this attempt's prefix, or a restarted rank could read a dead one's
+        store, rank, world = next(dist.rendezvous("env://"))
+        store = dist.PrefixStore(f"fedpeft/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     return Ranks(dist.get_rank(), dist.get_world_size(), local)
