@@ -35,20 +35,9 @@ import psutil
 
 
 def job_config(args, out: Path):
-    from fedpeft.config import load_config
+    from vs_flower_sim import job_config as flower_comparison_job
 
-    return load_config(None, {
-        "name": "distributed",
-        "method": {"name": "fedlr"},
-        "output_dir": str(out),
-        "data.max_samples": args.samples,
-        "data.max_test_samples": 500,
-        "partition": {"scheme": "dirichlet", "num_clients": args.clients, "alpha": 0.5},
-        "train": {"rounds": args.rounds, "clients_per_round": args.clients, "local_steps": args.steps,
-                  "batch_size": args.batch, "threads": args.threads},
-        "eval.every": 1,
-        "checkpoint": False,
-    })  # fmt: skip
+    return flower_comparison_job(args, out, name="distributed")
 
 
 def records(out: Path) -> list[dict]:

@@ -35,11 +35,12 @@ import psutil
 CONTENDERS = ("plain", "fedpeft", "flower-sim")
 
 
-def job_config(args, out: Path):
+def job_config(args, out: Path, name: str = "vs-flower-sim"):
+    """The FedLR job both sides run (``benchmarks/distributed.py`` runs it too, named its own)."""
     from fedpeft.config import load_config
 
     return load_config(None, {
-        "name": "vs-flower-sim",
+        "name": name,
         "method": {"name": "fedlr"},
         "output_dir": str(out),
         "data.max_samples": args.samples,
