@@ -12,7 +12,7 @@ import json
 import math
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from fedpeft.data import partition as P
 from fedpeft.data.encoding import encode_corpus
 from fedpeft.data.silos import load_silos
 from fedpeft.data.sources import Corpus, load_corpus
+from fedpeft.data.split import Clients, Split, make_split
 from fedpeft.data.task import Encoded
 from fedpeft.engines import compress, privacy, scaffold
 from fedpeft.engines.checkpoint import STORE_DIR, Checkpoints, ResumeError
@@ -45,71 +46,6 @@ from fedpeft.models.device import autocast_dtype, resolve_device
 from fedpeft.optional import bitsandbytes_unless, uses_bitsandbytes
 from fedpeft.report import results as R
 from fedpeft.report.tracking import Tracking
-
-
-@dataclass
-class Split:
-    """The partition of the training pool: per client, train and local-test row indices."""
-
-    train: list[np.ndarray]
-    test: list[np.ndarray]
-    val: list[np.ndarray] | None = None  # with partition.val_fraction
-
-    def histograms(self, labels: np.ndarray, num_classes: int) -> np.ndarray:
-        both = [np.concatenate([a, b]) for a, b in zip(self.train, self.test, strict=True)]
-        return P.label_histograms(labels, both, num_classes)
-
-
-#: The random stream of the clients' local test and validation orders (beside ``seed``).
-LOCAL_TEST_ORDER_STREAM = 0x4C4F4341  # "LOCA": apart from the rounds' sampling streams
-
-
-def make_split(cfg: ExperimentConfig, corpus: Corpus) -> Split:
-    """Partition the training pool as configured, then carve each client's local test split."""
-    pc, rng = cfg.partition, np.random.default_rng([cfg.seed, 1])
-    labels = corpus.train_labels
-    try:
-        if pc.scheme == "iid":
-            parts = P.partition_iid(len(labels), pc.num_clients, rng)
-        elif pc.scheme == "dirichlet":
-            parts = P.partition_dirichlet(
-                labels, pc.num_clients, pc.alpha, rng, min_size=pc.min_size, mode=pc.dirichlet_mode
-            )
-        elif pc.scheme == "similarity":
-            parts = P.partition_similarity(labels, pc.num_clients, pc.similarity, rng)
-        elif pc.scheme == "groups":
-            parts = P.partition_groups(
-                labels, group_values(cfg, corpus), pc.num_clients, pc.alpha, rng, min_size=pc.min_size,
-                mode=pc.dirichlet_mode, clients_per_group=pc.clients_per_group,
-            )  # fmt: skip
-        else:
-            parts = P.partition_natural(corpus.train_groups, pc.num_clients)
-        train, test = P.split_local_test(parts, pc.local_test_fraction, rng)
-        val = None
-        if pc.val_fraction:  # a share of the whole client: of what the test split left
-            train, val = P.split_local_test(train, pc.val_fraction / (1 - pc.local_test_fraction), rng)
-        # scored in a seeded order, not the pool's (a sorted source's runs of one label)
-        order = np.random.default_rng([cfg.seed, LOCAL_TEST_ORDER_STREAM])
-        test = [rows[order.permutation(len(rows))] for rows in test]
-        val = None if val is None else [rows[order.permutation(len(rows))] for rows in val]
-    except P.PartitionError as err:
-        column = f"data.group_column {cfg.data.group_by!r}, " if pc.scheme == "groups" else ""
-        raise P.PartitionError(
-            f"partition ({pc.scheme}: partition.num_clients={pc.num_clients}, "
-            f"partition.min_size={pc.min_size}, {column}{len(labels)} training examples after "
-            f"data.max_samples): {err}"
-        ) from None
-    return Split(train, test, val)
-
-
-def group_values(cfg: ExperimentConfig, corpus: Corpus) -> np.ndarray:
-    """Each training example's value of the group column (``partition.scheme: groups``)."""
-    if corpus.train_groups is None:
-        raise P.PartitionError(
-            "the data has no group column: set data.group_column (the column whose values bind the "
-            "groups of clients, e.g. a language column)"
-        )
-    return corpus.train_groups
 
 
 def fingerprint(cfg: ExperimentConfig) -> str:
@@ -160,7 +96,7 @@ class Setup:
     split: Split
     model: TaskModel
     method: Method
-    clients: list[ClientData]
+    clients: Sequence[ClientData]  # Clients: made when asked for
     global_test: Encoded
     initial: Tensors  # the trainable tensors right after prepare(), restored by every run
     tokenizer: object = None  # what generation decodes with (causal_lm)
@@ -191,17 +127,7 @@ def _build(cfg: ExperimentConfig, model: TaskModel | None, tokenizer) -> Setup:
     if cfg.model.gradient_checkpointing:
         enable_checkpointing(model)
     pool, global_test = pool.to(device), global_test.to(device)
-    spaces = corpus.label_spaces or [None] * len(split.train)
-    clients = [
-        ClientData(
-            i,
-            pool.examples(tr),
-            pool.examples(te),
-            val=pool.examples(split.val[i]) if split.val is not None else None,
-            classes=spaces[i],
-        )
-        for i, (tr, te) in enumerate(zip(split.train, split.test, strict=True))
-    ]
+    clients = Clients(pool, split, corpus.label_spaces)
     if corpus.label_spaces is not None and (heads := [n for n in method.shared_names if "head." in n]):
         raise ConfigError(
             f"data.silos: method {method.name} would aggregate classifiers across tasks ({heads[0]}, ...); "
@@ -344,10 +270,8 @@ def make_engine(
             f"faults.byzantine_clients: method {setup.method.name} pools the data; no client sends"
         )
     if cfg.faults.attack == "label_flip":  # the faulty clients train on flipped labels from the start
-        clients = [  # copies: the setup's own clients stay as they are (it may serve another run)
-            replace(c, train=flip_labels(c.train, setup.corpus.num_classes)) if c.cid in faulty else c
-            for c in clients
-        ]
+        flip = lambda c: replace(c, train=flip_labels(c.train, setup.corpus.num_classes))  # noqa: E731
+        clients = clients.altering(dict.fromkeys(faulty, flip))  # the setup's own stay as they are
     train = cfg.train
     if setup.method.pooled:
         clients, steps = pooled_schedule(setup)

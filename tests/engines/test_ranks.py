@@ -111,9 +111,10 @@ def test_shares_balance_the_costliest_first():
 
 
 def test_a_store_adopts_what_another_store_on_its_directory_wrote(tmp_path):
-    """Two ranks' stores on one directory: what one trained, the other reads (its own copy of
-    the client's older state dropped); a state one reset, the other forgets."""
-    one, two = ClientStore(tmp_path), ClientStore(tmp_path)
+    """Two ranks' stores on one directory, rank 0's with the index: what one trained, the
+    other reads (its own copy of the client's older state dropped); a state one reset, the
+    other forgets."""
+    one, two = ClientStore(tmp_path), ClientStore(tmp_path, durable=False)
     one[3] = {"w": torch.ones(2)}
     two[3] = {"w": torch.zeros(2)}  # an older state rank two held in memory
     two[5] = {"w": torch.full((2,), 5.0)}
@@ -123,7 +124,8 @@ def test_a_store_adopts_what_another_store_on_its_directory_wrote(tmp_path):
     one[3] = {"w": torch.full((2,), 2.0)}  # trained again by rank one: a new file, no clash with two's
     two.adopt(one.publish([3]))
     assert torch.equal(two[3]["w"], torch.full((2,), 2.0))
-    assert one.files == two.files and len(set(one.files.values())) == 2
+    assert one.publish([3, 5]) == two.publish([3, 5]) and one.entry(3) != one.entry(5)
+    assert two.index is None and one.commit() == 1 and one.index.entry(5) == one.entry(5)
     del one[5]
     two.adopt(one.publish([5]))
     assert 5 not in two

@@ -181,7 +181,7 @@ def test_a_truncated_client_state_is_named_at_resume_or_reset(tiny_config, tmp_p
 def test_a_state_corrupted_during_a_run_is_caught_when_read(tmp_path):
     store = ClientStore(tmp_path, budget=1)  # every state but the newest spills
     store[1], store[2] = {"a": torch.ones(100)}, {"a": torch.zeros(100)}
-    path = tmp_path / store.files[1]
+    path = tmp_path / store.entry(1)[0]
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF  # one flipped bit in a value: the file still parses
     path.write_bytes(bytes(data))
@@ -195,7 +195,7 @@ def test_an_interrupted_spill_leaves_the_checkpointed_states(tmp_path, monkeypat
     temporary file is removed."""
     store = ClientStore(tmp_path, budget=None)
     store[1], store[2] = {"a": torch.ones(4)}, {"a": torch.full((4,), 2.0)}
-    index, checksums = store.commit(), dict(store.checksums)
+    first = store.commit()
     store.collect()
 
     def torn(self, data):
@@ -209,7 +209,8 @@ def test_an_interrupted_spill_leaves_the_checkpointed_states(tmp_path, monkeypat
         store.commit()
     monkeypatch.undo()
     assert list(tmp_path.glob("*/*.tmp"))
-    reopened, resets = ClientStore.open(tmp_path, index, checksums=checksums)
+    store.close()
+    reopened, resets = ClientStore.open(tmp_path, first)
     assert resets == {} and not list(tmp_path.glob("*/*.tmp"))
     assert torch.equal(reopened[1]["a"], torch.ones(4)) and torch.equal(
         reopened[2]["a"], torch.full((4,), 2.0)

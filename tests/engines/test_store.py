@@ -67,24 +67,71 @@ def test_budget_bounds_resident_memory(tmp_path):
     assert float(store[1234]["a"][0]) == 1234.0
 
 
+def _files(directory) -> list[str]:
+    return sorted(str(p.relative_to(directory)) for p in directory.glob("*/*"))
+
+
 def test_commit_keeps_the_checkpointed_files_until_the_next_one(tmp_path):
     store = ClientStore(tmp_path, budget=None)
     store[1], store[2] = _state(1), _state(2)
-    index = store.commit()
+    first = store.commit()
     store.collect()
+    old = tmp_path / store.entry(1)[0]
     store[1] = _state(11)  # a newer state
     second = store.commit()  # ... written for the next checkpoint
-    old = tmp_path / index[1]
+    assert (first, second) == (1, 2)
     assert old.is_file()  # still named by the last good checkpoint until collect()
     store.collect()  # (the next checkpoint is safely written)
     assert not old.is_file()
+    named = _files(tmp_path)
     store[2] = _state(22)  # a state written after that checkpoint, then an interruption
     store.commit()
-    # A resume from the second index gets exactly its states back; the newer file is removed.
+    store.close()
+    # A resume from the second commit gets exactly its states back; the newer file is removed.
     reopened, resets = ClientStore.open(tmp_path, second)
-    assert resets == {}
+    assert resets == {} and len(reopened) == 2
     assert torch.equal(reopened[1]["a"], _state(11)["a"]) and torch.equal(reopened[2]["a"], _state(2)["a"])
-    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.glob("*/*")) == sorted(second.values())
+    assert _files(tmp_path) == named
+
+
+def test_kept_checkpoints_keep_their_states_and_a_round_writes_only_its_clients(tmp_path):
+    """Three checkpoints kept: a resume from the oldest reads its states, though two newer
+    commits replaced some; a commit writes one row a client trained since the last one."""
+    store = ClientStore(tmp_path, budget=None)
+    for cid in range(50):
+        store[cid] = _state(cid, 10)
+    commits = [store.commit()]
+    store.collect(keep=3)
+    for rnd in (1, 2, 3):
+        for cid in (rnd, 10 + rnd):
+            store[cid] = _state(100 * rnd + cid, 10)
+        before = store.index.db.total_changes
+        commits.append(store.commit())
+        assert store.index.db.total_changes - before == 2 + 2  # two clients' rows, the commit's numbers
+        store.collect(keep=3)
+    # 50 + 6 files written; clients 1's and 11's first ones replaced at commit 2, the oldest kept: gone
+    assert len(_files(tmp_path)) == 54
+    store.close()
+    reopened, _ = ClientStore.open(tmp_path, commits[1])  # the oldest kept checkpoint's commit
+    assert torch.equal(reopened[1]["a"], _state(101, 10)["a"])  # trained in round 1
+    assert torch.equal(reopened[2]["a"], _state(2, 10)["a"])  # round 2's newer state rolled back
+    assert torch.equal(reopened[12]["a"], _state(12, 10)["a"]) and len(reopened) == 50
+    assert len(_files(tmp_path)) == 50  # the rolled-back commits' files deleted
+
+
+def test_a_reset_state_is_committed_as_no_state(tmp_path):
+    store = ClientStore(tmp_path, budget=None)
+    store[1], store[2] = _state(1), _state(2)
+    store.commit()
+    store.collect()
+    del store[1]
+    assert 1 not in store and len(store) == 1
+    again = store.commit()
+    store.collect()
+    assert len(_files(tmp_path)) == 1
+    store.close()
+    reopened, _ = ClientStore.open(tmp_path, again)
+    assert 1 not in reopened and list(reopened) == [2]
 
 
 def test_missing_store_file_is_a_clear_resume_error(tiny_config):
@@ -119,5 +166,42 @@ def test_interrupted_run_with_a_spilling_store_resumes_exactly(tiny_config, tmp_
     assert round_scores(read_records(straight.output_dir)) == round_scores(read_records(broken.output_dir))
     ckpt = C.load_checkpoint(broken.output_dir / "checkpoint.pt", fingerprint(broken))
     assert isinstance(ckpt.personal, ClientStore) and len(ckpt.personal) > 0
-    files = list((broken.output_dir / C.STORE_DIR).glob("*/*"))
-    assert len(files) == len(ckpt.personal)  # one file per client: superseded ones deleted
+    files = {str(p.relative_to(ckpt.personal.directory)) for p in ckpt.personal.directory.glob("*/*")}
+    assert files == ckpt.personal.index.files()  # none that no kept checkpoint names
+    clients = len(ckpt.personal)
+    ckpt.personal.close()
+    # the earlier kept checkpoint's states are all there too (each file checked as it opens)
+    earlier = C.load_checkpoint(broken.output_dir / "checkpoint.round3.pt", fingerprint(broken))
+    assert len(earlier.personal) == clients
+
+
+def test_a_checkpoint_holding_the_whole_index_still_resumes(tmp_path):
+    """A checkpoint of an earlier fedpeft held the store's index itself (client -> file and
+    checksums); resuming from it moves the index to disk and reads every state back."""
+    directory = tmp_path / C.STORE_DIR
+    store = ClientStore(directory)
+    store[1], store[2] = _state(1), _state(2)
+    store.commit()
+    index = {cid: store.entry(cid)[0] for cid in (1, 2)}
+    checksums = {name: store.entry(cid)[1] for cid, name in index.items()}
+    store.close()
+    (directory / "index.sqlite").unlink()  # that version kept no index on disk
+    payload = {
+        "round": 3,
+        "fingerprint": "f",
+        "server": {"tensors": {"w": torch.zeros(2)}, "extras": {}},
+        "personal": {},
+        "personal_index": index,
+        "personal_checksums": checksums,
+        "personal_retained": [],
+        "records": [],
+        "joined": [1, 2],
+    }
+    torch.save(payload, tmp_path / "checkpoint.pt")
+    ckpt = C.load_checkpoint(tmp_path / "checkpoint.pt", "f")
+    assert ckpt.round == 3 and sorted(ckpt.personal) == [1, 2]
+    assert torch.equal(ckpt.personal[2]["a"], _state(2)["a"])
+    ckpt.personal.close()
+    (directory / index[1]).write_bytes(b"changed")
+    with pytest.raises(StoreError, match=r"client 1: its state file .* is corrupt"):
+        C.load_checkpoint(tmp_path / "checkpoint.pt", "f")

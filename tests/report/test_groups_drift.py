@@ -109,7 +109,7 @@ def test_group_partition_refuses_a_missing_value():
 
 def test_groups_on_wordnet_bind_clients_to_a_part_of_speech(tiny_config):
     from fedpeft.data.sources import load_corpus
-    from fedpeft.experiment import make_split
+    from fedpeft.data.split import make_split
 
     cfg = tiny_config(
         partition__scheme="groups", partition__num_clients=8, partition__min_size=3, data__max_samples=1200
@@ -122,14 +122,14 @@ def test_groups_on_wordnet_bind_clients_to_a_part_of_speech(tiny_config):
         assert len(pos) == 1
         values.append(pos.pop())
     assert values == ["noun"] * 2 + ["verb"] * 2 + ["adj"] * 2 + ["adv"] * 2  # WordNet's file order
-    everything = np.concatenate(split.train + split.test)
+    everything = np.concatenate([split.train.rows, split.test.rows])
     np.testing.assert_array_equal(np.sort(everything), np.arange(len(corpus.train_labels)))
     assert split.histograms(corpus.train_labels, corpus.num_classes).sum() == len(corpus.train_labels)
 
 
 def test_groups_errors_name_the_keys(tiny_config, tmp_path):
     from fedpeft.data.sources import DataError, load_corpus
-    from fedpeft.experiment import make_split
+    from fedpeft.data.split import make_split
 
     cfg = tiny_config(partition__scheme="groups", partition__num_clients=3, train__clients_per_round=2)
     with pytest.raises(PartitionError) as err:

@@ -172,7 +172,7 @@ def partition(config: ConfigArg = None, set_: SetOpt = None) -> None:
 
     from fedpeft.data import partition as P
     from fedpeft.data.sources import load_corpus
-    from fedpeft.experiment import make_split
+    from fedpeft.data.split import make_split
 
     try:
         corpus = load_corpus(cfg.data, cfg.seed)

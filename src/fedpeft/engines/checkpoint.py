@@ -8,9 +8,9 @@ resume reads the newest that can be read (saying which it skipped and why), or t
 it is asked for.
 
 Clients' personal states held in a :class:`ClientStore` with a directory stay in its
-files: a checkpoint holds the store's index (client -> file), each file's checksum and
-the files that only the earlier kept checkpoints name; a file is deleted once no kept
-checkpoint names it.
+files: a checkpoint names the commit of the store's index (client -> file and checksum,
+on disk beside the files) that it resumes with; a file is deleted once no kept
+checkpoint's commit names it.
 
 Nothing non-finite is ever checkpointed: :func:`save_checkpoint` refuses a server state
 with a NaN or infinite value (the engines drop diverged clients before they aggregate,
@@ -29,6 +29,7 @@ import torch
 
 from fedpeft.engines.guard import nonfinite_tensor
 from fedpeft.engines.store import ClientStore
+from fedpeft.engines.store_index import StoreIndex
 from fedpeft.methods.base import ServerState, Tensors
 
 STORE_DIR = "clients"  # the client store's directory, beside the checkpoint file
@@ -58,17 +59,13 @@ def save_checkpoint(path: Path, ckpt: Checkpoint, keep: int = 1) -> None:
         raise ValueError(
             f"{path}: refusing to checkpoint round {ckpt.round}: server tensor {bad!r} is not finite"
         )
-    store = ckpt.personal if isinstance(ckpt.personal, ClientStore) and ckpt.personal.directory else None
-    index = store.commit() if store else None
+    store = ckpt.personal if isinstance(ckpt.personal, ClientStore) and ckpt.personal.index else None
     payload = {
         "round": ckpt.round,
         "fingerprint": ckpt.fingerprint,
         "server": {"tensors": ckpt.server.tensors, "extras": ckpt.server.extras},
         "personal": {} if store else dict(ckpt.personal),
-        "personal_index": index,
-        "personal_checksums": store.checksums_of(index) if store else None,
-        # the files only the earlier kept checkpoints name, kept for them (oldest first)
-        "personal_retained": [sorted(r) for r in store.retained[-(keep - 1) :]] if store and keep > 1 else [],
+        "personal_commit": store.commit() if store else None,  # synced before this file is written
         "records": ckpt.records,
         "joined": ckpt.joined,
     }
@@ -83,14 +80,19 @@ def save_checkpoint(path: Path, ckpt: Checkpoint, keep: int = 1) -> None:
 
 
 def load_checkpoint(
-    path: Path, fingerprint: str, budget: int | None = None, on_corrupt_state: str = "stop", tidy: bool = True
+    path: Path,
+    fingerprint: str,
+    budget: int | None = None,
+    on_corrupt_state: str = "stop",
+    owner: bool = True,
 ) -> Checkpoint:
     """The checkpoint at ``path``; clients' states in a store (the files beside it, each
     checked against its checksum now and read lazily later, within ``budget`` bytes of
     memory) when it was written from one. A client's missing or corrupt file is a
     :class:`~fedpeft.engines.store.StoreError`, or with ``on_corrupt_state="reset"`` drops
-    that client's state (listed in ``Checkpoint.resets``). ``tidy``: delete the store's files
-    that no kept checkpoint names (the ranks other than 0 leave that to it)."""
+    that client's state (listed in ``Checkpoint.resets``). ``owner``: this process owns the
+    store's index (brings it back to the checkpoint's commit, deletes the files no kept
+    checkpoint names); the ranks other than 0 leave that to rank 0."""
     if not path.is_file():
         raise ResumeError(f"{path}: no checkpoint to resume from")
     try:
@@ -104,19 +106,26 @@ def load_checkpoint(
         )
     server = ServerState(payload["server"]["tensors"], payload["server"]["extras"])
     personal, resets = payload["personal"], None
-    if payload.get("personal_index") is not None:
+    commit, legacy = payload.get("personal_commit"), payload.get("personal_index")
+    if legacy is not None and owner:  # written before the index was on disk
+        commit = import_index(path.parent / STORE_DIR, legacy, payload["personal_checksums"])
+    if commit is not None or legacy is not None:
         personal, resets = ClientStore.open(
-            path.parent / STORE_DIR,
-            payload["personal_index"],
-            budget,
-            checksums=payload.get("personal_checksums"),
-            retained=[set(r) for r in payload.get("personal_retained", [])],
-            on_corrupt=on_corrupt_state,
-            tidy=tidy,
+            path.parent / STORE_DIR, commit or 0, budget, on_corrupt_state, durable=owner
         )
     return Checkpoint(
         payload["round"], fingerprint, server, personal, payload["records"], payload["joined"], resets
     )
+
+
+def import_index(directory: Path, index: dict[int, str], checksums: dict[str, str] | None) -> int:
+    """A checkpoint's index of an earlier version (client -> file, in the checkpoint) as
+    the one commit of a new on-disk index; its number."""
+    store = StoreIndex(directory)
+    store.rollback(0)
+    version = store.commit({cid: (name, (checksums or {}).get(name, "")) for cid, name in index.items()})
+    store.close()
+    return version
 
 
 def peek_round(path: Path) -> int | None:

@@ -106,7 +106,7 @@ def sample_clients(
     ids = np.arange(population) if isinstance(population, int) else np.asarray(sorted(population))
     if poisson_rate is not None:
         rng = np.random.default_rng([seed, rnd, POISSON_STREAM])
-        return sorted(int(c) for c, u in zip(ids, rng.random(len(ids)), strict=True) if u < poisson_rate)
+        return [int(c) for c in ids[rng.random(len(ids)) < poisson_rate]]  # ids are sorted
     rng = np.random.default_rng([seed, rnd])
     return sorted(int(c) for c in rng.choice(ids, size=min(per_round, len(ids)), replace=False))
 
@@ -330,6 +330,9 @@ class InProcessEngine:
             share = self.train_clients(server, step, sampled)
         else:  # this process's share of the clients, then every rank's updates in the order drawn
             costs = [client_cost(self.clients[cid], self.train) for cid in sampled]
+            entries = self.ranks.from_leader(lambda: self.personal.publish(sampled))
+            if not self.ranks.leader:  # where the drawn clients' states are (rank 0 keeps the index)
+                self.personal.adopt(entries)
             share = self.train_clients(server, step, self.ranks.mine(sampled, costs))
             t0 = time.perf_counter()  # the exchange: waiting for the slowest rank, then the all-gather
             share = self.ranks.combine(share, sampled, self.personal, next(self.model.parameters()).device)
@@ -433,6 +436,9 @@ class InProcessEngine:
             scores = self.client_scores(server, clients, global_tensors is None)
         else:
             lo, hi = (len(clients) * r // ranks.world for r in (ranks.rank, ranks.rank + 1))
+            entries = ranks.from_leader(lambda: self.personal.publish(c.cid for c in clients))
+            if not ranks.leader:
+                self.personal.adopt({c.cid: entries[c.cid] for c in clients[lo:hi]})
             scores = ClientScores.join(
                 ranks.gather(self.client_scores(server, clients[lo:hi], global_tensors is None))
             )
@@ -483,6 +489,7 @@ class InProcessEngine:
         """The server state and records to continue from (the newest readable checkpoint, or
         round ``resume_from``'s); the client join applied to the model."""
         store, ranks = self.personal, self.ranks
+        store.close()  # what the run starts from is opened below
         if ranks is not None and store.directory is not None:
             ranks.check_shared(store.directory.parent)
         if resume:
@@ -494,7 +501,7 @@ class InProcessEngine:
                 ckpt = load()
             else:  # rank 0 picks the checkpoint (and tidies); the others read the one it picked
                 path = self.checkpoints.path
-                read = lambda: load_checkpoint(path, fingerprint, store.budget, on_corrupt, tidy=False)  # noqa: E731
+                read = lambda: load_checkpoint(path, fingerprint, store.budget, on_corrupt, owner=False)  # noqa: E731
                 ckpt = ranks.leader_first(load, read)
             server, records = ckpt.server, ckpt.records
             self.resets.update(ckpt.resets or {})
@@ -507,7 +514,7 @@ class InProcessEngine:
         else:
             leader = ranks is None or ranks.leader
             if store.directory is not None:  # a fresh run: no state of an earlier one
-                self.personal, _ = ClientStore.open(store.directory, {}, store.budget, tidy=leader)
+                self.personal, _ = ClientStore.open(store.directory, 0, store.budget, durable=leader)
             if self.checkpoints is not None and leader:
                 self.checkpoints.clear()
             if ranks is not None:
@@ -526,6 +533,17 @@ class InProcessEngine:
             figures = check_memory(self, server)
             self.setup_info.update({f"memory_{k}": v for k, v in figures.items() if isinstance(v, float)})
         return server, records
+
+    def settle(self, leader: bool) -> None:
+        """The store at the end of a round without a checkpoint of this process's: its
+        entries committed (where it keeps the index), the files no kept checkpoint names
+        deleted, a rank's entries of other ranks' clients forgotten."""
+        store = self.personal
+        if store.index is not None and self.checkpoints is None:
+            store.commit()
+        store.collect(self.checkpoints.keep if self.checkpoints else 1)
+        if not leader:
+            store.forget()
 
     def run(self, resume: bool = False, resume_from: int | None = None) -> list[dict]:
         """Every round still to run, from the start or (``resume``) from the newest readable
@@ -561,8 +579,8 @@ class InProcessEngine:
             if self.checkpoints is not None and leader:
                 ckpt = Checkpoint(rnd, self.fingerprint, server, self.personal, records, sorted(self.joined))
                 self.checkpoints.save(ckpt)
-            elif self.ranks is not None:  # rank 0 deletes the files no kept checkpoint names
-                self.personal.collect(self.checkpoints.keep if self.checkpoints else 1, delete=leader)
+            else:
+                self.settle(leader)
             self.server = server
             self.on_round(record)
         return records

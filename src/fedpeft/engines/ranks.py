@@ -17,7 +17,9 @@ and initial adapters) and runs the same rounds:
 A client's personal state stays with the rank that trained it: it is written to the
 run's client store (``output_dir/clients``, which every rank must see: checked as the
 run starts), and the ranks exchange the store's index entries of the clients they
-trained, so whichever rank draws a client next reads its state from there. Each rank
+trained. Rank 0 alone keeps the index (on disk, commit by commit) and hands every rank
+the entries of the clients it is to train or score, so whichever rank draws a client
+next reads its state from there. Each rank
 scores a contiguous slice of the clients, rank 0 the global model; only rank 0 writes the
 run's records, checkpoints, exports, plots and trackers. A checkpoint does not depend on
 the number of ranks, so a run resumes with any ``--nproc``.
@@ -83,6 +85,12 @@ class Ranks:
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def from_leader(self, make: Callable[[], T]) -> T:
+        """``make()`` run on rank 0, its value handed to every rank (picklable)."""
+        box = [make() if self.leader else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def leader_first(self, run: Callable[[], T], others: Callable[[], T]) -> T:
         """``run()`` on rank 0, then ``others()`` on the other ranks once it is done (what

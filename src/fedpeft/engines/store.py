@@ -7,15 +7,21 @@ keeps the most recently used states in memory while their total size stays withi
 back bit for bit when a client comes up again).
 
 Files are immutable: a client's newer state goes to a new file, and a superseded file is
-deleted only once no kept checkpoint names it. A checkpoint therefore holds the store's
-*index* (client -> file) and each file's checksum, not the tensors: :meth:`commit` writes
-the states that are only in memory, and the files of the kept checkpoints survive a crash
+deleted only once no kept checkpoint names it. Which file holds a client's state is the
+store's *index*, kept on disk commit by commit (:mod:`fedpeft.engines.store_index`): a
+round writes the rows of the clients it trained, never the whole index, and a checkpoint
+names a commit, not the tensors. :meth:`ClientStore.commit` writes the states that are
+only in memory and commits their rows; the files of the kept checkpoints survive a crash
 in the middle of the next round, so a resume reads exactly that round's states (lazily,
 one client at a time, as they are used). Every read checks the file against its checksum,
-and :meth:`ClientStore.open` checks every file of the index before a resumed run trains:
+and :meth:`ClientStore.open` checks every file of the view before a resumed run trains:
 a truncated, changed or missing file is a :class:`StoreError` naming the client and the
 file, or, when asked, that client's state is dropped (it starts again from the method's
 initial personal state) and the reset reported.
+
+A store with a directory but no index of its own (``durable=False``: the ranks of a run
+other than 0) reads and writes states in the same directory and knows only the entries it
+is handed (:meth:`adopt`) or writes itself.
 """
 
 from __future__ import annotations
@@ -25,13 +31,15 @@ import ctypes
 import hashlib
 import os
 from collections import OrderedDict
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save
+
+from fedpeft.engines.store_index import Entry, StoreIndex
 
 Tensors = dict[str, torch.Tensor]
 ALIGN = 16  # bytes
@@ -93,29 +101,22 @@ def unpack(packed: Packed) -> Tensors:
 
 class ClientStore(MutableMapping[int, Tensors]):
     """``cid -> personal state``; in memory within ``budget`` bytes (None: no limit), the
-    rest as files under ``directory`` (needed when there is a budget or a checkpoint)."""
+    rest as files under ``directory`` (needed when there is a budget or a checkpoint),
+    indexed there (``durable``) or by another process's store (see the module)."""
 
-    def __init__(
-        self,
-        directory: Path | None = None,
-        budget: int | None = None,
-        index: dict[int, str] | None = None,
-        checksums: dict[str, str] | None = None,
-        retained: list[set[str]] | None = None,
-    ):
+    def __init__(self, directory: Path | None = None, budget: int | None = None, durable: bool = True):
         if budget is not None and directory is None:
             raise ValueError("a client store with a memory budget needs a directory to spill to")
         self.directory, self.budget = directory, budget
-        self.memory: OrderedDict[int, Tensors] = OrderedDict()  # least recently used first
-        self.files: dict[int, str] = dict(index or {})  # cid -> its newest file, relative
-        self.checksums: dict[str, str] = dict(checksums or {})  # file -> checksum of its bytes
+        self.index = StoreIndex(directory) if directory is not None and durable else None
+        self.memory: OrderedDict[int, Packed] = OrderedDict()  # least recently used first
+        self.written: dict[int, Entry] = {}  # entries since the last commit (or handed over)
+        self.fresh: set[str] = set()  # files this store wrote since the last commit
+        self.orphans: set[str] = set()  # ... and replaced before it: no checkpoint names them
         self.dirty: set[int] = set()  # in memory and newer than its file (or without one)
-        self.superseded: set[str] = set()  # files replaced since the last commit
-        # per earlier commit still kept (oldest first): the files only its checkpoint names
-        self.retained: list[set[str]] = [set(r) for r in retained or []]
-        self.committed: set[str] = set(self.files.values())  # files the newest checkpoint names
+        self.kept: list[int] = []  # the commits the kept checkpoints name, oldest first
         self.bytes = 0  # of the states in memory
-        self.serial = 1 + max((int(f.split(".")[1]) for f in self.files.values() if f), default=0)
+        self.serial = self.index.get("serial", 1) if self.index is not None else 1  # of the next file
         self.spilled = self.loaded = 0  # counts, for benchmarks and tests
         self.since_trim = 0  # states evicted since memory was last handed back
 
@@ -123,51 +124,67 @@ class ClientStore(MutableMapping[int, Tensors]):
     def open(
         cls,
         directory: Path,
-        index: dict[int, str],
+        commit: int = 0,
         budget: int | None = None,
-        checksums: dict[str, str] | None = None,
-        retained: list[set[str]] | None = None,
         on_corrupt: str = "stop",
-        tidy: bool = True,
+        durable: bool = True,
     ) -> tuple[ClientStore, dict[int, str]]:
-        """The store a checkpoint's ``index`` describes, every file checked against its
-        checksum (``checksums``; a checkpoint written before checksums existed has none:
-        then only that the file exists), and the clients whose state was reset, with why.
-        A missing or corrupt file is a :class:`StoreError` or, with ``on_corrupt="reset"``,
-        drops that client's state. Files under ``directory`` that neither the index nor the
-        earlier kept checkpoints (``retained``) name, written after that checkpoint before an
-        interruption, are deleted (``tidy``; not by the ranks other than 0, which share it)."""
-        store = cls(directory, budget, index, checksums, retained)
+        """The store as commit ``commit`` of its index left it (0: empty, a fresh run), every
+        file of that view checked against its checksum, and the clients whose state was
+        reset, with why. The commits after it and every file they alone named, or no row
+        names (written after that commit before an interruption), are deleted. A missing or
+        corrupt file is a :class:`StoreError` or, with ``on_corrupt="reset"``, drops that
+        client's state. ``durable=False`` (the ranks other than 0): a store on the same
+        directory that leaves the index and the tidying to the one that owns it."""
+        store = cls(directory, budget, durable)
+        if store.index is None:
+            return store, {}
+        try:
+            store.index.rollback(commit)
+        except LookupError as err:
+            raise StoreError(str(err)) from None
+        store.kept = [commit] if commit else []
         resets: dict[int, str] = {}
-        for cid, name in sorted(index.items()):
+        for cid, name, digest in list(store.index.view()) if commit else ():
             if not name:
                 continue
             try:
-                store.verify(cid)
+                store._read(cid, name, digest)
             except StoreError as err:
                 if on_corrupt != "reset":
                     raise
                 resets[cid] = str(err)
-                del store.files[cid]
-        keep = {directory / f for f in set(store.files.values()).union(*store.retained) if f}
-        for path in directory.glob("*/*") if tidy else ():
-            if path not in keep:
+                store.written[cid] = None
+        named = store.index.files()
+        for path in directory.glob("*/*"):
+            if str(path.relative_to(directory)) not in named:
                 path.unlink(missing_ok=True)
         return store, resets
 
+    def close(self) -> None:
+        if self.index is not None:
+            self.index.close()
+
+    def entry(self, cid: int) -> Entry:
+        """Client ``cid``'s entry (its file and checksum; None: no state)."""
+        if cid in self.written:
+            return self.written[cid]
+        return self.index.entry(cid) if self.index is not None else None
+
     def verify(self, cid: int) -> None:
         """Check client ``cid``'s file (it exists and matches its checksum)."""
-        self._read(cid, self.files[cid])
+        if (entry := self.entry(cid)) is not None and entry[0]:
+            self._read(cid, *entry)
 
     # ----- the mapping
     def __getitem__(self, cid: int) -> Tensors:
         if cid in self.memory:
             self.memory.move_to_end(cid)
             return unpack(self.memory[cid])
-        if cid not in self.files:
+        entry = self.entry(cid)
+        if entry is None:
             raise KeyError(cid)
-        name = self.files[cid]
-        state = self._read(cid, name) if name else {}
+        state = self._read(cid, *entry) if entry[0] else {}
         self.loaded += 1
         self._hold(cid, state)
         return unpack(self.memory[cid])
@@ -182,95 +199,87 @@ class ClientStore(MutableMapping[int, Tensors]):
         if cid not in self:
             raise KeyError(cid)
         self._drop(cid)
-        if cid in self.files:
-            self.superseded.add(self.files.pop(cid))
+        self._replace(cid, None)
 
     def __contains__(self, cid: object) -> bool:
-        return cid in self.memory or cid in self.files
+        return cid in self.memory or (isinstance(cid, int) and self.entry(cid) is not None)
 
     def __iter__(self) -> Iterator[int]:
-        return iter(sorted(set(self.memory) | set(self.files)))
+        """Every client with a state (reads the whole index: not for a round's work)."""
+        cids = {cid for cid, _, _ in self.index.view()} if self.index is not None else set()
+        cids |= {cid for cid, entry in self.written.items() if entry is not None}
+        cids -= {cid for cid, entry in self.written.items() if entry is None}
+        return iter(sorted(cids | set(self.memory)))
 
     def __len__(self) -> int:
-        return len(set(self.memory) | set(self.files))
+        return sum(1 for _ in self)
 
     # ----- checkpoints
-    def commit(self) -> dict[int, str]:
-        """Write every state that is only in memory; returns the index a checkpoint holds
-        (its files' checksums: :meth:`checksums_of`)."""
+    def commit(self) -> int:
+        """Write every state that is only in memory and commit the entries written since the
+        last commit; returns the commit's number, which a checkpoint names."""
         for cid in sorted(self.dirty):
             self._write(cid, unpack(self.memory[cid]))
-        self.dirty.clear()
-        return dict(self.files)
-
-    # ----- several stores on one directory (ranks: fedpeft.engines.ranks)
-    def publish(self, cids: list[int]) -> dict[int, tuple[str, str] | None]:
-        """The index entries of clients ``cids`` (their file and its checksum; None: no
-        state), their states written first: what another store on this directory needs
-        to read them (:meth:`adopt`)."""
-        for cid in sorted(self.dirty & set(cids)):
-            self._write(cid, unpack(self.memory[cid]))
-        return {
-            cid: (name, self.checksums.get(name, "")) if (name := self.files.get(cid)) is not None else None
-            for cid in cids
-        }
-
-    def adopt(self, entries: dict[int, tuple[str, str] | None]) -> None:
-        """Take another store's newer entries (:meth:`publish`) for its clients: a copy of
-        their states held here is dropped, their files read from now on."""
-        for cid, entry in entries.items():
-            self._drop(cid)
-            old = self.files.pop(cid, None)
-            if entry is None:
-                if old is not None:
-                    self.superseded.add(old)
-                continue
-            name, digest = entry
-            if old is not None and old != name:
-                self.superseded.add(old)
-            self.files[cid] = name
-            if name:
-                self.checksums[name] = digest
-                self.serial = max(self.serial, int(name.split(".")[1]) + 1)
-
-    def checksums_of(self, index: dict[int, str]) -> dict[str, str]:
-        return {name: self.checksums[name] for name in index.values() if name}
+        if self.index is None:
+            raise RuntimeError("a store without an index of its own has no commits")
+        version = self.index.commit(self.written, serial=self.serial)
+        self.written, self.fresh = {}, set()
+        return version
 
     def collect(self, keep: int = 1, delete: bool = True) -> None:
-        """Call once the checkpoint holding the index of the last :meth:`commit` is safely
-        written, ``keep`` checkpoints being kept (that one and ``keep - 1`` earlier ones):
-        deletes the files that no kept checkpoint names any more (``delete=False``: only
-        forgets them, where another store on the directory deletes them)."""
-        named_before, self.committed = self.committed, set(self.files.values())
-        self.retained.append(self.superseded & named_before)  # only the earlier checkpoints name them
-        self._delete(self.superseded - named_before, delete)  # written and superseded between two commits
-        self.superseded = set()
-        while len(self.retained) > keep - 1:
-            self._delete(self.retained.pop(0), delete)
+        """Call once the checkpoint naming the last commit is safely written (``keep``
+        checkpoints being kept: that one and ``keep - 1`` earlier ones): deletes the files
+        that no kept checkpoint names any more. A store without an index of its own deletes
+        only what it wrote and replaced since the last call (``delete=False``: forgets)."""
+        gone, self.orphans = self.orphans, set()
+        if self.index is not None:
+            if self.index.newest not in self.kept:
+                self.kept = [*self.kept, self.index.newest][-keep:]
+            gone |= set(self.index.collect(self.kept[0]))
+        for name in gone if delete else ():
+            (self.directory / name).unlink(missing_ok=True)
 
-    def _delete(self, names: set[str], delete: bool = True) -> None:
-        for name in names - {""}:
-            if delete:
-                (self.directory / name).unlink(missing_ok=True)
-            self.checksums.pop(name, None)
+    # ----- several stores on one directory (ranks: fedpeft.engines.ranks)
+    def publish(self, cids: Iterable[int]) -> dict[int, Entry]:
+        """The entries of clients ``cids``, their states written first: what another store
+        on this directory needs to read them (:meth:`adopt`)."""
+        cids = sorted(cids)
+        for cid in sorted(self.dirty.intersection(cids)):
+            self._write(cid, unpack(self.memory[cid]))
+        return {cid: self.entry(cid) for cid in cids}
+
+    def adopt(self, entries: dict[int, Entry]) -> None:
+        """Take another store's entries (:meth:`publish`) for its clients: a copy of their
+        states held here is dropped unless it is that entry's, their files read from now on."""
+        for cid, entry in entries.items():
+            if cid in self.memory and cid not in self.dirty and self.entry(cid) == entry:
+                continue
+            self._drop(cid)
+            self.written[cid] = entry
+            if entry is not None and entry[0]:
+                self.serial = max(self.serial, int(entry[0].split(".")[1]) + 1)
+
+    def forget(self) -> None:
+        """Drop the entries of the states not held in memory (a store without an index of
+        its own, between two rounds: what it needs next is handed over again)."""
+        self.written = {cid: e for cid, e in self.written.items() if cid in self.memory}
+        self.fresh = set()
 
     def disk_bytes(self) -> int:
-        return (
-            sum((self.directory / f).stat().st_size for f in self.files.values() if f)
-            if self.directory
-            else 0
-        )
+        """The size of the files under the store's directory (the index included)."""
+        files = self.directory.rglob("*") if self.directory else ()
+        return sum(p.stat().st_size for p in files if p.is_file())
 
     # ----- internals
-    def _read(self, cid: int, name: str) -> Tensors:
-        """Client ``cid``'s state from its file ``name``, checked against its checksum."""
+    def _read(self, cid: int, name: str, expected: str) -> Tensors:
+        """Client ``cid``'s state from its file ``name``, checked against its checksum
+        (``expected``; "": a state adopted before checksums were kept, not checked)."""
         path = self.directory / name
         try:
             data = path.read_bytes()
         except FileNotFoundError:
             raise StoreError(f"client {cid}: its state file {path} is missing") from None
-        expected = self.checksums.get(name)
-        if expected is not None and checksum(data) != expected:
+        if expected and checksum(data) != expected:
             raise StoreError(
                 f"client {cid}: its state file {path} is corrupt ({len(data)} bytes that do not match "
                 "the checksum the checkpoint recorded: truncated or changed since)"
@@ -308,7 +317,7 @@ class ClientStore(MutableMapping[int, Tensors]):
 
     def _write(self, cid: int, state: Tensors) -> None:
         """A new file for ``cid``'s state (an empty state needs none: its name is "")."""
-        name = ""
+        entry: Entry = ("", "")
         if state:
             name = f"{cid // 1000}/{cid}.{self.serial}.safetensors"  # a folder per 1,000 clients
             self.serial += 1
@@ -318,8 +327,16 @@ class ClientStore(MutableMapping[int, Tensors]):
             tmp = path.with_suffix(".tmp")
             tmp.write_bytes(data)
             os.replace(tmp, path)
-            self.checksums[name] = checksum(data)
-        if cid in self.files:
-            self.superseded.add(self.files[cid])
-        self.files[cid] = name
+            entry = (name, checksum(data))
+            self.fresh.add(name)
+        self._replace(cid, entry)
         self.dirty.discard(cid)
+
+    def _replace(self, cid: int, entry: Entry) -> None:
+        """``entry`` is client ``cid``'s from now on; a file this store wrote since the last
+        commit that it replaces is named by no checkpoint (deleted at :meth:`collect`)."""
+        old = self.written.get(cid)
+        if old is not None and old[0] in self.fresh:
+            self.fresh.discard(old[0])
+            self.orphans.add(old[0])
+        self.written[cid] = entry

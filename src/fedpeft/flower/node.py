@@ -28,12 +28,13 @@ from fedpeft.config import ExperimentConfig
 from fedpeft.data import partition as P
 from fedpeft.data.encoding import encode_corpus
 from fedpeft.data.sources import load_client_file, load_corpus
+from fedpeft.data.split import make_split
 from fedpeft.data.task import Encoded, encode
 from fedpeft.engines import compress, guard, privacy, scaffold
 from fedpeft.engines.inprocess import derive_seed
 from fedpeft.engines.local import RoundContext, SampleDP
 from fedpeft.engines.round import send
-from fedpeft.experiment import attach_method, fingerprint, make_split, place
+from fedpeft.experiment import attach_method, fingerprint, place
 from fedpeft.flower.codec import Orders
 from fedpeft.methods.base import ClientData, FitResult, Job, Method, Tensors, load_tensors
 from fedpeft.metrics.scorers import Scorer, SpanScorer, scorer_for
