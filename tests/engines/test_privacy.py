@@ -14,7 +14,7 @@ import torch
 from fedpeft.config import ConfigError, PrivacyConfig
 from fedpeft.engines import checkpoint as C
 from fedpeft.engines import privacy as DP
-from fedpeft.engines.inprocess import sample_clients
+from fedpeft.engines.round import sample_clients
 from fedpeft.experiment import build, fingerprint, make_engine, run
 from fedpeft.methods.base import FitResult
 from fedpeft.report.results import read_records, read_summary

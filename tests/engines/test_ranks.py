@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from fedpeft.config import dump_config
-from fedpeft.engines.ranks import shares
+from fedpeft.engines.ranks import shares, summable
 from fedpeft.engines.store import ClientStore
 from fedpeft.experiment import run
-from fedpeft.methods import REGISTRY
+from fedpeft.methods import REGISTRY, build_method
 from fedpeft.report.results import read_records
 from tests.helpers.configs import SCAFFOLD, USER_DP
 
@@ -68,20 +68,38 @@ def assert_close(got, want, where: str) -> None:
         assert got == want, where
 
 
-def assert_ranks_give_one_processs_records(tiny_config, tmp_path, **over) -> None:
+def assert_ranks_give_one_processs_records(tiny_config, tmp_path, **over) -> list[dict]:
+    """The records of a run over 2 ranks, once checked against one process's."""
     extra = {"train.rounds": 3, "partition.num_clients": 6, "train.clients_per_round": 4, **over}
     alone = tiny_config(output_dir=str(tmp_path / "alone"), **extra)
     ranked = tiny_config(output_dir=str(tmp_path / "ranked"), **extra)
     run(alone)
     done = fedpeft_run(ranked, 2)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert_same_records(read_records(ranked.output_dir), read_records(alone.output_dir))
+    records = read_records(ranked.output_dir)
+    assert_same_records(records, read_records(alone.output_dir))
+    return records
 
 
-@pytest.mark.parametrize("over", [{}, USER_DP], ids=["fedlr", "user-dp"])
-def test_two_ranks_give_one_processs_records(tiny_config, tmp_path, over):
-    """Every record alike (user-level DP: the same epsilon, the server's noise drawn once)."""
-    assert_ranks_give_one_processs_records(tiny_config, tmp_path, **over)
+@pytest.mark.parametrize(("over", "summed"), [({}, 1.0), (USER_DP, 0.0)], ids=["fedlr", "user-dp"])
+def test_two_ranks_give_one_processs_records(tiny_config, tmp_path, over, summed):
+    """Every record alike: FedLR's server takes the mean of the uplinks, so the ranks sum
+    their updates (one all-reduce); under user-level DP the server clips and noises each,
+    so they gather them (the same epsilon, the server's noise drawn once)."""
+    records = assert_ranks_give_one_processs_records(tiny_config, tmp_path, **over)
+    assert records[0]["setup"]["ranks_summed"] == summed
+
+
+def test_servers_that_take_only_a_mean_let_the_ranks_sum(tiny_config):
+    def why(**over) -> str:
+        cfg = tiny_config(**over)
+        return summable(build_method(cfg.method, cfg.train, cfg.seed), cfg.server, cfg.privacy.mode)
+
+    assert why() == "" and why(method={"name": "pf2lora"}) == ""
+    assert why(**{"server.aggregation": "median"}) == "server.aggregation median: needs each update"
+    assert why(method={"name": "flexlora"}).startswith("method flexlora: its server takes the weighted mean")
+    assert why(**USER_DP).startswith("privacy.mode user:")
+    assert why(**SCAFFOLD).startswith("train.correction scaffold:")
 
 
 #: what composes with every method, over ranks as in one process

@@ -783,7 +783,7 @@ def test_fedsb_sets_up_in_the_first_round_that_draws_a_client_on_both_engines(ti
     """Poisson sampling at seed 4 draws no client in round 1: the setup falls in round 2, and
     the deployed server takes that round's gradient sums (not ``R``) as the replies it
     expects, so both engines give the same records."""
-    from fedpeft.engines.inprocess import sample_clients
+    from fedpeft.engines.round import sample_clients
     from tests.helpers.flower import deploy, serve
 
     assert not sample_clients(4, 1, 4, 2, 0.5) and sample_clients(4, 2, 4, 2, 0.5)

@@ -32,8 +32,8 @@ from fedpeft.engines.drift import DriftProbe, drift_probe_rows
 from fedpeft.engines.faults import corrupt
 from fedpeft.engines.local import RoundContext, SampleDP, derive_seed
 from fedpeft.engines.memory import check_memory, probe_cohort_size
-from fedpeft.engines.ranks import Ranks, Share, client_cost
-from fedpeft.engines.round import Returned, Round, ServerRound, receive, send
+from fedpeft.engines.ranks import Ranks, Share, client_cost, summable
+from fedpeft.engines.round import Returned, Round, ServerRound, close_record, receive, sample_clients, send
 from fedpeft.engines.store import ClientStore, StoreError
 from fedpeft.methods.base import (
     ClientData,
@@ -90,45 +90,6 @@ class Schedule:
     per_client_scores: bool = False  # record each client's local-test scores (the cross-silo table)
     drift_probe: int = 0  # eval.drift: examples in the client-drift probe batch (0: no drift)
     poisson: bool = False  # train.client_sampling: poisson (each client with probability S / M)
-
-
-#: The random stream of Poisson client sampling (beside ``[seed, rnd]``).
-POISSON_STREAM = 0x504F4953
-
-
-def sample_clients(
-    seed: int, rnd: int, population: int | Sequence[int], per_round: int, poisson_rate: float | None = None
-) -> list[int]:
-    """S client ids without replacement from ``population`` (M, meaning ids ``0..M-1``, or
-    the ids available), reproducible from ``(seed, rnd)``. With all M ids available both
-    forms draw the same clients. ``poisson_rate`` q: instead, each id independently with
-    probability q (``train.client_sampling: poisson``; a round may draw none)."""
-    ids = np.arange(population) if isinstance(population, int) else np.asarray(sorted(population))
-    if poisson_rate is not None:
-        rng = np.random.default_rng([seed, rnd, POISSON_STREAM])
-        return [int(c) for c in ids[rng.random(len(ids)) < poisson_rate]]  # ids are sorted
-    rng = np.random.default_rng([seed, rnd])
-    return sorted(int(c) for c in rng.choice(ids, size=min(per_round, len(ids)), replace=False))
-
-
-def close_record(rnd: int, record: dict, done: list[dict], times: Sequence[float], setup_info: dict) -> dict:
-    """Round ``rnd``'s record, completed: cumulative bytes (continuing ``done``, the
-    records so far), the time spent training, aggregating and evaluating (from the
-    four timestamps ``times``) and, in round 1, the one-time set-up figures."""
-    cum_down = (done[-1]["cum_bytes_down"] if done else 0) + record["bytes_down"]
-    cum_up = (done[-1]["cum_bytes_up"] if done else 0) + record["bytes_up"]
-    t0, t1, t2, t3 = times
-    return {
-        "round": rnd,
-        **record,
-        "cum_bytes_down": cum_down,
-        "cum_bytes_up": cum_up,
-        "cum_bytes": cum_down + cum_up,
-        "time_train": t1 - t0,
-        "time_aggregate": t2 - t1,
-        "time_eval": t3 - t2,
-        **({"setup": setup_info} if rnd == 1 else {}),
-    }
 
 
 class InProcessEngine:
@@ -335,7 +296,8 @@ class InProcessEngine:
                 self.personal.adopt(entries)
             share = self.train_clients(server, step, self.ranks.mine(sampled, costs))
             t0 = time.perf_counter()  # the exchange: waiting for the slowest rank, then the all-gather
-            share = self.ranks.combine(share, sampled, self.personal, next(self.model.parameters()).device)
+            device = next(self.model.parameters()).device
+            share = self.ranks.combine(share, sampled, self.personal, device, self.summed_weight())
             exchange = {"time_exchange": time.perf_counter() - t0}
             self.joined.update(sampled)
         results, dropped, down, up = share.returned, share.dropped, share.down, share.up
@@ -343,7 +305,7 @@ class InProcessEngine:
             raise guard.all_dropped(rnd, dropped, step.lr, server)
         if self.method.pooled:  # pooled training: nothing crossed a network
             down = up = 0
-        fits = [r.result for r in results]
+        fits = share.reported if share.reported is not None else [r.result for r in results]
         weights = [r.num_examples for r in fits]
         names = sorted({k for r in fits for k in r.metrics} - {"loss"})
         return results, {
@@ -360,6 +322,15 @@ class InProcessEngine:
             **exchange,
             **({"client_readout": share.readouts} if share.readouts else {}),
         }
+
+    def summed_weight(self) -> Callable[[FitResult], float] | None:
+        """Over ranks, a client's weight in the mean its server takes of the uplinks, where
+        it takes that and nothing else: the ranks then sum their updates, not gather each
+        (:meth:`~fedpeft.engines.ranks.Ranks.combine`); None where the server needs each."""
+        if self.ranks is None or summable(self.method, self.server_cfg, self.privacy.mode):
+            return None
+        uniform = self.server_cfg.weighting == "uniform"
+        return lambda result: 1.0 if uniform else float(result.num_examples)
 
     def train_clients(self, server: ServerState, step: Round, cids: list[int]) -> Share:
         """Clients ``cids``' local rounds in round ``step``, in cohorts of up to
@@ -423,14 +394,13 @@ class InProcessEngine:
         method is scored on the same ones (a client that never trained holds the global
         model and its initial personal state). Clients' own models are scored in cohorts
         of ``cohort_size``, their forward passes vmapped; over ranks, each rank scores a
-        contiguous slice of the clients and rank 0 the global model. Each client's own
+        contiguous slice of the clients and of the global test set. Each client's own
         scores are kept (``local_by_client``, clients with a test split in order) in the
         ``final`` round, and in every round when the schedule asks."""
         out, ranks = {}, self.ranks
         global_tensors = self.method.global_state(server)
-        if global_tensors is not None and len(self.global_test) and (ranks is None or ranks.leader):
-            self.load(global_tensors)
-            out["global"] = self.scorer.score(self.model, self.global_test)
+        if global_tensors is not None and len(self.global_test):
+            out.update(self.global_scores(global_tensors))
         clients = self.eval_clients
         if ranks is None:
             scores = self.client_scores(server, clients, global_tensors is None)
@@ -454,6 +424,22 @@ class InProcessEngine:
         for name, values in scores.extra.items():
             out[f"local_{name}"] = spread(values)
         return out
+
+    def global_scores(self, tensors: Tensors) -> dict:
+        """The global model (``tensors``) on the global test set. Over ranks, each predicts a
+        contiguous slice of it and the predictions are gathered, so every rank has the
+        figures one process has, where the scorer splits so (classification); where it does
+        not, rank 0 scores it all."""
+        ranks, test = self.ranks, self.global_test
+        split = ranks is not None and hasattr(self.scorer, "from_predictions")
+        if ranks is not None and not split and not ranks.leader:
+            return {}
+        self.load(tensors)
+        if not split:
+            return {"global": self.scorer.score(self.model, test)}
+        lo, hi = (len(test) * r // ranks.world for r in (ranks.rank, ranks.rank + 1))
+        parts = ranks.gather(self.scorer.predictions(self.model, test.subset(torch.arange(lo, hi))))
+        return {"global": self.scorer.from_predictions(parts, test)}
 
     def client_scores(
         self, server: ServerState, clients: list[ClientData], on_global_test: bool
@@ -526,6 +512,7 @@ class InProcessEngine:
         self.method.messages.join(self.model, self.method.messages.join_message(server))
         if ranks is not None:
             self.setup_info["ranks"] = float(ranks.world)
+            self.setup_info["ranks_summed"] = float(self.summed_weight() is not None)
         if self.schedule.cohort_size is None:
             self.cohort_size = probe_cohort_size(self, server)
             self.setup_info["cohort_size"] = float(self.cohort_size)

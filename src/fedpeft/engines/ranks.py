@@ -27,6 +27,7 @@ the number of ranks, so a run resumes with any ``--nproc``.
 
 from __future__ import annotations
 
+import math
 import os
 import uuid
 from collections.abc import Callable, Sequence
@@ -38,10 +39,11 @@ import torch
 import torch.distributed as dist
 
 from fedpeft.engines.round import Returned
-from fedpeft.methods.base import ClientData, local_steps
+from fedpeft.methods.base import ClientData, FitResult, Method, local_steps
+from fedpeft.methods.capabilities import refusal
 
 if TYPE_CHECKING:
-    from fedpeft.config import TrainConfig
+    from fedpeft.config import ServerConfig, TrainConfig
     from fedpeft.engines.store import ClientStore
 
 T = TypeVar("T")
@@ -57,6 +59,9 @@ class Share:
     receives them, and the round's figures of them."""
 
     returned: list[Returned] = field(default_factory=list)
+    #: the clients' results as the round's records read them (their uplinks left out),
+    #: where ``returned`` is their weighted mean (:meth:`Ranks.combine` ``summed``)
+    reported: list[FitResult] | None = None
     fit_times: list[float] = field(default_factory=list)
     readouts: dict[str, dict] = field(default_factory=dict)
     dropped: dict[int, str] = field(default_factory=dict)
@@ -129,30 +134,101 @@ class Ranks:
         return [sampled[i] for i in shares(costs, self.world)[self.rank]]
 
     def combine(
-        self, share: Share, sampled: Sequence[int], store: ClientStore, device: torch.device
+        self,
+        share: Share,
+        sampled: Sequence[int],
+        store: ClientStore,
+        device: torch.device,
+        weight: Callable[[FitResult], float] | None = None,
     ) -> Share:
         """Every rank's share of the round as one: the updates in the order the clients
         were drawn (on ``device``), the figures summed (bytes) or joined; and ``store``'s
-        index brought up to date with the clients the other ranks trained."""
+        index brought up to date with the clients the other ranks trained.
+
+        ``weight`` (a server that takes the weighted mean of the uplinks and nothing else,
+        :func:`summable`): instead of every update, their mean by ``weight``, from one
+        all-reduce of each rank's weighted sum in float64 (so the order of the ranks
+        changes it by rounding at most), as one update; the clients' results without their
+        uplinks in ``reported``."""
         mine = sorted({r.result.cid for r in share.returned} | set(share.dropped))
         entries = store.publish(mine)
-        sent = replace(share, returned=[_on(r, torch.device("cpu"), personal=False) for r in share.returned])
-        gathered = self.gather((sent, entries))
+        if weight is None:
+            sent = replace(
+                share, returned=[_on(r, torch.device("cpu"), personal=False) for r in share.returned]
+            )
+        else:
+            bare = [replace(r.result, uplink={}, personal={}, control={}) for r in share.returned]
+            sent = replace(share, returned=[], reported=bare)
+        # the uplinks' names, shapes and dtypes (for a summing rank that trained no client)
+        spec = (
+            {n: (t.shape, t.dtype) for n, t in share.returned[0].result.uplink.items()}
+            if share.returned
+            else None
+        )
+        everyone = self.gather((sent, entries, spec))
+        gathered = [(s, e) for s, e, _ in everyone]
         for rank, (_, theirs) in enumerate(gathered):
             if rank != self.rank:
                 store.adopt(theirs)
         order = {cid: i for i, cid in enumerate(sampled)}
-        returned = sorted(
-            (_on(r, device) for s, _ in gathered for r in s.returned), key=lambda r: order[r.result.cid]
-        )
+        if weight is None:
+            returned, reported = [_on(r, device) for s, _ in gathered for r in s.returned], None
+        else:
+            reported = sorted((r for s, _ in gathered for r in s.reported), key=lambda r: order[r.cid])
+            spec = next((spec for _, _, spec in everyone if spec is not None), None)
+            returned = self._mean(share.returned, reported, spec, weight, device)
         return Share(
-            returned,
+            sorted(returned, key=lambda r: order[r.result.cid]),
+            reported,
             [t for s, _ in gathered for t in s.fit_times],
             {k: v for s, _ in gathered for k, v in s.readouts.items()},
             {k: v for s, _ in gathered for k, v in s.dropped.items()},
             sum(s.down for s, _ in gathered),
             sum(s.up for s, _ in gathered),
         )
+
+    def _mean(
+        self,
+        mine: list[Returned],
+        everyone: list[FitResult],
+        spec: dict[str, tuple[torch.Size, torch.dtype]] | None,
+        weight: Callable[[FitResult], float],
+        device: torch.device,
+    ) -> list[Returned]:
+        """The weighted mean of every rank's uplinks (``mine``: this rank's; ``everyone``:
+        all the round's results, in the order drawn; ``spec``: the uplinks' names, shapes and
+        dtypes) as one update, standing for the first client drawn; none when no rank has one."""
+        if spec is None:
+            return []
+        names = sorted(spec)
+        sizes = [math.prod(spec[n][0]) for n in names]
+        on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+        total = torch.zeros(sum(sizes) + 1, dtype=torch.float64, device=on)  # the sums, then the weights'
+        for r in mine:
+            w = weight(r.result)
+            total[:-1] += torch.cat([r.result.uplink[n].to(on, torch.float64).flatten() for n in names]) * w
+            total[-1] += w
+        dist.all_reduce(total)
+        mean = (total[:-1] / total[-1]).split(sizes)
+        uplink = {
+            n: part.view(spec[n][0]).to(device, spec[n][1]) for n, part in zip(names, mean, strict=True)
+        }
+        first = everyone[0]
+        return [Returned(FitResult(uplink, {}, first.num_examples, first.metrics, first.cid), {})]
+
+
+def summable(method: Method, server: ServerConfig, privacy_mode: str) -> str:
+    """Why the ranks of a run must gather every update rather than sum them ("" when they
+    may sum: the server takes the weighted mean of the uplinks and nothing else)."""
+    if why := refusal(method, "secure_aggregation"):
+        return f"method {method.name}: {why}"
+    if server.aggregation != "mean":
+        return f"server.aggregation {server.aggregation}: needs each update"
+    if privacy_mode in ("user", "local"):
+        return f"privacy.mode {privacy_mode}: the server clips and counts each update"
+    if method.train.correction == "scaffold":
+        return "train.correction scaffold: the server sums each client's control update"
+    return ""
 
 
 def shares(costs: Sequence[float], world: int) -> list[list[int]]:

@@ -25,12 +25,17 @@ a reply can be lost or refused after the client moved its SCAFFOLD control, so t
 server records which rounds' control updates it applied and tells the client
 (:mod:`fedpeft.engines.scaffold`); in one process nothing is lost between a client and
 the server, and clients keep their controls at once.
+
+Every engine also draws a round's clients (:func:`sample_clients`) and completes its
+record (:func:`close_record`) here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from fedpeft.config import CodecConfig, PrivacyConfig, ServerConfig, TrainConfig
 from fedpeft.engines import compress, guard, privacy, scaffold, schedule
@@ -226,3 +231,45 @@ class ServerRound:
         if None in said:  # the count of clipped updates is not the server's to know
             noted.pop("clipped")
         return results, {"noise_multiplier": self.accountant.sigma, **noted}, next_clip
+
+
+# ---------------------------------------------------------------- every engine's draws and records
+
+
+#: The random stream of Poisson client sampling (beside ``[seed, rnd]``).
+POISSON_STREAM = 0x504F4953
+
+
+def sample_clients(
+    seed: int, rnd: int, population: int | Sequence[int], per_round: int, poisson_rate: float | None = None
+) -> list[int]:
+    """S client ids without replacement from ``population`` (M, meaning ids ``0..M-1``, or
+    the ids available), reproducible from ``(seed, rnd)``. With all M ids available both
+    forms draw the same clients. ``poisson_rate`` q: instead, each id independently with
+    probability q (``train.client_sampling: poisson``; a round may draw none)."""
+    ids = np.arange(population) if isinstance(population, int) else np.asarray(sorted(population))
+    if poisson_rate is not None:
+        rng = np.random.default_rng([seed, rnd, POISSON_STREAM])
+        return [int(c) for c in ids[rng.random(len(ids)) < poisson_rate]]  # ids are sorted
+    rng = np.random.default_rng([seed, rnd])
+    return sorted(int(c) for c in rng.choice(ids, size=min(per_round, len(ids)), replace=False))
+
+
+def close_record(rnd: int, record: dict, done: list[dict], times: Sequence[float], setup_info: dict) -> dict:
+    """Round ``rnd``'s record, completed: cumulative bytes (continuing ``done``, the
+    records so far), the time spent training, aggregating and evaluating (from the
+    four timestamps ``times``) and, in round 1, the one-time set-up figures."""
+    cum_down = (done[-1]["cum_bytes_down"] if done else 0) + record["bytes_down"]
+    cum_up = (done[-1]["cum_bytes_up"] if done else 0) + record["bytes_up"]
+    t0, t1, t2, t3 = times
+    return {
+        "round": rnd,
+        **record,
+        "cum_bytes_down": cum_down,
+        "cum_bytes_up": cum_up,
+        "cum_bytes": cum_down + cum_up,
+        "time_train": t1 - t0,
+        "time_aggregate": t2 - t1,
+        "time_eval": t3 - t2,
+        **({"setup": setup_info} if rnd == 1 else {}),
+    }

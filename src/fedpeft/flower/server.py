@@ -36,9 +36,8 @@ from flwr.serverapp import Grid
 from fedpeft.config import DeployConfig
 from fedpeft.engines import compress, guard, privacy, scaffold, schedule
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
-from fedpeft.engines.inprocess import close_record, sample_clients
 from fedpeft.engines.local import derive_seed
-from fedpeft.engines.round import Returned, Round, ServerRound, receive
+from fedpeft.engines.round import Returned, Round, ServerRound, close_record, receive, sample_clients
 from fedpeft.experiment import Setup
 from fedpeft.flower import codec, secure
 from fedpeft.methods.base import FitResult, ServerState, Tensors, load_tensors, tensor_bytes

@@ -22,6 +22,7 @@ import math
 from collections.abc import Callable
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from fedpeft.data.task import IGNORE, Encoded, eval_batches, make_batch
@@ -49,7 +50,16 @@ class ClassificationScorer:
 
     def score(self, model: torch.nn.Module, data: Encoded) -> dict[str, float]:
         """The model, as loaded, on ``data``."""
-        return scores(predict(model, data, self.batch_size, self.batch_tokens), data.labels.cpu().numpy())
+        return self.from_predictions([self.predictions(model, data)], data)
+
+    # a score that splits over rows (the ranks of a run: fedpeft.engines.ranks)
+    def predictions(self, model: torch.nn.Module, data: Encoded) -> np.ndarray:
+        """The model's predictions of ``data``'s rows (part of what :meth:`from_predictions` scores)."""
+        return predict(model, data, self.batch_size, self.batch_tokens)
+
+    def from_predictions(self, parts: list[np.ndarray], data: Encoded) -> dict[str, float]:
+        """The scores of ``data`` from the predictions of its consecutive ``parts``."""
+        return scores(np.concatenate(parts), data.labels.cpu().numpy())
 
     def score_clients(
         self, model: torch.nn.Module, states: list[Tensors], data: Encoded | list[Encoded], load: Loader
