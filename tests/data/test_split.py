@@ -61,3 +61,9 @@ def test_the_configured_split_is_held_as_arrays(tiny_config):
     assert len(split.train) == cfg.partition.num_clients
     everything = np.concatenate([split.train.rows, split.test.rows, split.val.rows])
     assert len(np.unique(everything)) == len(everything)  # every row with one client, once
+
+
+def test_the_largest_client_is_found_from_the_split_alone():
+    parts = [np.array([0]), np.array([1, 2, 3]), np.array([4, 5, 6]), np.array([7])]
+    clients = Clients(_pool(), Split(Shards.of(parts), Shards.of([np.array([8])] * 4)))
+    assert clients.largest().cid == 1 == max(clients, key=lambda c: len(c.train)).cid

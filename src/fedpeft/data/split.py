@@ -163,6 +163,13 @@ class Clients(Sequence[ClientData]):
     def __iter__(self) -> Iterator[ClientData]:
         return (self[i] for i in range(len(self)))
 
+    def largest(self) -> ClientData:
+        """The (first) client with the most training rows, made alone: from the split's
+        sizes, unless an example may have several rows (extractive QA's features)."""
+        if "example_ids" in self.pool.aux:
+            return max(self, key=lambda c: len(c.train))
+        return self[int(np.argmax(self.split.train.sizes()))]
+
     def altering(self, changes: dict[int, Callable[[ClientData], ClientData]]) -> Clients:
         """The same clients, those of ``changes`` changed by their function."""
         return Clients(self.pool, self.split, self.spaces, {**self.altered, **changes})

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fedpeft.data.split import Clients
 from fedpeft.data.task import Encoded
 from fedpeft.engines.local import RoundContext
 from fedpeft.methods.base import ClientData, Job, Method, ServerState
@@ -188,7 +189,10 @@ class _Probe:
         self.engine, self.model, self.measure = engine, engine.model, measure
         self.method = probe_copy(engine.method, engine.model)
         self.device = next(engine.model.parameters()).device
-        self.client = max(engine.clients, key=lambda c: len(c.train))
+        clients = engine.clients
+        self.client = (
+            clients.largest() if isinstance(clients, Clients) else max(clients, key=lambda c: len(c.train))
+        )
         # what the client would be sent and what it holds, as its next round would pair
         # them (a resumed run's client may hold state its downlink then leaves out)
         self.received = self.method.downlink(server, self.client.cid)

@@ -7,21 +7,23 @@ and initial adapters) and runs the same rounds:
    dealt by cost (a client's rows a step times its steps; the costliest first, each to
    the least loaded rank: :func:`shares`);
 2. it trains its share in cohorts, as one process would (``InProcessEngine``);
-3. the ranks exchange their clients' updates as the server receives them (one
-   all-gather of plain tensors on the CPU), put back in the order the clients were drawn,
-   so every rank runs the one round pipeline (``engines/round.py``) on the same inputs
-   in the same order: the server state is the same on every rank without being sent,
-   and the server's noise (user-level DP) is one draw from the run's seed, the same on
-   each, never a draw per rank.
+3. the clients' updates meet: where the server takes their weighted mean and nothing
+   else (:func:`summable`), one all-reduce of each rank's weighted sum (float64), the
+   mean standing for the round's clients as one update; otherwise one all-gather of the
+   updates as the server receives them, put back in the order the clients were drawn.
+   Every rank runs the one round pipeline (``engines/round.py``) on the same inputs in
+   the same order: the server state is the same on every rank without being sent, and
+   the server's noise (user-level DP) is one draw from the run's seed, the same on each,
+   never a draw per rank.
 
 A client's personal state stays with the rank that trained it: it is written to the
 run's client store (``output_dir/clients``, which every rank must see: checked as the
 run starts), and the ranks exchange the store's index entries of the clients they
 trained. Rank 0 alone keeps the index (on disk, commit by commit) and hands every rank
 the entries of the clients it is to train or score, so whichever rank draws a client
-next reads its state from there. Each rank
-scores a contiguous slice of the clients, rank 0 the global model; only rank 0 writes the
-run's records, checkpoints, exports, plots and trackers. A checkpoint does not depend on
+next reads its state from there. Each rank scores a contiguous slice of the clients and
+predicts one of the global test set (where the scorer splits so: classification); only
+rank 0 writes the run's records, checkpoints, exports, plots and trackers. A checkpoint does not depend on
 the number of ranks, so a run resumes with any ``--nproc``.
 """
 
