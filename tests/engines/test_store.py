@@ -205,3 +205,15 @@ def test_a_checkpoint_holding_the_whole_index_still_resumes(tmp_path):
     (directory / index[1]).write_bytes(b"changed")
     with pytest.raises(StoreError, match=r"client 1: its state file .* is corrupt"):
         C.load_checkpoint(tmp_path / "checkpoint.pt", "f")
+
+
+def test_a_client_id_may_be_a_numpy_integer(tmp_path):
+    import numpy as np
+
+    store = ClientStore(tmp_path)
+    store[np.int64(4)] = _state(4)
+    assert store.commit() == 1
+    store.close()
+    reopened, _ = ClientStore.open(tmp_path, 1)  # read from its file, through the index
+    assert np.int64(4) in reopened and 4 in reopened
+    assert torch.equal(reopened[np.int64(4)]["a"], _state(4)["a"])

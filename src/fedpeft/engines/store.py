@@ -33,6 +33,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
+from numbers import Integral
 from pathlib import Path
 
 import torch
@@ -202,7 +203,7 @@ class ClientStore(MutableMapping[int, Tensors]):
         self._replace(cid, None)
 
     def __contains__(self, cid: object) -> bool:
-        return cid in self.memory or (isinstance(cid, int) and self.entry(cid) is not None)
+        return cid in self.memory or (isinstance(cid, Integral) and self.entry(int(cid)) is not None)
 
     def __iter__(self) -> Iterator[int]:
         """Every client with a state (reads the whole index: not for a round's work)."""

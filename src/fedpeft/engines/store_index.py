@@ -73,7 +73,7 @@ class StoreIndex:
         """Client ``cid``'s entry in the view of commit ``at`` (default: the newest)."""
         row = self.db.execute(
             "SELECT file, checksum FROM states WHERE cid = ? AND version <= ? ORDER BY version DESC LIMIT 1",
-            (cid, self.newest if at is None else at),
+            (int(cid), self.newest if at is None else at),
         ).fetchone()
         return None if row is None or row[0] is None else (row[0], row[1] or "")
 
@@ -99,7 +99,7 @@ class StoreIndex:
             self.db.execute("BEGIN")
             self.db.executemany(
                 "INSERT OR REPLACE INTO states VALUES (?, ?, ?, ?)",
-                [(cid, version, *(e or (None, None))) for cid, e in sorted(entries.items())],
+                [(int(cid), version, *(e or (None, None))) for cid, e in sorted(entries.items())],
             )
             self._set(commit=version, **meta)
         self.newest = version
