@@ -339,10 +339,11 @@ def checkpoints(cfg: ExperimentConfig, say: Callable[[str], None] | None = None)
 def client_store(cfg: ExperimentConfig, shared: bool = False) -> ClientStore:
     """The clients' personal states: in memory within ``train.client_memory_mb``, spilled
     to ``output_dir/clients/``, where checkpoints keep them too (and, ``shared``, where the
-    ranks of a run hand them on)."""
+    ranks of a run hand them on). Where it goes: the engine opens it, with its index, as
+    the run starts (fresh or from a checkpoint)."""
     budget = None if cfg.train.client_memory_mb is None else int(cfg.train.client_memory_mb * 2**20)
     needs_files = cfg.checkpoint.enabled or budget is not None or shared
-    return ClientStore(Path(cfg.output_dir) / STORE_DIR if needs_files else None, budget)
+    return ClientStore(Path(cfg.output_dir) / STORE_DIR if needs_files else None, budget, durable=False)
 
 
 def update_variation_analyzers(method: Method) -> dict:

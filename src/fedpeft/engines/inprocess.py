@@ -476,6 +476,7 @@ class InProcessEngine:
         round ``resume_from``'s); the client join applied to the model."""
         store, ranks = self.personal, self.ranks
         store.close()  # what the run starts from is opened below
+        leader = ranks is None or ranks.leader
         if ranks is not None and store.directory is not None:
             ranks.check_shared(store.directory.parent)
         if resume:
@@ -495,12 +496,11 @@ class InProcessEngine:
             if isinstance(ckpt.personal, ClientStore):
                 self.personal = ckpt.personal
             else:  # a checkpoint that holds the states themselves
+                self.personal = self.fresh_store(leader)
                 for cid, state in ckpt.personal.items():
-                    store[cid] = state
+                    self.personal[cid] = state
         else:
-            leader = ranks is None or ranks.leader
-            if store.directory is not None:  # a fresh run: no state of an earlier one
-                self.personal, _ = ClientStore.open(store.directory, 0, store.budget, durable=leader)
+            self.personal = self.fresh_store(leader)  # no state of an earlier run
             if self.checkpoints is not None and leader:
                 self.checkpoints.clear()
             if ranks is not None:
@@ -531,6 +531,13 @@ class InProcessEngine:
         store.collect(self.checkpoints.keep if self.checkpoints else 1)
         if not leader:
             store.forget()
+
+    def fresh_store(self, leader: bool) -> ClientStore:
+        """An empty store like the engine's (on its directory, emptied; rank 0's indexed)."""
+        store = self.personal
+        if store.directory is None:
+            return store
+        return ClientStore.open(store.directory, 0, store.budget, durable=leader)[0]
 
     def run(self, resume: bool = False, resume_from: int | None = None) -> list[dict]:
         """Every round still to run, from the start or (``resume``) from the newest readable
