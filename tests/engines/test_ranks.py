@@ -23,7 +23,7 @@ from fedpeft.engines.store import ClientStore
 from fedpeft.experiment import run
 from fedpeft.methods import REGISTRY, build_method
 from fedpeft.report.results import read_records
-from tests.helpers.configs import SCAFFOLD, USER_DP
+from tests.helpers.configs import SCAFFOLD, USER_DP, task_config
 
 #: what a round records that depends on the machine, not on the run
 TIMED = ("time_", "setup", "memory")
@@ -240,3 +240,19 @@ def test_two_torchrun_node_groups_on_loopback_give_one_processs_records(tiny_con
     outputs = [g.communicate(timeout=900)[0] for g in groups]
     assert [g.returncode for g in groups] == [0, 0], outputs
     assert_same_records(read_records(nodes.output_dir), read_records(alone.output_dir))
+
+
+@pytest.mark.slow  # three tasks, two runs each
+@pytest.mark.parametrize("task", ["token_classification", "extractive_qa", "causal_lm"])
+def test_every_task_over_two_ranks_gives_one_processs_records(task, tiny_config, tiny_decoder, tmp_path):
+    """NER's global test set is tagged in slices over the ranks; QA's and generation's are
+    scored by rank 0 alone: the same records as one process either way."""
+    extra = {"partition.num_clients": 4, "train.clients_per_round": 4, "train.rounds": 2}
+    alone = task_config(task, tiny_config, tiny_decoder, tmp_path, tmp_path / "alone", **extra)
+    ranked = task_config(task, tiny_config, tiny_decoder, tmp_path, tmp_path / "ranked", **extra)
+    run(alone)
+    done = fedpeft_run(ranked, 2)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = read_records(ranked.output_dir)
+    assert "global" in records[-1]
+    assert_same_records(records, read_records(alone.output_dir))

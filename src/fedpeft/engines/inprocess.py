@@ -428,8 +428,8 @@ class InProcessEngine:
     def global_scores(self, tensors: Tensors) -> dict:
         """The global model (``tensors``) on the global test set. Over ranks, each predicts a
         contiguous slice of it and the predictions are gathered, so every rank has the
-        figures one process has, where the scorer splits so (classification); where it does
-        not, rank 0 scores it all."""
+        figures one process has, where the scorer splits so (classification, NER); where it
+        does not, rank 0 scores it all."""
         ranks, test = self.ranks, self.global_test
         split = ranks is not None and hasattr(self.scorer, "from_predictions")
         if ranks is not None and not split and not ranks.leader:

@@ -22,7 +22,7 @@ run starts), and the ranks exchange the store's index entries of the clients the
 trained. Rank 0 alone keeps the index (on disk, commit by commit) and hands every rank
 the entries of the clients it is to train or score, so whichever rank draws a client
 next reads its state from there. Each rank scores a contiguous slice of the clients and
-predicts one of the global test set (where the scorer splits so: classification); only
+predicts one of the global test set (where the scorer splits so: classification, NER); only
 rank 0 writes the run's records, checkpoints, exports, plots and trackers. A checkpoint does not depend on
 the number of ranks, so a run resumes with any ``--nproc``.
 """

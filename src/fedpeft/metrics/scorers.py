@@ -116,10 +116,13 @@ class TaggingScorer(OneAtATime):
     def __init__(self, tag_names: list[str], batch_size: int, batch_tokens: int | None = None):
         self.tag_names, self.batch_size, self.batch_tokens = tag_names, batch_size, batch_tokens
 
-    @torch.no_grad()
     def score(self, model: torch.nn.Module, data: Encoded) -> dict[str, float]:
-        from fedpeft.metrics.tagging import tagging_scores
+        return self.from_predictions([self.predictions(model, data)], data)
 
+    # a score that splits over rows (the ranks of a run: fedpeft.engines.ranks)
+    @torch.no_grad()
+    def predictions(self, model: torch.nn.Module, data: Encoded) -> tuple[list[list[str]], list[list[str]]]:
+        """Each row's predicted and gold tags at its words' first sub-words."""
         model.eval()
         predicted, gold = [], []
         for rows in eval_batches(data.lengths, self.batch_size, self.batch_tokens):
@@ -130,7 +133,13 @@ class TaggingScorer(OneAtATime):
                 words = row_labels != IGNORE  # each word's first sub-word
                 predicted.append([self.tag_names[t] for t in row_tags[words].tolist()])
                 gold.append([self.tag_names[t] for t in row_labels[words].tolist()])
-        return tagging_scores(predicted, gold)
+        return predicted, gold
+
+    def from_predictions(self, parts: list[tuple[list, list]], data: Encoded) -> dict[str, float]:
+        """The scores of ``data`` from the predictions of its consecutive ``parts``."""
+        from fedpeft.metrics.tagging import tagging_scores
+
+        return tagging_scores([p for part in parts for p in part[0]], [g for part in parts for g in part[1]])
 
 
 class SpanScorer(OneAtATime):
