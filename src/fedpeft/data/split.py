@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import TypeVar, overload
 
 import numpy as np
 
@@ -21,10 +21,33 @@ from fedpeft.data.task import Encoded
 from fedpeft.data.types import Corpus
 from fedpeft.methods.base import ClientData
 
+T = TypeVar("T")
 
-class Shards(Sequence[np.ndarray]):
+
+class PerClient(Sequence[T]):
+    """One item a client, made when asked for (:meth:`item`); a slice is a list of them."""
+
+    def item(self, i: int) -> T:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[T]: ...
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.item(j) for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"client {i}: there are {len(self)}")
+        return self.item(i % len(self))
+
+    def __iter__(self) -> Iterator[T]:
+        return (self.item(i) for i in range(len(self)))
+
+
+class Shards(PerClient[np.ndarray]):
     """Per client, its rows of the pool (``shards[i]``, an ``int64`` array), held as two
-    arrays: every client's rows one after another, and where each client's start. A
+    arrays: every client's rows one after another, and where each client starts. A
     million clients are two arrays, not a million."""
 
     def __init__(self, rows: np.ndarray, offsets: np.ndarray):
@@ -41,16 +64,7 @@ class Shards(Sequence[np.ndarray]):
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    @overload
-    def __getitem__(self, i: int) -> np.ndarray: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[np.ndarray]: ...
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"client {i}: there are {len(self)}")
-        i %= len(self)
+    def item(self, i: int) -> np.ndarray:
         return self.rows[self.offsets[i] : self.offsets[i + 1]]
 
     def sizes(self) -> np.ndarray:
@@ -123,7 +137,7 @@ def group_values(cfg: ExperimentConfig, corpus: Corpus) -> np.ndarray:
     return corpus.train_groups
 
 
-class Clients(Sequence[ClientData]):
+class Clients(PerClient[ClientData]):
     """Client ``i``'s :class:`ClientData`, made from the encoded ``pool`` and ``split``
     when asked for (``spaces``: each client's label space, silos only; ``altered``: clients
     whose data a function changes, e.g. a faulty client's flipped labels)."""
@@ -140,16 +154,7 @@ class Clients(Sequence[ClientData]):
     def __len__(self) -> int:
         return len(self.split.train)
 
-    @overload
-    def __getitem__(self, i: int) -> ClientData: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[ClientData]: ...
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"client {i}: there are {len(self)}")
-        i %= len(self)
+    def item(self, i: int) -> ClientData:
         split, pool = self.split, self.pool
         client = ClientData(
             i,
@@ -159,9 +164,6 @@ class Clients(Sequence[ClientData]):
             classes=self.spaces[i] if self.spaces is not None else None,
         )
         return self.altered[i](client) if i in self.altered else client
-
-    def __iter__(self) -> Iterator[ClientData]:
-        return (self[i] for i in range(len(self)))
 
     def largest(self) -> ClientData:
         """The (first) client with the most training rows, made alone: from the split's
