@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from fedpeft.config import CommConfig, FaultsConfig, PrivacyConfig, ServerConfig, TrainConfig
+from fedpeft.data.split import Clients
 from fedpeft.data.task import Encoded
 from fedpeft.engines import compress, guard, privacy, scaffold
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints, load_checkpoint
@@ -406,9 +407,12 @@ class InProcessEngine:
             scores = self.client_scores(server, clients, global_tensors is None)
         else:
             lo, hi = (len(clients) * r // ranks.world for r in (ranks.rank, ranks.rank + 1))
-            entries = ranks.from_leader(lambda: self.personal.publish(c.cid for c in clients))
+            # where the clients' states are (rank 0 keeps the index); a client's id is its
+            # place among the experiment's clients, which are made only to be scored
+            cids = range(len(clients)) if isinstance(clients, Clients) else [c.cid for c in clients]
+            entries = ranks.from_leader(lambda: self.personal.publish(cids))
             if not ranks.leader:
-                self.personal.adopt({c.cid: entries[c.cid] for c in clients[lo:hi]})
+                self.personal.adopt({cid: entries[cid] for cid in cids[lo:hi]})
             scores = ClientScores.join(
                 ranks.gather(self.client_scores(server, clients[lo:hi], global_tensors is None))
             )
