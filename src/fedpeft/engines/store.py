@@ -172,11 +172,6 @@ class ClientStore(MutableMapping[int, Tensors]):
             return self.written[cid]
         return self.index.entry(cid) if self.index is not None else None
 
-    def verify(self, cid: int) -> None:
-        """Check client ``cid``'s file (it exists and matches its checksum)."""
-        if (entry := self.entry(cid)) is not None and entry[0]:
-            self._read(cid, *entry)
-
     # ----- the mapping
     def __getitem__(self, cid: int) -> Tensors:
         if cid in self.memory:
