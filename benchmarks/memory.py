@@ -133,7 +133,7 @@ def fedpeft(phase: str, rows: int, length: int) -> tuple[int, int | None]:
     """fedpeft's resident memory after loading and its peak during ``phase``."""
     from fedpeft.engines.local import RoundContext
     from fedpeft.methods.base import ClientData, Job
-    from fedpeft.metrics.scorers import scorer_for
+    from fedpeft.models.causal import response_nll
 
     cfg, model, tokenizer, method, initial = fedpeft_setup(rows)
     vocab = model.backbone.config.vocab_size
@@ -148,10 +148,9 @@ def fedpeft(phase: str, rows: int, length: int) -> tuple[int, int | None]:
     else:
         test = encoded(SCORED_ROWS, length, vocab, seed=1)
         eval_cfg = cfg.eval if phase == "score-defaults" else cfg.eval.model_copy(update={"batch_size": rows})
-        scorer = scorer_for("causal_lm", tokenizer, eval_cfg)
 
         def run():
-            scorer.nll(model, test)
+            response_nll(model, test, eval_cfg.batch_size, eval_cfg.batch_tokens)
 
     return rss(), measure_peak_rss(run)
 

@@ -260,8 +260,6 @@ def make_engine(
     """The in-process engine for ``setup``, writing ``metrics.jsonl`` (and ``tracking``'s
     trackers) as rounds complete; over ``ranks``, rank 0 alone writes."""
     cfg, out = setup.cfg, Path(setup.cfg.output_dir)
-    if ranks is not None and cfg.eval.drift:
-        raise ConfigError("eval.drift: not over several ranks (a rank holds only its clients' new states)")
     leader = ranks is None or ranks.leader
     clients, per_round = setup.clients, cfg.train.clients_per_round
     faulty = faulty_clients(cfg.faults, cfg.seed, len(clients))

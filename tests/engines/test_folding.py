@@ -18,11 +18,14 @@ from fedpeft.config import ConfigError
 from fedpeft.engines.local import CohortMode, RoundContext, cohort_mode, fold_refusal, predict_cohort
 from fedpeft.engines.local.folding import ClientAxis, fold
 from fedpeft.experiment import build, make_engine
+from fedpeft.methods import REGISTRY
 from fedpeft.models.causal import SCORED
 from tests.helpers.cohort import assert_cohort_equals_alone, round_jobs
 from tests.helpers.configs import MIXED_RANKS, lm_config
 
-FOLDS = ["fedlr", "federa", "fedbf", "fedap", "fdlora", "local", "centralized", "flexlora", "lorafair"]
+#: every registered method that folds (``test_folds_names_every_method_that_folds``)
+FOLDS = ["fedlr", "federa", "fedbf", "fedap", "fdlora", "local", "centralized", "flexlora", "lorafair",
+         "ffalora", "fedsalora"]  # fmt: skip
 
 
 def test_a_stacked_linear_and_layer_norm_run_each_clients_rows_with_its_tensors():
@@ -55,6 +58,16 @@ def test_folding_offsets_each_clients_scored_positions_and_keeps_padding():
     folded = fold({"input_ids": ids, "attention_mask": ids, SCORED: scored})
     assert folded["input_ids"].shape == (6, 4)
     assert folded[SCORED].tolist() == [0, 5, -1, 14, 23, 19]
+
+
+def test_folds_names_every_method_that_folds(tiny_config):
+    """The methods the equality below covers are all those that fold, none left out."""
+    folding = set()
+    for name in REGISTRY:
+        setup = build(tiny_config(method={"name": name}))
+        if not fold_refusal(setup.method, setup.model):
+            folding.add(name)
+    assert folding == set(FOLDS)
 
 
 @pytest.mark.parametrize("name", FOLDS)

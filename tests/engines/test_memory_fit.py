@@ -15,8 +15,7 @@ from fedpeft.engines.local.gradients import first_order_grad
 from fedpeft.engines.memory import InsufficientMemory, check_memory
 from fedpeft.experiment import build, make_engine
 from fedpeft.methods.base import read_tensors
-from fedpeft.metrics.scorers import GenerationScorer
-from fedpeft.models.causal import SCORED, scored_positions, with_scored
+from fedpeft.models.causal import SCORED, response_nll, scored_positions, with_scored
 from tests.helpers.configs import lm_config
 
 
@@ -148,10 +147,9 @@ def test_token_sized_batches_score_the_same(lm_setup, tiny_backbone):
     model, setup = lm_setup.model, lm_setup
     data = Encoded.concat([c.test for c in setup.clients] + [setup.global_test])
     assert len(data) >= 20 and int(data.lengths.max()) > 16
-    options = setup.cfg.eval.generation
-    by_rows = GenerationScorer(setup.tokenizer, options, 64).nll(model, data)
-    by_tokens = GenerationScorer(setup.tokenizer, options, 64, batch_tokens=64).nll(model, data)
-    assert by_tokens["nll"] == pytest.approx(by_rows["nll"], rel=1e-6)
+    by_rows, rows_count = response_nll(model, data, 64)
+    by_tokens, tokens_count = response_nll(model, data, 64, batch_tokens=64)
+    assert tokens_count == rows_count and by_tokens == pytest.approx(by_rows, rel=1e-6)
     assert max(len(b) for b in eval_batches(data.lengths, 64, 64)) <= 64 // int(data.lengths.min())
 
 

@@ -81,13 +81,19 @@ def assert_ranks_give_one_processs_records(tiny_config, tmp_path, **over) -> lis
     return records
 
 
-@pytest.mark.parametrize(("over", "summed"), [({}, 1.0), (USER_DP, 0.0)], ids=["fedlr", "user-dp"])
+DRIFT = {"eval.drift": True, "eval.drift_probe": 16}
+
+
+@pytest.mark.parametrize(("over", "summed"), [(DRIFT, 1.0), (USER_DP, 0.0)], ids=["fedlr-drift", "user-dp"])
 def test_two_ranks_give_one_processs_records(tiny_config, tmp_path, over, summed):
     """Every record alike: FedLR's server takes the mean of the uplinks, so the ranks sum
-    their updates (one all-reduce); under user-level DP the server clips and noises each,
-    so they gather them (the same epsilon, the server's noise drawn once)."""
+    their updates (one all-reduce), and each rank measures the client drift of the clients
+    it trained; under user-level DP the server clips and noises each update, so they gather
+    them (the same epsilon, the server's noise drawn once)."""
     records = assert_ranks_give_one_processs_records(tiny_config, tmp_path, **over)
     assert records[0]["setup"]["ranks_summed"] == summed
+    if over is DRIFT:  # every drawn client measured, on one rank or the other
+        assert all(sorted(r["drift"]["clients"]) == sorted(map(str, r["clients"])) for r in records)
 
 
 def test_servers_that_take_only_a_mean_let_the_ranks_sum(tiny_config):
@@ -245,8 +251,8 @@ def test_two_torchrun_node_groups_on_loopback_give_one_processs_records(tiny_con
 @pytest.mark.slow  # three tasks, two runs each
 @pytest.mark.parametrize("task", ["token_classification", "extractive_qa", "causal_lm"])
 def test_every_task_over_two_ranks_gives_one_processs_records(task, tiny_config, tiny_decoder, tmp_path):
-    """NER's global test set is tagged in slices over the ranks; QA's and generation's are
-    scored by rank 0 alone: the same records as one process either way."""
+    """Each rank scores its part of the global test set (NER's rows, QA's features,
+    generation's likelihood rows and generated batches): the same records as one process."""
     extra = {"partition.num_clients": 4, "train.clients_per_round": 4, "train.rounds": 2}
     alone = task_config(task, tiny_config, tiny_decoder, tmp_path, tmp_path / "alone", **extra)
     ranked = task_config(task, tiny_config, tiny_decoder, tmp_path, tmp_path / "ranked", **extra)

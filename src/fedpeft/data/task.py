@@ -114,6 +114,18 @@ def make_batch(data: Encoded, rows: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
+#: Part ``r`` of ``n``: the share of an evaluation one of ``n`` ranks computes; the parts,
+#: in rank order, make up the whole once (:func:`share_of`).
+Part = tuple[int, int]
+WHOLE: Part = (0, 1)
+
+
+def share_of(count: int, part: Part) -> slice:
+    """Part ``part`` of ``count`` consecutive items: a contiguous slice."""
+    r, n = part
+    return slice(count * r // n, count * (r + 1) // n)
+
+
 def eval_batches(
     lengths: torch.Tensor, batch_size: int, batch_tokens: int | None = None
 ) -> Iterator[torch.Tensor]:

@@ -59,33 +59,51 @@ class DriftProbe:
         engine.forget_loaded()
         return state
 
-    def __call__(self, server: ServerState, results: list[FitResult]) -> dict:
-        """Client drift of this round's clients: per client, the linear CKA between the logits
-        of its model after its local round (:meth:`local_model`) and those of the global
-        model ``server`` it started from (:meth:`Method.global_state`) on the probe batch;
-        their mean and minimum. 1 when a client did not move. Skipped, with the reason, when
-        there is no single global model or a client's update is not its trained tensors
-        (only then can its model be rebuilt from the update)."""
+    def skipped(self, server: ServerState) -> str | None:
+        """Why no client's drift can be measured this round, or None."""
         method = self.engine.method
         if len(self.probe) < 2:  # CKA compares how examples relate: it needs two at least
-            return {"skipped": f"the probe batch has {len(self.probe)} example(s) (the global test set's)"}
-        global_tensors = method.global_state(server)
-        if global_tensors is None:
-            why = f"method {method.name} has no single global model (Method.global_state is None)"
-            return {"skipped": why}
-        shared = set(method.shared_names)
+            return f"the probe batch has {len(self.probe)} example(s) (the global test set's)"
+        if method.global_state(server) is None:
+            return f"method {method.name} has no single global model (Method.global_state is None)"
+        return None
+
+    def clients(self, server: ServerState, results: list[FitResult]) -> dict[str, float | str]:
+        """Each of ``results``' clients' drift, by client id: the linear CKA between the
+        logits of its model after its local round (:meth:`local_model`) and those of the
+        global model ``server`` it started from (:meth:`Method.global_state`) on the probe
+        batch; 1 when it did not move. A client whose update is not its trained tensors (only
+        then can its model be rebuilt from the update) gets why instead, and then nothing is
+        computed. Over ranks, each rank measures the clients it trained."""
+        method, shared = self.engine.method, set(self.engine.method.shared_names)
+        why = {}
         for r in results:
             if not set(r.uplink) <= shared:
                 sent = sorted(set(r.uplink) - shared)[0]
-                return {
-                    "skipped": f"method {method.name}: client {r.cid}'s update is not its trained tensors "
+                why[str(r.cid)] = (
+                    f"method {method.name}: client {r.cid}'s update is not its trained tensors "
                     f"(it sends {sent!r}, no shared parameter), so its local model cannot be rebuilt from it"
-                }
-        reference = self.logits(global_tensors)
-        per_client = {}
-        for r in results:
-            per_client[str(r.cid)] = float(linear_cka(self.logits(self.local_model(server, r)), reference))
+                )
+        if why or not results:
+            return why
+        reference = self.logits(method.global_state(server))
+        out = {
+            str(r.cid): float(linear_cka(self.logits(self.local_model(server, r)), reference))
+            for r in results
+        }
         self.engine.forget_loaded()
+        return out
+
+    def record(self, server: ServerState, measured: dict[str, float | str], order: list[int]) -> dict:
+        """The round's drift record from its clients' (``measured``: :meth:`clients`, of
+        every rank) in the order they were drawn (``order``): per client, their mean and
+        minimum; or, with the reason, skipped (:meth:`skipped`, or the first client in
+        ``order`` that cannot be measured)."""
+        if why := self.skipped(server):
+            return {"skipped": why}
+        per_client = {str(c): measured[str(c)] for c in order if str(c) in measured}
+        if why := next((v for v in per_client.values() if isinstance(v, str)), None):
+            return {"skipped": why}
         values = list(per_client.values())
         return {
             "mean": float(np.mean(values)),
@@ -93,3 +111,8 @@ class DriftProbe:
             "clients": per_client,
             "probe": len(self.probe),
         }
+
+    def __call__(self, server: ServerState, results: list[FitResult]) -> dict:
+        """Client drift of this round's clients (``results``), in one process."""
+        measured = {} if self.skipped(server) else self.clients(server, results)
+        return self.record(server, measured, [r.cid for r in results])

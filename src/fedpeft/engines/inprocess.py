@@ -12,7 +12,8 @@ makes a resumed run identical to an uninterrupted one.
 With ``eval.drift`` every round also records client drift, the C2A paper's analysis
 (sec. 2.2, 5.5): the linear CKA between the logits of each sampled client's model after
 its local round and those of the global model it started the round from, on one probe
-batch of the global test set drawn once (:mod:`fedpeft.engines.drift`).
+batch of the global test set drawn once (:mod:`fedpeft.engines.drift`), measured as the
+clients' round ends (``time_drift``, within ``time_train``).
 """
 
 from __future__ import annotations
@@ -287,15 +288,17 @@ class InProcessEngine:
         if not sampled:  # Poisson sampling may draw no client
             nothing = {"loss": float("nan"), "fit": {}, "bytes_down": 0, "bytes_up": 0, "time_fit_max": 0.0}
             return [], {"clients": [], **nothing}
-        exchange = {}
+        exchange, drift = {}, {}
         if self.ranks is None:
             share = self.train_clients(server, step, sampled)
+            drift = self.measure_drift(server, share, sampled)
         else:  # this process's share of the clients, then every rank's updates in the order drawn
             costs = [client_cost(self.clients[cid], self.train) for cid in sampled]
             entries = self.ranks.from_leader(lambda: self.personal.publish(sampled))
             if not self.ranks.leader:  # where the drawn clients' states are (rank 0 keeps the index)
                 self.personal.adopt(entries)
             share = self.train_clients(server, step, self.ranks.mine(sampled, costs))
+            drift = self.measure_drift(server, share, sampled)  # where the clients' new states are
             t0 = time.perf_counter()  # the exchange: waiting for the slowest rank, then the all-gather
             device = next(self.model.parameters()).device
             share = self.ranks.combine(share, sampled, self.personal, device, self.summed_weight())
@@ -322,6 +325,23 @@ class InProcessEngine:
             "time_fit_max": max(share.fit_times, default=0.0),
             **exchange,
             **({"client_readout": share.readouts} if share.readouts else {}),
+            **drift,
+        }
+
+    def measure_drift(self, server: ServerState, share: Share, sampled: list[int]) -> dict:
+        """With ``eval.drift``, the round's client drift (:mod:`fedpeft.engines.drift`), measured
+        where the clients' new states are (over ranks, each rank its share, then gathered),
+        and the time it took."""
+        if self.drift is None:
+            return {}
+        start = time.perf_counter()
+        results = [r.result for r in share.returned]
+        measured = {} if self.drift.skipped(server) else self.drift.clients(server, results)
+        if self.ranks is not None:
+            measured = {k: v for part in self.ranks.gather(measured) for k, v in part.items()}
+        return {
+            "drift": self.drift.record(server, measured, sampled),
+            "time_drift": time.perf_counter() - start,
         }
 
     def summed_weight(self) -> Callable[[FitResult], float] | None:
@@ -430,20 +450,14 @@ class InProcessEngine:
         return out
 
     def global_scores(self, tensors: Tensors) -> dict:
-        """The global model (``tensors``) on the global test set. Over ranks, each predicts a
-        contiguous slice of it and the predictions are gathered, so every rank has the
-        figures one process has, where the scorer splits so (classification, NER); where it
-        does not, rank 0 scores it all."""
-        ranks, test = self.ranks, self.global_test
-        split = ranks is not None and hasattr(self.scorer, "from_predictions")
-        if ranks is not None and not split and not ranks.leader:
-            return {}
+        """The global model (``tensors``) on the global test set. Over ranks, each does its
+        part of the scoring (:mod:`fedpeft.metrics.scorers`) and the parts are gathered, so
+        every rank has the figures one process has."""
         self.load(tensors)
-        if not split:
-            return {"global": self.scorer.score(self.model, test)}
-        lo, hi = (len(test) * r // ranks.world for r in (ranks.rank, ranks.rank + 1))
-        parts = ranks.gather(self.scorer.predictions(self.model, test.subset(torch.arange(lo, hi))))
-        return {"global": self.scorer.from_predictions(parts, test)}
+        if self.ranks is None:
+            return {"global": self.scorer.score(self.model, self.global_test)}
+        part = self.scorer.predictions(self.model, self.global_test, (self.ranks.rank, self.ranks.world))
+        return {"global": self.scorer.from_predictions(self.ranks.gather(part), self.global_test)}
 
     def client_scores(
         self, server: ServerState, clients: list[ClientData], on_global_test: bool
@@ -558,14 +572,10 @@ class InProcessEngine:
             t0 = time.perf_counter()
             returned, record = self.fit_round(server, step)
             t1 = time.perf_counter()
-            previous = server
             skip = None if returned else "no client drawn (train.client_sampling: poisson)"
             server = self.rounds.finish(step, server, returned, record, records, skip=skip)
             self.forget_loaded()
-            results = [r.result for r in returned]
             t2 = time.perf_counter()
-            if self.drift is not None and results:  # timed with the evaluation
-                record["drift"] = self.drift(previous, results)
             leader = self.ranks is None or self.ranks.leader
             if rnd % s.eval_every == 0 or rnd == s.rounds:
                 record.update(self.evaluate(server, final=rnd == s.rounds))

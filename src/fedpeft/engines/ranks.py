@@ -21,10 +21,11 @@ run's client store (``output_dir/clients``, which every rank must see: checked a
 run starts), and the ranks exchange the store's index entries of the clients they
 trained. Rank 0 alone keeps the index (on disk, commit by commit) and hands every rank
 the entries of the clients it is to train or score, so whichever rank draws a client
-next reads its state from there. Each rank scores a contiguous slice of the clients and
-predicts one of the global test set (where the scorer splits so: classification, NER); only
-rank 0 writes the run's records, checkpoints, exports, plots and trackers. A checkpoint does not depend on
-the number of ranks, so a run resumes with any ``--nproc``.
+next reads its state from there. Each rank scores a contiguous slice of the clients, does
+its part of scoring the global test set (``fedpeft.metrics.scorers``) and measures the
+client drift (``eval.drift``) of the clients it trained; only rank 0 writes the run's
+records, checkpoints, exports, plots and trackers. A checkpoint does not depend on the
+number of ranks, so a run resumes with any ``--nproc``.
 """
 
 from __future__ import annotations

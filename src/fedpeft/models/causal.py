@@ -26,7 +26,7 @@ import contextlib
 import torch
 from torch import nn
 
-from fedpeft.data.task import IGNORE, Encoded, eval_batches, make_batch
+from fedpeft.data.task import IGNORE, WHOLE, Encoded, Part, eval_batches, make_batch, share_of
 from fedpeft.models.masks import additive_mask
 
 #: Positions per LM-head call when scoring without gradients: its logits, ``(chunk, V)``,
@@ -252,14 +252,27 @@ def references_of(data: Encoded, tokenizer) -> list[str]:
 
 @torch.no_grad()
 def generate(
-    model: CausalLM, data: Encoded, tokenizer, options, batch_size: int, batch_tokens: int | None = None
+    model: CausalLM,
+    data: Encoded,
+    tokenizer,
+    options,
+    batch_size: int,
+    batch_tokens: int | None = None,
+    part: Part = WHOLE,
 ) -> list[str]:
     """The model's (as loaded) response to each prompt of ``data``, decoded; batches of at
     most ``batch_size`` prompts and ``batch_tokens`` tokens (prompts and new tokens).
 
     ``options`` (``fedpeft.config.GenerationConfig``): ``strategy`` greedy, beam
     (``num_beams``) or sample (``temperature``, ``top_p``, seeded by ``seed``), at most
-    ``max_new_tokens`` new tokens; Hugging Face's ``generate`` with its KV cache."""
+    ``max_new_tokens`` new tokens; Hugging Face's ``generate`` with its KV cache.
+    ``part``: only the responses of that part of the batches (the batches the whole set
+    makes, so every prompt is generated in the batch it has in one pass); not for
+    sampling, whose one random stream runs through the batches in order."""
+    if part != WHOLE and options.strategy == "sample":
+        raise ValueError(
+            "sampled generation runs whole: its one random stream runs through the batches in order"
+        )
     model.eval()
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -280,7 +293,8 @@ def generate(
         torch.manual_seed(options.seed)
         beams = options.num_beams if options.strategy == "beam" else 1
         lengths = (data.prompt_lengths + options.max_new_tokens) * beams  # the tokens a row holds
-        for rows in eval_batches(lengths, batch_size, batch_tokens):
+        batches = list(eval_batches(lengths, batch_size, batch_tokens))
+        for rows in batches[share_of(len(batches), part)]:
             ids, mask = prompts_of(data, rows, pad_id)
             ids, mask = ids.to(device), mask.to(device)
             with torch.autocast(device.type, dtype=model.precision, enabled=model.precision is not None):
