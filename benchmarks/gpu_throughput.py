@@ -330,7 +330,8 @@ def main() -> None:
 
             for mode in modes:
                 step = partial(cohort, model, method, initial, clients[: args.profile], device, mode)
-                profiles.append((f"{mode} {args.profile}, {precision}", profile(step, device)))
+                summary = profile(step, device, unit=f"cohort round ({args.steps} steps)")
+                profiles.append((f"{mode} {args.profile}, {precision}", summary))
         del model
         if args.processes > 1:
             t, peak, n = processes(args, precision, max(sizes))
@@ -355,7 +356,7 @@ def main() -> None:
     for line in check_targets(rows, args.processes):
         print(f"- {line}")
     for title, summary in profiles:
-        print(f"\n**Profile: {title}** ({summary.steps} cohort rounds of {args.steps} steps)\n")
+        print(f"\n**Profile: {title}** ({summary.steps} cohort rounds timed)\n")
         print(summary.table())
 
 

@@ -59,6 +59,7 @@ class Summary:
 
     steps: int
     wall: float
+    unit: str = "step"
     seconds: dict[str, float] = field(default_factory=dict)
     launches: int = 0
     top_host: list[tuple[str, float, int]] = field(default_factory=list)  # (op, s per step, calls)
@@ -98,12 +99,12 @@ class Summary:
         return "\n".join(lines)
 
 
-def summarise(events, wall: float, steps: int, top: int = 8) -> Summary:
+def summarise(events, wall: float, steps: int, top: int = 8, unit: str = "step") -> Summary:
     """The summary of ``events`` (``profile.key_averages()``: entries with ``key``,
     ``count``, ``device_type``, ``self_cpu_time_total`` and ``self_device_time_total`` in
     microseconds; a kernel is an entry of its own, on the device), over ``steps`` steps
     that took ``wall`` seconds."""
-    out = Summary(steps, wall / steps)
+    out = Summary(steps, wall / steps, unit)
     host, device = [], []
     for e in events:
         on_device = e.device_type != torch.autograd.DeviceType.CPU
@@ -118,8 +119,11 @@ def summarise(events, wall: float, steps: int, top: int = 8) -> Summary:
     return out
 
 
-def profile(step: Callable[[], None], device: torch.device, steps: int = 3, warmup: int = 1) -> Summary:
-    """``step`` run ``warmup`` times, then ``steps`` times under ``torch.profiler``: its summary."""
+def profile(
+    step: Callable[[], None], device: torch.device, steps: int = 3, warmup: int = 1, unit: str = "step"
+) -> Summary:
+    """``step`` (one ``unit``) run ``warmup`` times, then ``steps`` times under
+    ``torch.profiler``: its summary."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
     for _ in range(warmup):
         step()
@@ -133,4 +137,4 @@ def profile(step: Callable[[], None], device: torch.device, steps: int = 3, warm
             step()
         sync()
         wall = time.perf_counter() - start
-    return summarise(prof.key_averages(), wall, steps)
+    return summarise(prof.key_averages(), wall, steps, unit=unit)

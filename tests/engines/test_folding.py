@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,3 +183,57 @@ def test_how_a_cohort_trains_is_decided_in_one_place(tiny_config):
     later = replace(b, context=RoundContext(b.context.train.model_copy(update={"lr": 0.5})))
     with pytest.raises(ValueError, match="different round contexts"):
         method.fit_cohort(model, [a, later])
+
+
+@pytest.mark.parametrize("faster", ["vmap", "folded"])
+def test_auto_takes_the_mode_whose_probed_step_is_faster(tiny_config, monkeypatch, faster):
+    """``train.cohort_mode: auto`` on a GPU (here the CPU, let in) times one step of each
+    mode; the faster one trains the run's rounds, and round 1 records why."""
+    from fedpeft.engines import memory
+
+    timed = []
+
+    def seconds(probe, clients, mode, repeats=3):
+        timed.append((clients, mode, len(probe.jobs(clients, probe.step_size, cohort_mode=mode))))
+        return 1.0 if mode == faster else 2.0
+
+    monkeypatch.setattr(memory, "TIMED_MODES_ON", ("cpu",))
+    monkeypatch.setattr(memory._Probe, "seconds", seconds)
+    cfg = tiny_config(**{"train.cohort_size": 3, "train.clients_per_round": 3, "train.rounds": 1,
+                         "checkpoint": False})  # fmt: skip
+    Path(cfg.output_dir).mkdir(parents=True)
+    engine = make_engine(build(cfg), None)
+    (record,) = engine.run()
+    assert timed == [(3, "vmap", 3), (3, "folded", 3)]
+    assert record["setup"]["cohort_mode"] == faster
+    assert record["setup"]["cohort_step_" + faster] == 1.0
+    assert engine.train.cohort_mode == faster
+    assert engine.rounds.begin(2, engine.server).train.cohort_mode == faster
+
+
+def test_auto_times_nothing_where_there_is_no_choice(tiny_config, monkeypatch):
+    """A method that cannot fold, a mode asked for, or a cohort of one: no probe."""
+    from fedpeft.engines import memory
+
+    monkeypatch.setattr(memory, "TIMED_MODES_ON", ("cpu",))
+    monkeypatch.setattr(memory._Probe, "seconds", lambda *a, **k: pytest.fail("timed"))
+    for over in ({"method": {"name": "c2a"}}, {"train.cohort_mode": "vmap"}, {"train.cohort_size": 1}):
+        cfg = tiny_config(**{"train.cohort_size": 3, "train.rounds": 1, "checkpoint": False, **over})
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        (record,) = make_engine(build(cfg), None).run()
+        assert "cohort_mode" not in record.get("setup", {}), over
+
+
+def test_a_probed_step_is_timed_in_the_mode_asked(tiny_config, monkeypatch):
+    """The probe's real timing: each mode's step runs, in that mode, and takes some time."""
+    from fedpeft.engines import memory
+    from fedpeft.engines.local import loop
+
+    modes = []
+    real = loop.cohort_mode
+    monkeypatch.setattr(loop, "cohort_mode", lambda *a: modes.append(a[2]) or real(*a))
+    setup = build(tiny_config(**{"train.cohort_size": 3}))
+    engine = make_engine(setup, None)
+    probe = memory._Probe(engine, setup.method.init_server(setup.model))
+    assert probe.seconds(3, "folded", repeats=1) > 0 and probe.seconds(3, "vmap", repeats=1) > 0
+    assert modes == ["folded"] * 2 + ["vmap"] * 2

@@ -77,7 +77,9 @@ class TrainConfig(BaseModel):
         "fused attention falls back to eager), folded (the frozen backbone runs once on the cohort's "
         "batches folded into one, only the trained tensors per client; linear, LoRA, adapter and BitFit "
         "methods: `fedpeft methods` says which), auto (folded on a quantised backbone, which vmap cannot "
-        "batch, else vmap). Not part of the run's identity: the same results to float rounding.",
+        "batch; on a GPU, where the method folds, the faster of the two in one timed step of each, "
+        "recorded in round 1's setup; else vmap). Not part of the run's identity: the same results to "
+        "float rounding.",
     )
     client_memory_mb: float | None = Field(
         None,

@@ -33,7 +33,7 @@ from fedpeft.engines.checkpoint import Checkpoint, Checkpoints, load_checkpoint
 from fedpeft.engines.drift import DriftProbe, drift_probe_rows
 from fedpeft.engines.faults import corrupt
 from fedpeft.engines.local import RoundContext, SampleDP, derive_seed
-from fedpeft.engines.memory import check_memory, probe_cohort_size
+from fedpeft.engines.memory import check_memory, choose_cohort_mode, probe_cohort_size
 from fedpeft.engines.ranks import Ranks, Share, client_cost, summable
 from fedpeft.engines.round import Returned, Round, ServerRound, close_record, receive, sample_clients, send
 from fedpeft.engines.store import ClientStore, StoreError
@@ -534,6 +534,7 @@ class InProcessEngine:
         if self.schedule.cohort_size is None:
             self.cohort_size = probe_cohort_size(self, server)
             self.setup_info["cohort_size"] = float(self.cohort_size)
+        self.setup_info.update(choose_cohort_mode(self, server))  # cohort_mode auto on a GPU: the faster
         if self.memory_check:  # refuses (InsufficientMemory) a run that would not fit
             figures = check_memory(self, server)
             self.setup_info.update({f"memory_{k}": v for k, v in figures.items() if isinstance(v, float)})

@@ -23,6 +23,7 @@ import copy
 import ctypes
 import itertools
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,7 +32,7 @@ import torch
 
 from fedpeft.data.split import Clients
 from fedpeft.data.task import Encoded
-from fedpeft.engines.local import RoundContext
+from fedpeft.engines.local import RoundContext, cohort_mode, fold_refusal
 from fedpeft.methods.base import ClientData, Job, Method, ServerState
 from fedpeft.metrics.scorers import OneAtATime
 
@@ -215,13 +216,32 @@ class _Probe:
         release_free_heap()
         return measure_peak_rss(run)
 
+    def jobs(self, clients: int, rows: int, **train) -> list[Job]:
+        """One local step's jobs for ``clients`` clients of ``rows`` rows each (``train``:
+        other settings of the step)."""
+        client = ClientData(self.client.cid, _longest(self.client.train, rows), self.client.test)
+        one_step = self.engine.train.model_copy(update={"local_steps": 1, "batch_size": rows, **train})
+        context = RoundContext(one_step, self.engine.sample_dp)
+        return [Job(self.received, self.personal, client, 0, context=context)] * clients
+
     def step(self, clients: int, rows: int) -> int | None:
         """One local step of ``clients`` clients of ``rows`` rows each."""
-        client = ClientData(self.client.cid, _longest(self.client.train, rows), self.client.test)
-        one_step = self.engine.train.model_copy(update={"local_steps": 1, "batch_size": rows})
-        context = RoundContext(one_step, self.engine.sample_dp)
-        jobs = [Job(self.received, self.personal, client, 0, context=context)] * clients
+        jobs = self.jobs(clients, rows)
         return self.peak(lambda: self.method.fit_cohort(self.model, jobs))
+
+    def seconds(self, clients: int, mode: str, repeats: int = 3) -> float:
+        """The fastest of ``repeats`` timed local steps (after one untimed) of a cohort of
+        ``clients`` clients of a full batch each, trained as ``mode`` (vmap or folded)."""
+        jobs = self.jobs(clients, self.step_size, cohort_mode=mode)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda *a: None)
+        times = []
+        for _ in range(repeats + 1):
+            sync(self.device)
+            start = time.perf_counter()
+            self.method.fit_cohort(self.model, jobs)
+            sync(self.device)
+            times.append(time.perf_counter() - start)
+        return min(times[1:])
 
     def score(self, clients: int, rows: int) -> int | None:
         """One scoring batch of ``rows`` rows for each of ``clients`` clients' models."""
@@ -429,3 +449,31 @@ def probe_cohort_size(engine: InProcessEngine, server: ServerState) -> int:
     per_client = (four - one) / 3
     free, _ = torch.cuda.mem_get_info(device)
     return fitting_cohort(free, one - per_client, per_client, s.clients_per_round)
+
+
+# ---------------------------------------------------------------- train.cohort_mode: auto
+
+#: devices on which ``train.cohort_mode: auto`` times a vmapped cohort against a folded one
+#: (on a CPU cohorts are of one client unless asked, and the choice is left to the config)
+TIMED_MODES_ON = ("cuda",)
+
+
+def choose_cohort_mode(engine: InProcessEngine, server: ServerState) -> dict:
+    """``train.cohort_mode: auto`` on a GPU, where the method's cohorts may vmap or fold
+    (:func:`~fedpeft.engines.local.cohort_mode` would vmap, and the method folds): one local
+    step of a cohort of the run's size in each mode, timed; the faster mode is the run's
+    (``engine.train`` and its round pipeline's). Returns the round-1 record of why: the
+    mode and both steps' seconds; nothing where there was no choice to make."""
+    device = next(engine.model.parameters()).device
+    method, model, dp_sgd = engine.method, engine.model, engine.sample_dp is not None
+    if engine.train.cohort_mode != "auto" or engine.cohort_size < 2 or device.type not in TIMED_MODES_ON:
+        return {}
+    if cohort_mode(method, model, "auto", dp_sgd).how != "vmap" or fold_refusal(method, model) or dp_sgd:
+        return {}
+    with probing(engine, device):
+        probe = _Probe(engine, engine.method.messages.training_server(server))
+        size = min(engine.cohort_size, engine.schedule.clients_per_round)
+        seconds = {mode: probe.seconds(size, mode) for mode in ("vmap", "folded")}
+    chosen = min(seconds, key=seconds.get)
+    engine.train = engine.rounds.train = engine.train.model_copy(update={"cohort_mode": chosen})
+    return {"cohort_mode": chosen, **{f"cohort_step_{mode}": s for mode, s in seconds.items()}}

@@ -7,7 +7,9 @@
 
 ``auto`` vmaps, except where the model's steps run in plain autograd (a quantised or a
 checkpointed backbone: vmap cannot batch bitsandbytes' kernels or checkpoints), where it
-folds, or trains one client at a time when the method cannot fold. The cohort loop
+folds, or trains one client at a time when the method cannot fold. On a GPU, where both
+could, the engine times a step of each as the run starts and takes the faster
+(:func:`fedpeft.engines.memory.choose_cohort_mode`). The cohort loop
 (``loop.run_cohort``) follows :func:`cohort_mode`; the experiment's set-up asks it too,
 to refuse a ``train.cohort_size`` or ``train.cohort_mode`` that cannot be had before
 anything trains.
