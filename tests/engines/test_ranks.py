@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fedpeft.config import dump_config
-from fedpeft.engines.ranks import shares, summable
+from fedpeft.engines.ranks import backend, shares, summable
 from fedpeft.engines.store import ClientStore
 from fedpeft.experiment import run
 from fedpeft.methods import REGISTRY, build_method
@@ -132,6 +132,16 @@ def test_shares_balance_the_costliest_first():
     assert shares([3, 3, 2, 2, 2], 2) == [[0, 2, 4], [1, 3]]
     assert shares([1, 1, 1], 4) == [[0], [1], [2], []]
     assert sorted(i for s in shares([4, 2, 7, 1, 1, 3], 3) for i in s) == list(range(6))
+
+
+@pytest.mark.parametrize(("gpus", "local_world", "want"), [(0, 2, "gloo"), (8, 8, "nccl"), (1, 1, "nccl"),
+                                                          (1, 4, "gloo"), (2, 4, "gloo")])  # fmt: skip
+def test_ranks_with_a_gpu_each_join_over_nccl_and_ranks_sharing_one_over_gloo(
+    monkeypatch, gpus, local_world, want
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert backend(local_world) == want
 
 
 def test_a_store_adopts_what_another_store_on_its_directory_wrote(tmp_path):

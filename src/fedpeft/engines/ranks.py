@@ -268,7 +268,7 @@ def _on(returned: Returned, device: torch.device, personal: bool = True) -> Retu
 def joined() -> Ranks | None:
     """The ranks this process is one of, when a launcher started several (``WORLD_SIZE``
     above 1: ``torchrun``, ``fedpeft run --nproc``), after joining their process group
-    (NCCL on GPUs, each rank on ``cuda:LOCAL_RANK`` modulo the GPUs there are; gloo on CPUs);
+    (each rank on ``cuda:LOCAL_RANK`` modulo the GPUs there are; :func:`backend`);
     None for a process on its own."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
@@ -281,6 +281,14 @@ def joined() -> Ranks | None:
         # live under this attempt's prefix, or a restarted rank could read a dead one's
         store, rank, world = next(dist.rendezvous("env://"))
         store = dist.PrefixStore(f"fedpeft/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        dist.init_process_group(backend(local_world), store=store, rank=rank, world_size=world)
     return Ranks(dist.get_rank(), dist.get_world_size(), local)
+
+
+def backend(local_world: int) -> str:
+    """The process group's backend for ``local_world`` ranks on this machine: NCCL where
+    each has a GPU of its own; gloo on CPUs, and where ranks share a GPU (NCCL refuses two
+    ranks on one device), the exchange then passing through host memory."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return "nccl" if gpus and local_world <= gpus else "gloo"

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU items of issues 64 and 63, in the order they matter, each under its own time
+# limit and writing its output under OUT as it goes (a cut-off call still brings back
+# what finished). On a lent machine, after staging (README.md in this folder):
+#   bash scripts/device/stage.sh bash scripts/device/gpu_checks.sh "$OUT"
+# Each step's arguments can be overridden (THROUGHPUT_ARGS, RANKS_ARGS, DECODER_ARGS,
+# MAIN_ARGS), and STEPS picks some of them (default: all four, in this order):
+#   throughput  benchmarks/gpu_throughput.py with a profile of a cohort of 64 (issue 64, items 1-3)
+#   ranks       benchmarks/distributed.py: 1, 2 and 4 ranks sharing the GPU (issue 63; 64 item 7)
+#   decoder     benchmarks/decoders.py on a random 1B Llama-shaped decoder, bf16 and nf4 (64 item 4)
+#   main        the README's main job on the GPU, no flag (64 item 5)
+set -uo pipefail
+out=${1:?usage: gpu_checks.sh OUT}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+steps=${STEPS:-throughput ranks decoder main}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; git log -1 --format=%H; date -u; } \
+  > "$out/machine.txt" 2>&1
+
+step() {  # name, seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (at most ${limit}s): $*" | tee -a "$out/steps.log"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$out/$name.txt" 2>&1
+  echo "== $name: exit $? after $((SECONDS - t0))s" | tee -a "$out/steps.log"
+}
+
+for s in $steps; do
+  case $s in
+    throughput) step throughput 240 $py benchmarks/gpu_throughput.py ${THROUGHPUT_ARGS:---profile 64} ;;
+    ranks) step ranks 200 $py benchmarks/distributed.py \
+      ${RANKS_ARGS:---ranks 1,2,4 --no-flower --clients 8 --rounds 3 --steps 10 --samples 1000} ;;
+    decoder) step decoder 180 $py benchmarks/decoders.py \
+      ${DECODER_ARGS:---backbone random-1b --length 512 --precisions bf16,nf4 --work /tmp/decoders} ;;
+    main) step main 240 $py -m fedpeft run ${MAIN_ARGS:---set output_dir=/tmp/main-job}
+      cp /tmp/main-job/metrics.jsonl "$out/main-metrics.jsonl" 2>/dev/null ;;
+    *) echo "unknown step $s" | tee -a "$out/steps.log" ;;
+  esac
+done
