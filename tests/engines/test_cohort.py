@@ -32,6 +32,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fedpeft.data.task import IGNORE, Draw, Encoded, take_steps
 from fedpeft.engines.local import RoundContext, optimizer_init, predict_cohort
@@ -100,6 +101,38 @@ def test_functional_optimizer_matches_torch(tiny_config, optimizer, wd):
     if optimizer == "adamw":
         torch.testing.assert_close(state["exp_avg_sq.a"], reference.state[live["a"]]["exp_avg_sq"])
         assert float(state["step.a"]) == float(reference.state[live["a"]]["step"]) == 5.0
+
+
+class CountedOperations(TorchDispatchMode):
+    """The operations that compute something (views left out) while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_an_optimizer_step_takes_as_many_operations_for_26_adapters_as_for_2(tiny_config, optimizer):
+    """On a GPU each operation is a kernel launch, and an adapter's step is launch-bound:
+    small tensors are stepped together (one concatenated vector), a large one alone."""
+    cfg = tiny_config(**{"train.optimizer": optimizer}).train
+
+    def operations(shapes: list[tuple]) -> list[str]:
+        params = {f"t{i}": torch.randn(shape) for i, shape in enumerate(shapes)}
+        grads, state = {n: torch.randn_like(t) for n, t in params.items()}, optimizer_init(params, cfg)
+        with CountedOperations() as counted:
+            optimizer_step(params, grads, state, cfg)
+        return counted.ops
+
+    two, many = operations([(8, 16)] * 2), operations([(8, 16)] * 26)
+    assert many == two and len(two) < 30
+    with_large = operations([(8, 16)] * 26 + [(300, 300)])
+    assert len(two) < len(with_large) < 2 * len(two)
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 100.0])

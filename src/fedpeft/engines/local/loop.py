@@ -45,7 +45,7 @@ from fedpeft.engines.local.folding import folded_step
 from fedpeft.engines.local.gradients import needs_plain_autograd, plain_autograd, prepare_step
 from fedpeft.engines.local.jobs import Job, RoundContext
 from fedpeft.engines.local.modes import cohort_mode
-from fedpeft.engines.local.step import local_step, unvmapped
+from fedpeft.engines.local.step import local_step, with_client_axis, without_client_axis
 
 if TYPE_CHECKING:
     from fedpeft.methods.base import FitResult, Method
@@ -76,14 +76,17 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
     dropout = has_active_dropout(model)
     if dropout:
         torch.manual_seed(jobs[0].seed)  # a cohort of one: its own dropout draws, as alone
-    folded = how == "folded"
+    folded, alone = how == "folded", how != "folded" and len(jobs) == 1
+    noises = dp_noise(context, jobs, params, device)
     if folded:
         step = folded_step(method, model, context)
-    elif len(jobs) == 1:
-        step = unvmapped(local_step(method, model, context))
+    elif alone:  # the client's own tensors, all round (step.without_client_axis)
+        step = local_step(method, model, context)
+        params, opt, consts, anchor, correction = map(
+            without_client_axis, (params, opt, consts, anchor, correction)
+        )
     else:
         step = vmap(local_step(method, model, context), randomness="different" if dropout else "error")
-    noises = dp_noise(context, jobs, params, device)
     model.train(dropout)  # eval mode when no dropout is active: the same function, no RNG calls
     step_counts = [s.steps for s in starts]  # on the CPU: no device sync to ask who is still training
     steps = torch.tensor(step_counts, device=device)
@@ -94,9 +97,11 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
     with plain_autograd(needs_plain_autograd(model)), attention, checkpointing(model):
         for k in range(len(batches)):
             stacked = prepare_step(model, batches.step(k), batches.scored[k] or None)
-            noise = next(noises)
-            new_params, new_opt, loss = step(params, opt, consts, stacked, anchor, correction, noise)
             tokens += sum(b["attention_mask"].flatten(1).sum(1) for b in stacked)
+            noise = next(noises)
+            if alone:
+                stacked, noise = tuple(map(without_client_axis, stacked)), without_client_axis(noise)
+            new_params, new_opt, loss = step(params, opt, consts, stacked, anchor, correction, noise)
             active = k < steps  # (C,): a finished client's tensors do not move
             if k < min(step_counts):  # every client still training: take the step whole
                 params, opt = {n: new_params[n] for n in params}, {n: new_opt[n] for n in opt}
@@ -105,6 +110,8 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
                 opt = {n: _where(active, new_opt[n], t) for n, t in opt.items()}
             losses += torch.where(active, loss.detach().float(), 0.0)
     time_step = (time.perf_counter() - start) / len(batches)
+    if alone:
+        params, opt = with_client_axis(params), with_client_axis(opt)
     results = []
     for job, s, p, o, total, seen, own_i in zip(
         jobs, starts, unstack(params, len(jobs)), unstack(opt, len(jobs)), losses.tolist(), tokens.tolist(),

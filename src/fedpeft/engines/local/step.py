@@ -7,7 +7,6 @@ pull, clipping, SCAFFOLD's correction and the optimizer step (:func:`apply_gradi
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -96,36 +95,14 @@ def clip_groups(method: Method, grads: Tensors) -> list[Tensors]:
     return [groups[k] for k in sorted(groups)]
 
 
-def unvmapped(step: Callable) -> Callable:
-    """``step`` (a client's local step, what :func:`run_cohort` vmaps) for a cohort of one,
-    called as it is: the client axis taken off its inputs and put back on its outputs.
-    ``vmap`` of one client costs a little on every operation, and loops over the client
-    for kernels it has no batching rule for (SDPA)."""
+def without_client_axis(tensors: Tensors) -> Tensors:
+    """A cohort of one's stacked tensors ``(1, ...)`` as its client's own: a cohort of one
+    trains without ``vmap`` (which costs a little on every operation, and loops over the
+    client for kernels it has no batching rule for, SDPA), its tensors without the client
+    axis from the round's first step to its last."""
+    return {n: t[0] for n, t in tensors.items()}
 
-    def first(tensors: Tensors) -> Tensors:
-        return {n: t[0] for n, t in tensors.items()}
 
-    def again(tensors: Tensors) -> Tensors:
-        return {n: t.unsqueeze(0) for n, t in tensors.items()}
-
-    def run(
-        params: Tensors,
-        opt: Tensors,
-        consts: Tensors,
-        batches: StepInput,
-        anchor: Tensors,
-        correction: Tensors,
-        noise: Tensors,
-    ):
-        new_params, new_opt, loss = step(
-            first(params),
-            first(opt),
-            first(consts),
-            tuple(map(first, batches)),
-            first(anchor),
-            first(correction),
-            first(noise),
-        )
-        return again(new_params), again(new_opt), loss.unsqueeze(0)
-
-    return run
+def with_client_axis(tensors: Tensors) -> Tensors:
+    """:func:`without_client_axis` undone."""
+    return {n: t.unsqueeze(0) for n, t in tensors.items()}
