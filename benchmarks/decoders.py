@@ -116,11 +116,12 @@ def measure(row: dict, args: argparse.Namespace) -> dict:
     device = resolve_device(args.device)
     if quantization == "nf4" and device.type == "cuda":
         dtype = "bfloat16"  # QLoRA's compute dtype on a GPU
+    targets = args.targets.split(",")
     cfg = load_config(None, {
         "data": {"task": "causal_lm"},
         "model": {"backbone": args.backbone_path, "dtype": dtype, "quantization": quantization,
                   "gradient_checkpointing": row["checkpointing"]},
-        "method": {"name": "fedlr", "lora": {"r": 16, "alpha": 32}},
+        "method": {"name": "fedlr", "lora": {"r": 16, "alpha": 32, "target_modules": targets}},
         "train": {"lr": 1e-4, "local_steps": args.steps, "batch_size": args.batch, "device": args.device,
                   "cohort_mode": row["mode"]},
     })  # fmt: skip
@@ -188,9 +189,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--bf16-alone", action="store_true", help="bfloat16 one client at a time only (a CPU)")
     ap.add_argument("--work", type=Path, default=Path("benchmarks/results/decoders"))
+    ap.add_argument(
+        "--targets",
+        default="query,value",
+        help="LoRA's modules: query,value (the default), all-linear, or names",
+    )
     args = ap.parse_args()
     args.backbone_path = backbone_path(args)
-    print(f"{args.backbone}, LoRA r 16 (query/value), rows of {args.length} tokens, {args.batch} rows a "
+    print(f"{args.backbone}, LoRA r 16 ({args.targets}), rows of {args.length} tokens, {args.batch} rows a "
           f"step, {args.steps} steps\n")  # fmt: skip
     print(
         "| precision | clients | cohort | checkpointing | weights MB | peak MB | tokens/s | vs fp32 alone |"

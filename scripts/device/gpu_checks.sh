@@ -32,7 +32,7 @@ for s in $steps; do
     ranks) step ranks 200 $py benchmarks/distributed.py \
       ${RANKS_ARGS:---ranks 1,2,4 --no-flower --clients 8 --rounds 3 --steps 10 --samples 1000} ;;
     decoder) step decoder 180 $py benchmarks/decoders.py \
-      ${DECODER_ARGS:---backbone random-1b --length 512 --precisions bf16,nf4 --work /tmp/decoders} ;;
+      ${DECODER_ARGS:---backbone random-1b --length 512 --precisions bf16,nf4 --targets all-linear --work /tmp/decoders} ;;
     main) step main 240 $py -m fedpeft run ${MAIN_ARGS:---set output_dir=/tmp/main-job}
       cp /tmp/main-job/metrics.jsonl "$out/main-metrics.jsonl" 2>/dev/null ;;
     *) echo "unknown step $s" | tee -a "$out/steps.log" ;;
