@@ -4,16 +4,20 @@
 # what finished). On a lent machine, after staging (README.md in this folder):
 #   bash scripts/device/stage.sh bash scripts/device/gpu_checks.sh "$OUT"
 # Each step's arguments can be overridden (THROUGHPUT_ARGS, RANKS_ARGS, DECODER_ARGS,
-# MAIN_ARGS), and STEPS picks some of them (default: all four, in this order):
+# MAIN_ARGS, PAPER_ARGS), and STEPS picks some of them (default: all five, in this order;
+# their limits add up to more than a session's 15 minutes of device time, so a session
+# with less left picks):
 #   throughput  benchmarks/gpu_throughput.py with a profile of a cohort of 64 (issue 64, items 1-3)
 #   ranks       benchmarks/distributed.py: 1, 2 and 4 ranks sharing the GPU (issue 63; 64 item 7)
 #   decoder     benchmarks/decoders.py on a random 1B Llama-shaped decoder, bf16 and nf4 (64 item 4)
 #   main        the README's main job on the GPU, no flag (64 item 5)
+#   paper       C2A's beta 0.1 setting at the paper's 100 rounds, one seed, five methods (64 item 6:
+#               the C2A table is the seed paper already run on a GPU, so its tuned rates exist)
 set -uo pipefail
 out=${1:?usage: gpu_checks.sh OUT}
 mkdir -p "$out"
 py=${PYTHON:-python3}
-steps=${STEPS:-throughput ranks decoder main}
+steps=${STEPS:-throughput ranks decoder main paper}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; git log -1 --format=%H; date -u; } \
   > "$out/machine.txt" 2>&1
 
@@ -33,8 +37,10 @@ for s in $steps; do
       ${RANKS_ARGS:---ranks 1,2,4 --no-flower --clients 8 --rounds 3 --steps 10 --samples 1000} ;;
     decoder) step decoder 180 $py benchmarks/decoders.py \
       ${DECODER_ARGS:---backbone random-1b --length 512 --precisions bf16,nf4 --targets all-linear --work /tmp/decoders} ;;
-    main) step main 240 $py -m fedpeft run ${MAIN_ARGS:---set output_dir=/tmp/main-job}
+    main) step main 180 $py -m fedpeft run ${MAIN_ARGS:---set output_dir=/tmp/main-job}
       cp /tmp/main-job/metrics.jsonl "$out/main-metrics.jsonl" 2>/dev/null ;;
+    paper) step paper 240 $py benchmarks/c2a.py ${PAPER_ARGS:---betas 0.1 --rounds 100 --seeds 0 --no-ablation \
+      --methods fedft,fedap,fedlr,fedbf,c2a --jobs 5 --out $out/c2a-100} ;;
     *) echo "unknown step $s" | tee -a "$out/steps.log" ;;
   esac
 done
