@@ -91,10 +91,11 @@ def run_fedpeft(cfg) -> list[float]:
     return round_times(cfg.output_dir)
 
 
-def run_flower_sim(cfg, workers: int = 2) -> list[float]:
+def run_flower_sim(cfg, workers: int = 2, gpus_per_client: float = 0.0) -> list[float]:
     """fedpeft's apps on Flower's simulation runtime, ``workers`` clients at once (Ray
-    workers of one CPU each). ``run_simulation`` takes no run config, so thin wrappers
-    hand each app the experiment (and each node a state dir)."""
+    workers of one CPU each, and ``gpus_per_client`` of a GPU each where there is one).
+    ``run_simulation`` takes no run config, so thin wrappers hand each app the experiment
+    (and each node a state dir)."""
     from flwr.app import Context, Message
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
@@ -127,7 +128,7 @@ def run_flower_sim(cfg, workers: int = 2) -> list[float]:
         client,
         num_supernodes=cfg.partition.num_clients,
         backend_config={
-            "client_resources": {"num_cpus": 1},
+            "client_resources": {"num_cpus": 1, **({"num_gpus": gpus_per_client} if gpus_per_client else {})},
             "init_args": {"num_cpus": workers, "include_dashboard": False},
         },
     )

@@ -4,12 +4,13 @@
 # what finished). On a lent machine, after staging (README.md in this folder):
 #   bash scripts/device/stage.sh bash scripts/device/gpu_checks.sh "$OUT"
 # Each step's arguments can be overridden (THROUGHPUT_ARGS, RANKS_ARGS, DECODER_ARGS,
-# MAIN_ARGS, PAPER_ARGS), and STEPS picks some of them (default: all five, in this order;
+# FLOWER_ARGS, MAIN_ARGS, PAPER_ARGS), and STEPS picks some of them (default: all six, in this order;
 # their limits add up to more than a session's 15 minutes of device time, so a session
 # with less left picks):
 #   throughput  benchmarks/gpu_throughput.py with a profile of a cohort of 64 (issue 64, items 1-3)
 #   ranks       benchmarks/distributed.py: 1, 2 and 4 ranks sharing the GPU (issue 63; 64 item 7)
 #   decoder     benchmarks/decoders.py on a random 1B Llama-shaped decoder, bf16 and nf4 (64 item 4)
+#   flower      benchmarks/decoders_vs_flower.py: that decoder's job, fedpeft against Flower's simulation (item 4)
 #   main        the README's main job on the GPU, no flag (64 item 5)
 #   paper       C2A's beta 0.1 setting at the paper's 100 rounds, one seed, five methods (64 item 6:
 #               the C2A table is the seed paper already run on a GPU, so its tuned rates exist)
@@ -17,7 +18,7 @@ set -uo pipefail
 out=${1:?usage: gpu_checks.sh OUT}
 mkdir -p "$out"
 py=${PYTHON:-python3}
-steps=${STEPS:-throughput ranks decoder main paper}
+steps=${STEPS:-throughput ranks decoder flower main paper}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; git log -1 --format=%H; date -u; } \
   > "$out/machine.txt" 2>&1
 
@@ -37,6 +38,8 @@ for s in $steps; do
       ${RANKS_ARGS:---ranks 1,2,4 --no-flower --clients 8 --rounds 3 --steps 10 --samples 1000} ;;
     decoder) step decoder 180 $py benchmarks/decoders.py \
       ${DECODER_ARGS:---backbone random-1b --length 512 --precisions bf16,nf4 --targets all-linear --work /tmp/decoders} ;;
+    flower) step flower 240 $py benchmarks/decoders_vs_flower.py \
+      ${FLOWER_ARGS:---backbone random-1b --length 512 --work /tmp/decoders} ;;
     main) step main 180 $py -m fedpeft run ${MAIN_ARGS:---set output_dir=/tmp/main-job}
       cp /tmp/main-job/metrics.jsonl "$out/main-metrics.jsonl" 2>/dev/null ;;
     paper) step paper 240 $py benchmarks/c2a.py ${PAPER_ARGS:---betas 0.1 --rounds 100 --seeds 0 --no-ablation \

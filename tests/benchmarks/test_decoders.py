@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -29,3 +31,19 @@ def test_a_random_decoder_of_any_shape_loads_and_trains(tiny_config, tmp_path):
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     # random weights: the next-token loss of a near-uniform guess over SmolLM2's vocabulary
     assert read_records(cfg.output_dir)[-1]["loss"] == pytest.approx(math.log(vocab), abs=1.0)
+
+
+@pytest.mark.slow  # three runs of a tiny decoder, one on Flower's simulation engine: about a minute
+def test_the_decoder_job_runs_on_fedpeft_and_on_flowers_simulation(tiny_decoder):
+    """``benchmarks/decoders_vs_flower.py`` end to end at a tiny size: every contender's
+    records give its training tokens per second (the GPU's figures come from a lent machine)."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "decoders_vs_flower.py"
+    command = [sys.executable, str(script),
+               "--backbone", str(tiny_decoder), "--precision", "fp32", "--length", "32", "--clients", "2",
+               "--rounds", "1", "--steps", "2", "--batch", "2"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, check=True).stdout
+    rows = [line for line in out.splitlines() if line.startswith(("| fedpeft-", "| flower-sim"))]
+    assert [r.split(" | ")[0] for r in rows] == ["| fedpeft-auto", "| fedpeft-1", "| flower-sim"]
+    assert all(float(r.split(" | ")[1].replace(",", "")) > 0 for r in rows)
+    assert "fedpeft (cohort_size auto) / Flower's simulation:" in out

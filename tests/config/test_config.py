@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fedpeft.config import ConfigError, dump_config, load_config, parse_config
 
@@ -73,6 +74,27 @@ def test_overrides_and_round_trip(tmp_path: Path):
     path = tmp_path / "resolved.yaml"
     path.write_text(dump_config(cfg))
     assert load_config(path) == cfg
+
+
+def test_a_dumped_config_read_back_means_the_same(tmp_path: Path):
+    """What a silo leaves unset it takes from the top-level data config, and a causal-LM or
+    QA file without ``data.label_column`` is one domain: both stay so through a dump
+    (``output_dir/config.yaml``, a deployment's experiment, a sweep's variant)."""
+    silos = [{"name": "a", "source": "wordnet"}, {"name": "b", "source": "wordnet", "max_length": 32}]
+    natural = {"partition": {"scheme": "natural", "num_clients": 2}, "train.clients_per_round": 2}
+    cfg = load_config(None, {**natural, "data": {"max_length": 128, "silos": silos}})
+    again = parse_config(yaml.safe_load(dump_config(cfg)), "dumped")
+    assert [s.resolved(again.data).max_length for s in again.data.silos] == [128, 32]
+    (tmp_path / "rows.jsonl").write_text('{"instruction": "say", "output": "so"}\n')
+    unnamed = load_config(
+        None, {"data": {"task": "causal_lm", "source": "file", "path": str(tmp_path / "rows.jsonl")}}
+    )
+    assert (
+        "label_column"
+        not in parse_config(yaml.safe_load(dump_config(unnamed)), "dumped").data.model_fields_set
+    )
+    named = load_config(None, {"data": {"label_column": "topic"}})
+    assert parse_config(yaml.safe_load(dump_config(named)), "dumped").data.label_column == "topic"
 
 
 def test_the_config_registry_names_the_runtime_registrys_methods_and_classes():

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, model_serializer, model_validator
 
 from fedpeft.config.common import Strict
 
@@ -162,6 +162,19 @@ class DataConfig(BaseModel):
             raise ValueError("data.hub_id is required when data.source is 'hub'")
         return self
 
+    def unset_is_a_setting(self) -> set[str]:
+        """The fields whose being left unset is itself a setting: ``label_column`` (causal
+        LM and QA: without it, one domain; named, the column must exist)."""
+        return {"label_column"}
+
+    @model_serializer(mode="wrap")
+    def _as_given(self, handler):
+        """Every field, as resolved, but those of :meth:`unset_is_a_setting` that were left
+        unset: a dumped config (``output_dir/config.yaml``, what a deployment sends its
+        clients, a sweep's variants) then means the same when it is read back."""
+        unset = self.unset_is_a_setting() - self.model_fields_set
+        return {k: v for k, v in handler(self).items() if k not in unset}
+
     @property
     def group_by(self) -> str | None:
         """The column whose values group the examples (``partition.scheme`` groups): data.group_column,
@@ -175,6 +188,11 @@ class SiloConfig(DataConfig):
     """One client's own data set in the cross-silo multi-task setting (``data.silos``)."""
 
     name: str = Field(description="The silo's name: its classes are reported as '<name>:<class>'.")
+
+    def unset_is_a_setting(self) -> set[str]:
+        """Every field but the name: what a silo leaves unset it takes from the top-level
+        data config (:meth:`resolved`)."""
+        return set(type(self).model_fields) - {"name"}
 
     def resolved(self, defaults: DataConfig) -> DataConfig:
         """This silo's data config: its own settings over ``defaults`` (the top-level data
