@@ -34,6 +34,8 @@ def test_a_random_decoder_of_any_shape_loads_and_trains(tiny_config, tmp_path):
 
 
 @pytest.mark.slow  # three runs of a tiny decoder, one on Flower's simulation engine: about a minute
+# Ray's dozen processes load both cores while they start: never beside the stop tests' deadlines
+@pytest.mark.xdist_group("flower_stop")
 def test_the_decoder_job_runs_on_fedpeft_and_on_flowers_simulation(tiny_decoder):
     """``benchmarks/decoders_vs_flower.py`` end to end at a tiny size: every contender's
     records give its training tokens per second (the GPU's figures come from a lent machine)."""
