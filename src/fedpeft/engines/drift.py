@@ -104,6 +104,8 @@ class DriftProbe:
         per_client = {str(c): measured[str(c)] for c in order if str(c) in measured}
         if why := next((v for v in per_client.values() if isinstance(v, str)), None):
             return {"skipped": why}
+        if not per_client:  # every client dropped out (the round then stops, saying why)
+            return {"skipped": "no client returned an update"}
         values = list(per_client.values())
         return {
             "mean": float(np.mean(values)),

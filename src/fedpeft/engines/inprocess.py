@@ -288,17 +288,16 @@ class InProcessEngine:
         if not sampled:  # Poisson sampling may draw no client
             nothing = {"loss": float("nan"), "fit": {}, "bytes_down": 0, "bytes_up": 0, "time_fit_max": 0.0}
             return [], {"clients": [], **nothing}
-        exchange, drift = {}, {}
-        if self.ranks is None:
-            share = self.train_clients(server, step, sampled)
-            drift = self.measure_drift(server, share, sampled)
-        else:  # this process's share of the clients, then every rank's updates in the order drawn
+        exchange, mine = {}, sampled
+        if self.ranks is not None:  # this process's share of the clients
             costs = [client_cost(self.clients[cid], self.train) for cid in sampled]
             entries = self.ranks.from_leader(lambda: self.personal.publish(sampled))
             if not self.ranks.leader:  # where the drawn clients' states are (rank 0 keeps the index)
                 self.personal.adopt(entries)
-            share = self.train_clients(server, step, self.ranks.mine(sampled, costs))
-            drift = self.measure_drift(server, share, sampled)  # where the clients' new states are
+            mine = self.ranks.mine(sampled, costs)
+        share = self.train_clients(server, step, mine)
+        drift = self.measure_drift(server, share, sampled)  # where the clients' new states are
+        if self.ranks is not None:  # every rank's updates, in the order drawn
             t0 = time.perf_counter()  # the exchange: waiting for the slowest rank, then the all-gather
             device = next(self.model.parameters()).device
             share = self.ranks.combine(share, sampled, self.personal, device, self.summed_weight())

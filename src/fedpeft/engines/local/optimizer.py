@@ -109,10 +109,7 @@ def _adamw(p, g, m0, v0, steps, sizes: list[int], cfg: TrainConfig):
     lr, wd = cfg.lr, cfg.weight_decay
     bias1, bias2 = 1 - BETAS[0] ** steps, 1 - BETAS[1] ** steps
     if len(sizes) > 1:  # each tensor's correction at each of its elements
-        repeats = torch.tensor(sizes, device=steps.device)
-        bias1, bias2 = (
-            torch.repeat_interleave(b, repeats, dim=-1, output_size=p.shape[-1]) for b in (bias1, bias2)
-        )
+        bias1, bias2 = (_per_element(b, sizes) for b in (bias1, bias2))
     else:
         bias1, bias2 = bias1[..., 0], bias2[..., 0]
     then = _in_place if _plain(p, g, m0, v0) else getattr
@@ -121,6 +118,14 @@ def _adamw(p, g, m0, v0, steps, sizes: list[int], cfg: TrainConfig):
     denom = then(then(v.sqrt(), "div")(bias2.sqrt()), "add")(EPS)
     updated = then(p.mul(1 - lr * wd), "sub")(then(m.div(denom), "mul")(lr / bias1))
     return updated, m, v
+
+
+def _per_element(values: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """``values`` (one a tensor) repeated over each tensor's ``sizes`` elements: views
+    joined by one copy (``repeat_interleave`` would copy its repeats to the device at
+    every step, a wait for the GPU)."""
+    lead = values.shape[:-1]
+    return torch.cat([values[..., i : i + 1].expand(*lead, n) for i, n in enumerate(sizes)], dim=-1)
 
 
 def _sgd(p, g, cfg: TrainConfig):
