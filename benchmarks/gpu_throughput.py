@@ -14,6 +14,10 @@ MiniLM-shaped BERT with random weights by default, so nothing is downloaded):
 - ``folded C``: fedpeft's folded cohort (``train.cohort_mode: folded``): the frozen
   modules once on the C clients' batches folded into one (the model's own attention
   kernel), only the adapters per client;
+- ``hand-written C``: the yardstick, a step written by hand for this one job
+  (``benchmarks/multilora.py``: frozen layers once on the folded batch with SDPA, adapters
+  and heads by batched matmul, fused AdamW; no engine), the kind of short script the issue
+  measured ahead of the engine; it trains each client as the plain loop does;
 - ``N processes``: N worker processes sharing the device, each with its own model copy
   training its share of the clients one at a time (how Flower's simulation runs);
 - ``engine round``: a whole round of the in-process engine (sampling, downlink, cohorts
@@ -27,7 +31,9 @@ datasheet figure of a known GPU; none on the CPU). Peak memory: on a GPU
 the CPU the peak resident memory above the process's baseline, sampled every 10 ms (for
 the N processes: the sum of their whole resident memory). Targets (issue 64, on an H100
 or H200), checked at the end: an engine round in bf16 at >= 2,500 client-steps/s, >= 40x
-the fp32 one-at-a-time loop, >= 5x the N-process layout, within 1.1x its raw cohort step.
+the fp32 one-at-a-time loop, >= 5x the N-process layout, within 1.1x its raw cohort step, and at or above the hand-written
+step (issue 64 sets 2,500 as "above the hand-written step on an H100"; here both are
+timed on the same device in the same run).
 ``--profile C``: where a step's time goes in a cohort of C of each mode
 (``benchmarks/profiling.py``).
 
@@ -48,6 +54,7 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from multilora import MultiLoRA, stack  # noqa: E402
 from plain_loop import plain_steps  # noqa: E402
 
 from fedpeft.config import load_config  # noqa: E402
@@ -161,6 +168,29 @@ def cohort(model, method, initial, clients, device, mode: str) -> float:
     return time.perf_counter() - start
 
 
+def handwritten(model, method, initial, clients, device) -> float:
+    """Seconds for the clients' rounds by the hand-written multi-LoRA step, their batches
+    drawn and stacked beforehand (the yardstick's best case)."""
+    train = method.train
+    draws = [take_steps(c.train, train.batch_size, train.local_steps, torch.Generator().manual_seed(c.cid))
+             for c in clients]  # fmt: skip
+    steps = [stack(list(step)) for step in zip(*draws, strict=True)]
+    multi = MultiLoRA(model, initial, len(clients), train.lr, train.max_grad_norm)
+    sync(device)
+    start = time.perf_counter()
+    for batch in steps:
+        multi.step(batch)
+    sync(device)
+    return time.perf_counter() - start
+
+
+def timed(mode: str):
+    """The timing of a cohort in ``mode``: the engine's (vmap, folded) or the hand-written one."""
+    if mode == "hand-written":
+        return handwritten
+    return partial(cohort, mode=mode)
+
+
 def engine_round(model, method, initial, clients, size: int, device, mode: str) -> float:
     """Seconds for one engine round over all ``clients`` in cohorts of ``size`` (sampling,
     downlink, training, aggregation; no evaluation)."""
@@ -266,11 +296,15 @@ def check_targets(rows: list[tuple], processes: int) -> list[str]:
         ratio = rate / base[1]
         met = "met" if ratio >= 40 else "NOT met"
         lines.append(f"engine round >= 40x fp32 one at a time: {ratio:.1f}x: {met}")
+    if hand := best.get(("hand-written", "bf16")):
+        ratio = rate / hand[1]
+        lines.append(f"engine round >= the hand-written step ({hand[0]}, bf16, this run): {ratio:.2f}x: "
+                     f"{'met' if ratio >= 1 else 'NOT met'}")  # fmt: skip
     if procs := best.get((str(processes), "bf16")):
         ratio = rate / procs[1]
         lines.append(f"engine round >= 5x {processes} processes (bf16): {ratio:.1f}x: "
                      f"{'met' if ratio >= 5 else 'NOT met'}")  # fmt: skip
-    raw = [r for r in rows if r[0] == layout.replace("engine round, ", "").replace("cohorts of ", "")]
+    raw = [r for r in rows if r[0] == layout.replace("engine round, ", "") and r[1] == "bf16"]
     if raw:
         slower = raw[0][3] / rate
         lines.append(f"engine round within 1.1x its raw cohort step: {slower:.2f}x: "
@@ -283,7 +317,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--model", choices=["minilm-shape", "bundled"], default="minilm-shape")
     ap.add_argument("--precisions", default="fp32,bf16")
-    ap.add_argument("--modes", default="vmap,folded", help="cohort modes measured")
+    ap.add_argument("--modes", default="vmap,folded,hand-written", help="cohort modes measured")
     ap.add_argument(
         "--cohorts", default=None, help="cohort sizes (default: 8..512 on a GPU, 1..16 on the CPU)"
     )
@@ -316,11 +350,14 @@ def main() -> None:
             t = one_at_a_time(model, method, initial, train, clients[:seq_clients], device)
         rows.append(("one at a time", precision, 1, seq_clients * args.steps / t, mem.peak))
         for mode, size in ((m, c) for m in modes for c in sizes):
-            cohort(model, method, initial, clients[: min(size, 2)], device, mode)  # warm-up
+            timed(mode)(model, method, initial, clients[: min(size, 2)], device)  # warm-up
             with PeakMemory(device) as mem:
-                t = cohort(model, method, initial, clients[:size], device, mode)
+                t = timed(mode)(model, method, initial, clients[:size], device)
             rate = size * args.steps / t
             rows.append((f"{mode} {size}", precision, size, rate, mem.peak))
+            if mode == "hand-written":
+                print(f"  {precision} {mode} {size}: {rate:,.1f} client-steps/s", flush=True)
+                continue
             t_round = engine_round(model, method, initial, clients[:size], size, device, mode)
             rows.append((f"engine round, {mode} {size}", precision, size, size * args.steps / t_round, None))
             print(f"  {precision} {mode} {size}: {rate:,.1f} client-steps/s, engine round {t_round / t:.2f}x "
@@ -329,7 +366,7 @@ def main() -> None:
             from profiling import profile
 
             for mode in modes:
-                step = partial(cohort, model, method, initial, clients[: args.profile], device, mode)
+                step = partial(timed(mode), model, method, initial, clients[: args.profile], device)
                 summary = profile(step, device, unit=f"cohort round ({args.steps} steps)")
                 profiles.append((f"{mode} {args.profile}, {precision}", summary))
         del model
