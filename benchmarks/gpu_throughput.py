@@ -31,9 +31,9 @@ datasheet figure of a known GPU; none on the CPU). Peak memory: on a GPU
 the CPU the peak resident memory above the process's baseline, sampled every 10 ms (for
 the N processes: the sum of their whole resident memory). Targets (issue 64, on an H100
 or H200), checked at the end: an engine round in bf16 at >= 2,500 client-steps/s, >= 40x
-the fp32 one-at-a-time loop, >= 5x the N-process layout, within 1.1x its raw cohort step, and at or above the hand-written
-step (issue 64 sets 2,500 as "above the hand-written step on an H100"; here both are
-timed on the same device in the same run).
+the fp32 one-at-a-time loop, >= 5x the N-process layout, within 1.1x its raw cohort step,
+and at or above the hand-written step (issue 64 sets 2,500 as "above the hand-written
+step on an H100"; here both are timed on the same device in the same run).
 ``--profile C``: where a step's time goes in a cohort of C of each mode
 (``benchmarks/profiling.py``).
 

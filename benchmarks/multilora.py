@@ -61,7 +61,8 @@ class MultiLoRA:
         clients, rows, width = ids.shape
         x = self.bert.embeddings(input_ids=ids.reshape(-1, width))
         keep = mask.reshape(-1, 1, 1, width).bool()
-        heads, size = self.bert.config.num_attention_heads, x.shape[-1] // self.bert.config.num_attention_heads
+        heads = self.bert.config.num_attention_heads
+        size = x.shape[-1] // heads
 
         def split(t):
             return t.view(-1, width, heads, size).transpose(1, 2)
