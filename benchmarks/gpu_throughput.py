@@ -14,6 +14,8 @@ MiniLM-shaped BERT with random weights by default, so nothing is downloaded):
 - ``folded C``: fedpeft's folded cohort (``train.cohort_mode: folded``): the frozen
   modules once on the C clients' batches folded into one (the model's own attention
   kernel), only the adapters per client;
+- ``folded+compile C``: the folded cohort with ``train.compile`` (its forward and
+  backward pass compiled by ``torch.compile``; the compilation falls in the warm-up);
 - ``hand-written C``: the yardstick, a step written by hand for this one job
   (``benchmarks/multilora.py``: frozen layers once on the folded batch with SDPA, adapters
   and heads by batched matmul, fused AdamW; no engine), the kind of short script the issue
@@ -156,10 +158,16 @@ def one_at_a_time(model, method, initial, train, clients, device) -> float:
     return time.perf_counter() - start
 
 
+def in_mode(train, mode: str):
+    """``train`` with ``mode``'s settings: ``vmap``, ``folded`` or ``folded+compile``."""
+    how, _, compiled = mode.partition("+")
+    return train.model_copy(update={"cohort_mode": how, "compile": compiled == "compile"})
+
+
 def cohort(model, method, initial, clients, device, mode: str) -> float:
     """Seconds for the clients' rounds as one cohort (``mode``: vmap or folded)."""
     shared = {n: initial[n] for n in method.shared_names}
-    context = RoundContext(method.train.model_copy(update={"cohort_mode": mode}))
+    context = RoundContext(in_mode(method.train, mode))
     jobs = [Job(shared, {}, c, c.cid, context=context) for c in clients]
     sync(device)
     start = time.perf_counter()
@@ -195,7 +203,7 @@ def engine_round(model, method, initial, clients, size: int, device, mode: str) 
     """Seconds for one engine round over all ``clients`` in cohorts of ``size`` (sampling,
     downlink, training, aggregation; no evaluation)."""
     schedule = Schedule(rounds=1, clients_per_round=len(clients), seed=0, eval_every=10**9, cohort_size=size)
-    train = method.train.model_copy(update={"cohort_mode": mode})
+    train = in_mode(method.train, mode)
     engine = InProcessEngine(model, method, clients, clients[0].test, schedule, train=train)
     server = method.init_server(model)
     sync(device)
@@ -317,7 +325,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--model", choices=["minilm-shape", "bundled"], default="minilm-shape")
     ap.add_argument("--precisions", default="fp32,bf16")
-    ap.add_argument("--modes", default="vmap,folded,hand-written", help="cohort modes measured")
+    ap.add_argument("--modes", default="vmap,folded,folded+compile,hand-written", help="cohort modes measured")
     ap.add_argument(
         "--cohorts", default=None, help="cohort sizes (default: 8..512 on a GPU, 1..16 on the CPU)"
     )
@@ -350,7 +358,8 @@ def main() -> None:
             t = one_at_a_time(model, method, initial, train, clients[:seq_clients], device)
         rows.append(("one at a time", precision, 1, seq_clients * args.steps / t, mem.peak))
         for mode, size in ((m, c) for m in modes for c in sizes):
-            timed(mode)(model, method, initial, clients[: min(size, 2)], device)  # warm-up
+            warm = size if "compile" in mode else min(size, 2)  # compiled: for this cohort's size
+            timed(mode)(model, method, initial, clients[:warm], device)  # warm-up
             with PeakMemory(device) as mem:
                 t = timed(mode)(model, method, initial, clients[:size], device)
             rate = size * args.steps / t

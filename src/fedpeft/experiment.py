@@ -50,9 +50,9 @@ from fedpeft.report.tracking import Tracking
 
 def fingerprint(cfg: ExperimentConfig) -> str:
     """A hash of everything that determines the results (output_dir, export, checkpoint, log,
-    and train.device, train.cohort_size, train.cohort_mode, train.client_memory_mb, train.memory_check,
-    train.on_corrupt_state and deploy.warm_nodes, with which a run may resume differently
-    laid out):
+    and train.device, train.cohort_size, train.cohort_mode, train.compile, train.client_memory_mb,
+    train.memory_check, train.on_corrupt_state and deploy.warm_nodes, with which a run may
+    resume differently laid out):
     the settings that differ
     from their defaults, and the method's name. An option that a later fedpeft adds, with
     a default, leaves it unchanged, so older runs still resume."""
@@ -65,6 +65,7 @@ def fingerprint(cfg: ExperimentConfig) -> str:
             "device",
             "cohort_size",
             "cohort_mode",
+            "compile",
             "client_memory_mb",
             "memory_check",
             "on_corrupt_state",
@@ -240,7 +241,8 @@ def cohort_size(cfg: ExperimentConfig, method: Method, model: torch.nn.Module) -
     quantised or checkpointed backbone's cohorts fold, and a method that cannot fold then
     trains one client at a time)."""
     size = cfg.train.cohort_size
-    mode = cohort_mode(method, model, cfg.train.cohort_mode, cfg.privacy.mode == "sample")
+    dp_sgd = cfg.privacy.mode == "sample"
+    mode = cohort_mode(method, model, cfg.train.cohort_mode, dp_sgd, compiled=cfg.train.compile)
     if mode.how != "alone":
         return None if size == "auto" else size
     if size not in ("auto", 1):

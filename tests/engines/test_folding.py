@@ -231,9 +231,39 @@ def test_a_probed_step_is_timed_in_the_mode_asked(tiny_config, monkeypatch):
 
     modes = []
     real = loop.cohort_mode
-    monkeypatch.setattr(loop, "cohort_mode", lambda *a: modes.append(a[2]) or real(*a))
+    monkeypatch.setattr(loop, "cohort_mode", lambda *a, **k: modes.append(a[2]) or real(*a, **k))
     setup = build(tiny_config(**{"train.cohort_size": 3}))
     engine = make_engine(setup, None)
     probe = memory._Probe(engine, setup.method.init_server(setup.model))
     assert probe.seconds(3, "folded", repeats=1) > 0 and probe.seconds(3, "vmap", repeats=1) > 0
     assert modes == ["folded"] * 2 + ["vmap"] * 2
+
+
+def test_compile_folds_and_refuses_what_cannot_be_compiled(tiny_config):
+    """``train.compile`` compiles the folded pass: cohorts fold under ``auto``; vmap, a
+    method that cannot fold and DP-SGD are refused naming train.compile; the run's
+    identity (its fingerprint, which a resume checks) does not change with it."""
+    from fedpeft.experiment import fingerprint
+
+    setup = build(tiny_config())
+    method, model = setup.method, setup.model
+    folded = CohortMode("folded", "train.compile")
+    assert cohort_mode(method, model, "auto", dp_sgd=False, compiled=True) == folded
+    refused = r"train\.compile compiles folded cohorts"
+    with pytest.raises(ConfigError, match=rf"^{refused}: use train\.cohort_mode folded or auto"):
+        cohort_mode(method, model, "vmap", dp_sgd=False, compiled=True)
+    with pytest.raises(ConfigError, match=rf"{refused}, and privacy\.mode sample"):
+        cohort_mode(method, model, "auto", dp_sgd=True, compiled=True)
+    with pytest.raises(ConfigError, match=rf"{refused}, and method c2a "):
+        make_engine(build(tiny_config(method={"name": "c2a"}, **{"train.compile": True})), None)
+    assert fingerprint(tiny_config(**{"train.compile": True})) == fingerprint(setup.cfg)
+
+
+@pytest.mark.slow  # torch.compile of a tiny BERT's forward and backward: about a minute on 2 cores
+def test_a_compiled_folded_cohort_equals_one_at_a_time(tiny_config):
+    from torch._dynamo.utils import counters
+
+    setup = build(tiny_config(**{"train.local_steps": 3, "train.compile": True}))
+    counters.clear()
+    assert_cohort_equals_alone(setup, [0, 1, 2], "fedlr compiled")
+    assert counters["stats"]["unique_graphs"] > 0  # it did compile

@@ -81,6 +81,13 @@ class TrainConfig(BaseModel):
         "recorded in round 1's setup; else vmap). Not part of the run's identity: the same results to "
         "float rounding.",
     )
+    compile: bool = Field(
+        False,
+        description="Compile a folded cohort's forward and backward pass with torch.compile (fused kernels, "
+        "fewer launches; the first steps of a run pay for the compilation, minutes on a CPU). Cohorts then "
+        "train folded (cohort_mode auto or folded; a method that cannot fold is refused); a cohort of one "
+        "client is not compiled. Not part of the run's identity: the same results to float rounding.",
+    )
     client_memory_mb: float | None = Field(
         None,
         gt=0,

@@ -468,7 +468,8 @@ def choose_cohort_mode(engine: InProcessEngine, server: ServerState) -> dict:
     method, model, dp_sgd = engine.method, engine.model, engine.sample_dp is not None
     if engine.train.cohort_mode != "auto" or engine.cohort_size < 2 or device.type not in TIMED_MODES_ON:
         return {}
-    if cohort_mode(method, model, "auto", dp_sgd).how != "vmap" or fold_refusal(method, model) or dp_sgd:
+    how = cohort_mode(method, model, "auto", dp_sgd, compiled=engine.train.compile).how
+    if how != "vmap" or fold_refusal(method, model) or dp_sgd:
         return {}
     with probing(engine, device):
         probe = _Probe(engine, engine.method.messages.training_server(server))

@@ -25,7 +25,10 @@ the model's loss and every tensor it trains is a linear's or layer norm's weight
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
+from functools import cache
 from typing import TYPE_CHECKING
 
 import torch
@@ -140,13 +143,20 @@ def cohort_outputs(model: nn.Module, stacked: Tensors, batch: Batch) -> torch.Te
     ``(C, ...)`` in place of the model's."""
     clients = batch["input_ids"].shape[0]
     args, kwargs = model_inputs(fold(batch))
+    with ClientAxis(clients):
+        out = functional_call(model, stacked, args, kwargs)
+    return out.unflatten(0, (clients, -1))
+
+
+@contextmanager
+def folded_pass(clients: int) -> Iterator[None]:
+    """:data:`FOLDED` set for the duration (a checkpointed layer's recomputation in the
+    backward pass reads it); outside any compiled code, which cannot trace a ``ContextVar``."""
     token = FOLDED.set(clients)
     try:
-        with ClientAxis(clients):
-            out = functional_call(model, stacked, args, kwargs)
+        yield
     finally:
         FOLDED.reset(token)
-    return out.unflatten(0, (clients, -1))
 
 
 def folded_gradients(model: nn.Module, stacked: Tensors, batch: Batch, scale: float = 1.0):
@@ -161,18 +171,29 @@ def folded_gradients(model: nn.Module, stacked: Tensors, batch: Batch, scale: fl
     return losses.detach(), {n: g / scale for n, g in out.items()} if scale != 1.0 else out
 
 
+@cache
+def compiled_gradients():
+    """:func:`folded_gradients` compiled by ``torch.compile`` (``train.compile``), once per
+    process; its shapes are dynamic, so a new cohort size or batch width does not compile
+    it again (a new model does: the compiled code is guarded on it)."""
+    return torch.compile(folded_gradients, dynamic=True)
+
+
 def folded_step(method: Method, model: nn.Module, context: RoundContext):
     """A cohort's local step (:func:`~fedpeft.engines.local.step.local_step`'s signature, every
     input stacked ``(C, ...)``) by folding: the gradients of all clients in one forward and
-    backward pass of the model, then each client's update, vmapped."""
+    backward pass of the model (compiled with ``train.compile``), then each client's
+    update, vmapped."""
     if refusal := fold_refusal(method, model) or (context.sample_dp and "privacy.mode sample"):
         raise ValueError(f"a folded cohort: {refusal}")
     apply, scale = vmap(apply_gradients(method, model, context)), model_scale(model)
     optimised = set(method.optimised_names())
+    gradients = compiled_gradients() if context.train.compile else folded_gradients
 
     def step(params, opt, consts, batches: StepInput, anchor, correction, noise):
         (batch,) = batches
-        losses, grads = folded_gradients(model, params, batch, scale)
+        with folded_pass(batch["input_ids"].shape[0]):
+            losses, grads = gradients(model, params, batch, scale)
         grads = {n: g for n, g in grads.items() if n in optimised}
         return apply(params, opt, losses, grads, anchor, correction)
 

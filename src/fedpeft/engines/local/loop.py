@@ -55,7 +55,8 @@ def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[
     """Every job's local round, trained together (see the module docstring)."""
     context, how = round_context(jobs), "alone"
     if len(jobs) > 1:  # train.cohort_mode: vmapped, folded or one client at a time
-        how = cohort_mode(method, model, context.train.cohort_mode, context.sample_dp is not None).how
+        train, dp_sgd = context.train, context.sample_dp is not None
+        how = cohort_mode(method, model, train.cohort_mode, dp_sgd, compiled=train.compile).how
         if how == "alone" or has_active_dropout(model):
             return [r for job in jobs for r in run_cohort(model, method, [job])]
     device = next(model.parameters()).device

@@ -5,14 +5,15 @@
   only the adapters per client (:mod:`~fedpeft.engines.local.folding`);
 - ``alone``: one client after another.
 
-``auto`` vmaps, except where the model's steps run in plain autograd (a quantised or a
-checkpointed backbone: vmap cannot batch bitsandbytes' kernels or checkpoints), where it
-folds, or trains one client at a time when the method cannot fold. On a GPU, where both
-could, the engine times a step of each as the run starts and takes the faster
-(:func:`fedpeft.engines.memory.choose_cohort_mode`). The cohort loop
-(``loop.run_cohort``) follows :func:`cohort_mode`; the experiment's set-up asks it too,
-to refuse a ``train.cohort_size`` or ``train.cohort_mode`` that cannot be had before
-anything trains.
+``train.compile`` folds (compiled: :func:`~fedpeft.engines.local.folding.folded_step`),
+under ``auto`` too. Otherwise ``auto`` vmaps, except where the model's steps run in plain
+autograd (a quantised or a checkpointed backbone: vmap cannot batch bitsandbytes' kernels
+or checkpoints), where it folds, or trains one client at a time when the method cannot
+fold. On a GPU, where both could, the engine times a step of each as the run starts and
+takes the faster (:func:`fedpeft.engines.memory.choose_cohort_mode`). The cohort loop
+(``loop.run_cohort``) follows :func:`cohort_mode`; the experiment's set-up asks it too, to
+refuse a ``train.cohort_size`` or ``train.cohort_mode`` that cannot be had before anything
+trains.
 """
 
 from __future__ import annotations
@@ -38,11 +39,21 @@ class CohortMode:
     why: str = ""
 
 
-def cohort_mode(method: Method, model: torch.nn.Module, requested: str, dp_sgd: bool) -> CohortMode:
+def cohort_mode(
+    method: Method, model: torch.nn.Module, requested: str, dp_sgd: bool, compiled: bool = False
+) -> CohortMode:
     """How a cohort of ``method`` (prepared on ``model``) trains under ``train.cohort_mode``
     ``requested``, with or without DP-SGD (``privacy.mode: sample``, which vmaps over each
-    client's rows and so cannot fold). A mode that cannot be had is a
-    :class:`~fedpeft.config.ConfigError` naming the setting in the way."""
+    client's rows and so cannot fold) and ``train.compile`` (``compiled``: folded). A mode
+    that cannot be had is a :class:`~fedpeft.config.ConfigError` naming the setting in the way."""
+    if compiled:
+        if requested == "vmap":
+            raise ConfigError("train.compile compiles folded cohorts: use train.cohort_mode folded or auto")
+        refusal = fold_refusal(method, model) or (dp_sgd and "privacy.mode sample needs vmap")
+        if refusal:
+            why = f"train.compile compiles folded cohorts, and {refusal}"
+            raise ConfigError(f"{why}; set train.compile false")
+        return CohortMode("folded", "train.compile")
     plain = plain_autograd_reason(model)
     if requested == "vmap" and plain:
         raise ConfigError(f"train.cohort_mode vmap: {plain}; use cohort_mode folded or auto")
