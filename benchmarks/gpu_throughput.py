@@ -325,7 +325,8 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--model", choices=["minilm-shape", "bundled"], default="minilm-shape")
     ap.add_argument("--precisions", default="fp32,bf16")
-    ap.add_argument("--modes", default="vmap,folded,folded+compile,hand-written", help="cohort modes measured")
+    modes = "vmap,folded,folded+compile,hand-written"
+    ap.add_argument("--modes", default=modes, help="cohort modes measured")
     ap.add_argument(
         "--cohorts", default=None, help="cohort sizes (default: 8..512 on a GPU, 1..16 on the CPU)"
     )

@@ -33,7 +33,7 @@ step() {  # name, seconds, command...
 
 for s in $steps; do
   case $s in
-    throughput) step throughput 240 $py benchmarks/gpu_throughput.py ${THROUGHPUT_ARGS:---profile 64} ;;
+    throughput) step throughput 300 $py benchmarks/gpu_throughput.py ${THROUGHPUT_ARGS:---profile 64} ;;
     ranks) step ranks 200 $py benchmarks/distributed.py \
       ${RANKS_ARGS:---ranks 1,2,4 --no-flower --clients 8 --rounds 3 --steps 10 --samples 1000} ;;
     decoder) step decoder 180 $py benchmarks/decoders.py \
