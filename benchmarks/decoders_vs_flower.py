@@ -19,8 +19,14 @@ fresh process:
 Printed side by side: training tokens per second (the tokens the clients trained on over
 all rounds, from the records, over the rounds' training time), end to end, the peak
 device memory (on a GPU ``nvidia-smi``'s used memory above the start, every process on
-the device, sampled every 0.2 s; on a CPU the process tree's resident memory), the
-cohort the probe chose, and fedpeft's speed-up over Flower's (goal: >= 2x).
+the device, sampled every 0.2 s; on a CPU the process tree's resident memory) against
+the device's, the cohort the probe chose and how it trained (round 1's ``setup``), and
+fedpeft's speed-up over Flower's (goal: >= 2x).
+
+``--method`` trains another method on the same job (its ``lora`` r 16 on every linear,
+its other options at their defaults): item 4's PF2LoRA (a bilevel cohort: two adapters,
+hypergradients) and HETLoRA (ranks that differ per client, masked to the server's) with
+``--only fedpeft-auto``: does the probe's cohort fit, and how close to the device's memory.
 
     python benchmarks/decoders_vs_flower.py --backbone random-1b --length 512   # a GPU
     .venv/bin/python benchmarks/decoders_vs_flower.py --backbone PATH --length 32 --clients 2  # a CPU, tiny
@@ -73,7 +79,7 @@ def job_config(args, out: Path, cohort_size):
         "data": {"task": "causal_lm", "source": "file", "path": str(args.data), "max_length": args.length,
                  "max_test_samples": 8},
         "model": {"backbone": args.backbone_path, "dtype": dtype, "quantization": quantization},
-        "method": {"name": "fedlr", "lora": {"r": 16, "alpha": 32, "target_modules": ["all-linear"]}},
+        "method": {"name": args.method, "lora": {"r": 16, "alpha": 32, "target_modules": ["all-linear"]}},
         "partition": {"scheme": "iid", "num_clients": args.clients, "min_size": 1},
         "train": {"rounds": args.rounds, "clients_per_round": args.clients, "local_steps": args.steps,
                   "batch_size": args.batch, "lr": 1e-4, "cohort_size": cohort_size},
@@ -104,10 +110,20 @@ class DeviceMemory:
         self.gpu, self.peak = gpu, 0
         self.base = self.used() if gpu else 0
 
+    @staticmethod
+    def smi(field: str) -> int:
+        """``nvidia-smi``'s ``memory.used`` or ``memory.total`` of the first GPU, in bytes."""
+        query = ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"]
+        return int(subprocess.run(query, capture_output=True, text=True).stdout.split()[0]) * 2**20
+
+    @classmethod
+    def total(cls, gpu: bool) -> int:
+        """The device's memory: the GPU's, or this machine's RAM."""
+        return cls.smi("memory.total") if gpu else psutil.virtual_memory().total
+
     def used(self, proc: psutil.Process | None = None) -> int:
         if self.gpu:
-            query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
-            return int(subprocess.run(query, capture_output=True, text=True).stdout.split()[0]) * 2**20
+            return self.smi("memory.used")
         total = 0
         for p in [proc, *proc.children(recursive=True)]:
             with contextlib.suppress(psutil.Error):  # a process that ended meanwhile
@@ -136,13 +152,15 @@ def measure(name: str, argv: list[str], out: Path, gpu: bool) -> dict:
     records = read_records(out)
     tokens = sum(r["fit"]["tokens"] * len(r["clients"]) for r in records)
     train = sum(r["time_train"] for r in records)
-    cohort = records[0].get("setup", {}).get("cohort_size")
-    return {"name": name, "tokens_s": tokens / train, "wall": wall, "peak": memory.peak, "cohort": cohort}
+    setup = records[0].get("setup", {})
+    return {"name": name, "tokens_s": tokens / train, "wall": wall, "peak": memory.peak,
+            "cohort": setup.get("cohort_size"), "mode": setup.get("cohort_mode")}  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backbone", default="random-1b", help="random-1b, bundled-smollm2 or a path")
+    ap.add_argument("--method", default="fedlr", help="the method trained (its lora: r 16, every linear)")
     ap.add_argument("--precision", choices=PRECISIONS, default="bf16")
     ap.add_argument("--length", type=int, default=512, help="tokens a row (about)")
     ap.add_argument("--clients", type=int, default=8)
@@ -168,7 +186,8 @@ def main() -> None:
         args.clients * args.steps * args.batch * 2 + 16
     )  # a client's rows for its steps, and a test set
     args.data = write_rows(root / "rows.jsonl", rows_needed, max(2, args.length // 2))
-    argv = [f"--backbone={args.backbone}", f"--precision={args.precision}", f"--length={args.length}",
+    argv = [f"--backbone={args.backbone}", f"--method={args.method}", f"--precision={args.precision}",
+            f"--length={args.length}",
             f"--clients={args.clients}", f"--rounds={args.rounds}", f"--steps={args.steps}",
             f"--batch={args.batch}", f"--workers={args.workers}", f"--work={args.work}",
             f"--data={args.data}"]  # fmt: skip
@@ -177,16 +196,16 @@ def main() -> None:
         results.append(measure(name, argv, root / name, gpu))
         print(results[-1], flush=True)
     where = torch.cuda.get_device_name() if gpu else "CPU"
-    print(f"\n{where}; {args.backbone} {args.precision}, LoRA r 16 on every linear; {args.clients} clients "
-          f"a round x {args.steps} steps x {args.batch} rows of ~{args.length} tokens, {args.rounds} rounds; "
-          f"Flower: {args.workers} client(s) at once\n")  # fmt: skip
-    print("| contender | training tokens/s | end to end (s) | peak memory (MiB) | cohort |")
-    print("|---|---|---|---|---|")
+    total = DeviceMemory.total(gpu)
+    print(f"\n{where} ({total / 2**20:,.0f} MiB); {args.backbone} {args.precision}, {args.method}, LoRA r 16 "
+          f"on every linear; {args.clients} clients a round x {args.steps} steps x {args.batch} rows of "
+          f"~{args.length} tokens, {args.rounds} rounds; Flower: {args.workers} at once\n")  # fmt: skip
+    print("| contender | training tokens/s | end to end (s) | peak memory (MiB) | of the device's | cohort |")
+    print("|---|---|---|---|---|---|")
     for r in results:
-        cohort = "-" if r["cohort"] is None else f"{r['cohort']:.0f}"
-        print(
-            f"| {r['name']} | {r['tokens_s']:,.0f} | {r['wall']:.1f} | {r['peak'] / 2**20:,.0f} | {cohort} |"
-        )
+        cohort = "-" if r["cohort"] is None else f"{r['cohort']:.0f}" + (f" {r['mode']}" if r["mode"] else "")
+        print(f"| {r['name']} | {r['tokens_s']:,.0f} | {r['wall']:.1f} | {r['peak'] / 2**20:,.0f} "
+              f"| {r['peak'] / total:.2f} | {cohort} |")  # fmt: skip
     by_name = {r["name"]: r for r in results}
     if "flower-sim" in by_name and "fedpeft-auto" in by_name:
         ratio = by_name["fedpeft-auto"]["tokens_s"] / by_name["flower-sim"]["tokens_s"]

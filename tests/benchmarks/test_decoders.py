@@ -49,3 +49,17 @@ def test_the_decoder_job_runs_on_fedpeft_and_on_flowers_simulation(tiny_decoder)
     assert [r.split(" | ")[0] for r in rows] == ["| fedpeft-auto", "| fedpeft-1", "| flower-sim"]
     assert all(float(r.split(" | ")[1].replace(",", "")) > 0 for r in rows)
     assert "fedpeft (cohort_size auto) / Flower's simulation:" in out
+
+
+@pytest.mark.slow  # PF2LoRA's bilevel cohort of a tiny decoder, by the probe's cohort size: about 30 s
+def test_another_method_runs_the_decoders_job_with_the_probes_cohort(tiny_decoder):
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "decoders_vs_flower.py"
+    command = [sys.executable, str(script), "--backbone", str(tiny_decoder), "--method", "pf2lora",
+               "--only", "fedpeft-auto", "--precision", "fp32", "--length", "32", "--clients", "2",
+               "--rounds", "1", "--steps", "2", "--batch", "2"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, check=True).stdout
+    (row,) = [line for line in out.splitlines() if line.startswith("| fedpeft-auto")]
+    cells = row.split(" | ")
+    assert float(cells[1].replace(",", "")) > 0 and 0 < float(cells[4]) < 1  # a share of the device's memory
+    assert ", pf2lora, LoRA r 16" in out
