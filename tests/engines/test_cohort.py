@@ -43,7 +43,7 @@ from fedpeft.experiment import build, make_engine, run
 from fedpeft.methods.base import load_tensors, trainable_params
 from fedpeft.metrics.classification import predict
 from fedpeft.report.results import read_records
-from tests.helpers.cohort import assert_cohort_equals_alone, round_jobs
+from tests.helpers.cohort import assert_cohort_equals_alone, jobs_after_round_one, round_jobs
 from tests.helpers.configs import MIXED_RANKS
 
 VECTORISED = [
@@ -297,32 +297,12 @@ def test_c2a_authors_code_readings_cohort_equals_one_at_a_time(tiny_config):
     assert_cohort_equals_alone(setup, list(range(len(setup.clients))), "c2a")
 
 
-def _jobs_after_round_one(cfg):
-    """Round 2's jobs of every client after the engine ran round 1 with 2 of the 4
-    clients: those 2 hold their round-1 state (FDLoRA's personal module, FedKD's synced
-    version), the other 2 join late, from their initial state."""
-    setup = build(cfg)  # a run of 2 rounds, stopped after round 1
-    cfg.output_dir.mkdir(parents=True)
-    engine = make_engine(setup, None)
-    engine.schedule = dataclasses.replace(engine.schedule, rounds=1)
-    engine.run()
-    cids = list(range(len(setup.clients)))
-    trained = set(read_records(cfg.output_dir)[0]["clients"])
-    assert 0 < len(trained) < len(cids)
-    return (
-        setup,
-        cids,
-        [engine.job(engine.server, engine.rounds.begin(2, engine.server), cid)[0] for cid in cids],
-        trained,
-    )
-
-
 @pytest.mark.parametrize("name", ["fdlora", "fedkd", "pf2lora", "fedlr"])
 def test_a_later_round_with_late_joiners_cohort_equals_one_at_a_time(tiny_config, name):
     """Round 2 of clients that trained in round 1 beside clients that join late: FDLoRA's
     stage 2 beside stage 1 + 2, FedKD's compressed downlink (the update's factors) beside
     a dense one; each client gets the round it gets alone."""
-    setup, cids, jobs, trained = _jobs_after_round_one(tiny_config(method={"name": name}))
+    setup, cids, jobs, trained = jobs_after_round_one(tiny_config(method={"name": name}))
     method = setup.method
     if name == "fdlora":  # the late joiners still have no personal module: stage 1 first
         assert {c for c, j in zip(cids, jobs, strict=True) if method.has_personal(j.personal)} == trained

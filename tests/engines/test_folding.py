@@ -20,13 +20,14 @@ from fedpeft.engines.local import CohortMode, RoundContext, cohort_mode, fold_re
 from fedpeft.engines.local.folding import ClientAxis, fold
 from fedpeft.experiment import build, make_engine
 from fedpeft.methods import REGISTRY
+from fedpeft.methods.fedsb import SETUP
 from fedpeft.models.causal import SCORED
-from tests.helpers.cohort import assert_cohort_equals_alone, round_jobs
+from tests.helpers.cohort import assert_cohort_equals_alone, jobs_after_round_one, round_jobs
 from tests.helpers.configs import MIXED_RANKS, lm_config
 
 #: every registered method that folds (``test_folds_names_every_method_that_folds``)
 FOLDS = ["fedlr", "federa", "fedbf", "fedap", "fdlora", "local", "centralized", "flexlora", "lorafair",
-         "ffalora", "fedsalora"]  # fmt: skip
+         "ffalora", "fedsalora", "hetlora", "fedexlora", "fedsb", "flora"]  # fmt: skip
 
 
 def test_a_stacked_linear_and_layer_norm_run_each_clients_rows_with_its_tensors():
@@ -83,6 +84,11 @@ def test_a_folded_cohort_equals_one_at_a_time(tiny_config, name):
     cids = list(range(len(setup.clients)))
     sizes = {-(-len(setup.clients[c].train) // cfg.train.batch_size) for c in cids}
     assert len(sizes) > 1, "want clients with different step counts"
+    if name == "fedsb":  # round 1 is its setup round (gradient sums, no training): round 2
+        setup, cids, jobs, _ = jobs_after_round_one(cfg)
+        assert not any(SETUP in j.received for j in jobs)
+        assert_cohort_equals_alone(setup, cids, name, jobs)
+        return
     assert_cohort_equals_alone(setup, cids, name)
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -11,7 +12,9 @@ import torch
 from fedpeft.engines.inprocess import derive_seed
 from fedpeft.engines.local import Job, RoundContext
 from fedpeft.engines.local.attention import eager_attention
+from fedpeft.experiment import build, make_engine
 from fedpeft.peft.svd import FACTORS, decompress
+from fedpeft.report.results import read_records
 
 
 def assert_cohort_equals_alone(setup, cids, name, jobs=None) -> None:
@@ -83,3 +86,23 @@ def step_inputs(method, client, steps: int, generator: torch.Generator):
     one client at a time (what its ``step_gradients`` is given, less the cohort axis)."""
     job = Job({}, {}, client, 0, context=RoundContext(method.train))
     return (tuple(d.batch() for d in draws) for draws in method.step_draws(job, steps, generator))
+
+
+def jobs_after_round_one(cfg):
+    """Round 2's jobs of every client after the engine ran round 1 with 2 of the 4
+    clients: those 2 hold their round-1 state (FDLoRA's personal module, FedKD's synced
+    version), the other 2 join late, from their initial state."""
+    setup = build(cfg)  # a run of 2 rounds, stopped after round 1
+    cfg.output_dir.mkdir(parents=True)
+    engine = make_engine(setup, None)
+    engine.schedule = dataclasses.replace(engine.schedule, rounds=1)
+    engine.run()
+    cids = list(range(len(setup.clients)))
+    trained = set(read_records(cfg.output_dir)[0]["clients"])
+    assert 0 < len(trained) < len(cids)
+    return (
+        setup,
+        cids,
+        [engine.job(engine.server, engine.rounds.begin(2, engine.server), cid)[0] for cid in cids],
+        trained,
+    )

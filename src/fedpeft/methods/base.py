@@ -48,11 +48,9 @@ from fedpeft.engines.local import (
     OPT,
     GradientFn,
     Job,
+    ModelLossGradients,
     Start,
     Tensors,
-    backprop,
-    model_loss,
-    model_scale,
     optimizer_state,
     run_cohort,
 )
@@ -307,10 +305,11 @@ class Method:
     def step_gradients(self, model: TaskModel) -> GradientFn:
         """``(params, consts, batches) -> (loss, grads)``, one client's gradients at a step
         as a pure function (of :meth:`optimised_names` and :meth:`sgd_rates`'s tensors): by
-        default backprop of the cross-entropy on the step's batch, scaled by
-        :data:`LOSS_SCALE` in float16."""
-        loss = model_loss(model)
-        return backprop(lambda params, consts, batches: loss(params, batches[0]), model_scale(model))
+        default backprop of the model's loss on the step's batch, scaled by
+        :data:`LOSS_SCALE` in float16. A method whose gradients are a
+        :class:`~fedpeft.engines.local.gradients.ModelLossGradients` (this default, with a
+        penalty or a group of its tensors) can train in folded cohorts."""
+        return ModelLossGradients(model)
 
     def cohort_finish(self, job: Job, params: Tensors, opt: Tensors, metrics: dict[str, float]) -> FitResult:
         """A client's result from its trained tensors and optimizer state (kept with

@@ -62,10 +62,8 @@ from fedpeft.engines.local import (
     OPT,
     OWN,
     GradientFn,
+    ModelLossGradients,
     Start,
-    backprop,
-    model_loss,
-    model_scale,
     optimizer_state,
 )
 from fedpeft.methods.base import (
@@ -199,15 +197,15 @@ class HETLoRA(FedAvgPeft):
         return Start(params, opt, {"tail": self.tail_mask(rank)}, steps)
 
     def step_gradients(self, model) -> GradientFn:
-        """Backprop of the cross-entropy plus ``lambda * sum ||B[:, tail]|| ||A[tail, :]||``."""
-        loss, names, lam = model_loss(model), [n for n in self.shared_names if is_a(n)], self.cfg.penalty
+        """Backprop of the model's loss plus ``lambda * sum ||B[:, tail]|| ||A[tail, :]||``
+        (:meth:`_penalty`: of the client's tensors alone, so a cohort can fold)."""
+        return ModelLossGradients(model, penalty=self._penalty)
 
-        def penalised(params: Tensors, consts: Tensors, batches) -> torch.Tensor:
-            tail = consts["tail"]
-            mods = [(params[n], params[n.replace(".lora_A.", ".lora_B.")]) for n in names]
-            return loss(params, batches[0]) + lam * tail_penalty(mods, tail)
-
-        return backprop(penalised, model_scale(model))
+    def _penalty(self, params: Tensors, consts: Tensors) -> torch.Tensor:
+        """The rank-tail regulariser of a client's adapters (its tail mask in ``consts``)."""
+        names = [n for n in self.shared_names if is_a(n)]
+        mods = [(params[n], params[n.replace(".lora_A.", ".lora_B.")]) for n in names]
+        return self.cfg.penalty * tail_penalty(mods, consts["tail"])
 
     def cohort_finish(self, job: Job, params: Tensors, opt: Tensors, metrics: dict[str, float]) -> FitResult:
         """Self-pruning, then the (possibly smaller) adapter up; the client keeps it as its

@@ -26,6 +26,7 @@ from fedpeft.engines.local.checkpoints import enable_checkpointing
 from fedpeft.engines.local.dp import clip_factor, noise_generator, norm
 from fedpeft.engines.local.folding import fold_refusal
 from fedpeft.engines.local.gradients import (
+    ModelLossGradients,
     backprop,
     backprop_reporting,
     group_backprop,
@@ -79,6 +80,7 @@ __all__ = [
     "enable_checkpointing",
     "fold_refusal",
     "group_backprop",
+    "ModelLossGradients",
     "head_logits",
     "model_features",
     "model_inputs",

@@ -19,13 +19,16 @@ The clients' losses are independent, so the gradient of their sum with respect t
 stacked tensors holds each client's own gradient; the rest of a step (FedProx, clipping,
 SCAFFOLD, the optimizer: :func:`~fedpeft.engines.local.step.apply_gradients`) is elementwise
 per client and stays vmapped. A method folds when its local step is plain backprop of
-the model's loss and every tensor it trains is a linear's or layer norm's weight or bias
-(:func:`fold_refusal` says why not otherwise: ``fedpeft methods`` lists it).
+the model's loss, plus a term of the client's tensors alone where it has one (HETLoRA's
+rank-tail regulariser; its clients' ranks differ, padded to the server's and masked), with
+respect to all or a group of its tensors (:class:`ModelLossGradients`), and every tensor it
+trains is a linear's or layer norm's weight or bias (:func:`fold_refusal` says why not
+otherwise: ``fedpeft methods`` lists it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from functools import cache
@@ -36,7 +39,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 from torch.overrides import TorchFunctionMode
 
-from fedpeft.engines.local.gradients import model_inputs, model_scale
+from fedpeft.engines.local.gradients import ModelLossGradients, model_inputs, model_scale
 from fedpeft.engines.local.jobs import Batch, RoundContext, StepInput, Tensors
 from fedpeft.engines.local.step import apply_gradients
 from fedpeft.models.causal import SCORED
@@ -103,8 +106,13 @@ class ClientAxis(TorchFunctionMode):
 
 def fold_refusal(method: Method, model: nn.Module) -> str:
     """Why ``method`` (prepared on ``model``) cannot train in folded cohorts; "" when it can."""
-    if _overrides(method, "step_gradients"):
-        return f"method {method.name} takes its own gradients (not plain backprop of the model's loss)"
+    own = f"method {method.name} takes its own gradients"
+    try:
+        gradients = method.step_gradients(model)
+    except RuntimeError as err:  # picked within its own round (RoLoRA's half, FedRep's phase)
+        return f"{own} ({err})"
+    if not isinstance(gradients, ModelLossGradients):
+        return f"{own} (not plain backprop of the model's loss)"
     modules = dict(model.named_modules())
     for name in [*method.shared_names, *method.personal_names]:
         owner, _, attr = name.rpartition(".")
@@ -116,13 +124,6 @@ def fold_refusal(method: Method, model: nn.Module) -> str:
                 "norm's weight or bias"
             )
     return ""
-
-
-def _overrides(method: Method, name: str) -> bool:
-    """Whether ``method``'s ``name`` is a subclass's own rather than the default: the
-    class it resolves to is not the first one to define it (the base ``Method``)."""
-    owners = [cls for cls in type(method).__mro__ if name in vars(cls)]
-    return owners[0] is not owners[-1]
 
 
 def fold(batch: Batch) -> Batch:
@@ -159,12 +160,22 @@ def folded_pass(clients: int) -> Iterator[None]:
         FOLDED.reset(token)
 
 
-def folded_gradients(model: nn.Module, stacked: Tensors, batch: Batch, scale: float = 1.0):
+def folded_gradients(
+    model: nn.Module,
+    stacked: Tensors,
+    batch: Batch,
+    scale: float = 1.0,
+    penalty: Callable[[Tensors, Tensors], torch.Tensor] | None = None,
+    consts: Tensors | None = None,
+):
     """Each client's loss ``(C,)`` and its gradients (stacked, ``(C, ...)``) with respect to
     its tensors in ``stacked``: one backward pass of the sum of the clients' losses
-    (``scale`` times it, divided back: float16's loss scale)."""
+    (``scale`` times it, divided back: float16's loss scale), each plus its
+    ``penalty(tensors, consts)`` when given (a :class:`ModelLossGradients`' penalty)."""
     leaves = {n: t.detach().requires_grad_(True) for n, t in stacked.items()}
     losses = vmap(model.loss)(cohort_outputs(model, leaves, batch), batch)
+    if penalty is not None:
+        losses = losses + vmap(penalty)(leaves, consts)
     grads = torch.autograd.grad(losses.sum() * scale, list(leaves.values()), allow_unused=True)
     pairs = zip(leaves.items(), grads, strict=True)
     out = {n: torch.zeros_like(t) if g is None else g for (n, t), g in pairs}
@@ -187,13 +198,14 @@ def folded_step(method: Method, model: nn.Module, context: RoundContext):
     if refusal := fold_refusal(method, model) or (context.sample_dp and "privacy.mode sample"):
         raise ValueError(f"a folded cohort: {refusal}")
     apply, scale = vmap(apply_gradients(method, model, context)), model_scale(model)
-    optimised = set(method.optimised_names())
+    objective = method.step_gradients(model)  # a ModelLossGradients (fold_refusal)
+    optimised = set(method.optimised_names()) & (objective.group or set(method.optimised_names()))
     gradients = compiled_gradients() if context.train.compile else folded_gradients
 
     def step(params, opt, consts, batches: StepInput, anchor, correction, noise):
         (batch,) = batches
         with folded_pass(batch["input_ids"].shape[0]):
-            losses, grads = gradients(model, params, batch, scale)
+            losses, grads = gradients(model, params, batch, scale, objective.penalty, consts)
         grads = {n: g for n, g in grads.items() if n in optimised}
         return apply(params, opt, losses, grads, anchor, correction)
 

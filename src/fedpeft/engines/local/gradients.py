@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
 from torch.func import functional_call, vjp
@@ -164,18 +165,39 @@ def backprop(loss: Callable[[Tensors, Tensors, StepInput], torch.Tensor], scale:
     return gradients
 
 
-def group_backprop(model: torch.nn.Module, group: set[str]) -> GradientFn:
+@dataclass(frozen=True)
+class ModelLossGradients:
+    """A local step's gradients (a :data:`GradientFn`) that are :func:`backprop` of the
+    model's own loss on the step's batch (:func:`model_loss`), plus ``penalty(params,
+    consts)`` when given (a term of the client's tensors alone, HETLoRA's rank-tail
+    regulariser), with respect to the tensors named in ``group`` (None: every one; the
+    others enter as constants and get no gradient, nor any step: FedRep's phases, RoLoRA's
+    halves). The model's outputs enter only through its loss, so a folded cohort computes
+    this for all its clients in one pass (:mod:`~fedpeft.engines.local.folding` reads
+    ``penalty`` and ``group``); any other gradient a method takes cannot fold."""
+
+    model: torch.nn.Module
+    penalty: Callable[[Tensors, Tensors], torch.Tensor] | None = None
+    group: frozenset[str] | None = None
+
+    def __call__(self, params: Tensors, consts: Tensors, batches: StepInput):
+        loss, penalty = model_loss(self.model), self.penalty
+        fixed = {} if self.group is None else {n: t for n, t in params.items() if n not in self.group}
+        trained = {n: t for n, t in params.items() if n not in fixed}
+
+        def objective(p: Tensors, c: Tensors, b: StepInput) -> torch.Tensor:
+            whole = {**fixed, **p} if fixed else p
+            value = loss(whole, b[0])
+            return value if penalty is None else value + penalty(whole, c)
+
+        return backprop(objective, model_scale(self.model))(trained, consts, batches)
+
+
+def group_backprop(model: torch.nn.Module, group: set[str]) -> ModelLossGradients:
     """:func:`backprop` of the model's loss with respect to the tensors named in ``group``
-    only: the others enter the loss as constants and get no gradient (nor any step); a
-    method whose local round trains part of its tensors (FedRep's phases, RoLoRA's halves)."""
-    loss, scale = model_loss(model), model_scale(model)
-
-    def gradients(params: Tensors, consts: Tensors, batches: StepInput):
-        frozen = {n: t for n, t in params.items() if n not in group}
-        trained = {n: t for n, t in params.items() if n in group}
-        return backprop(lambda p, c, b: loss({**frozen, **p}, b[0]), scale)(trained, consts, batches)
-
-    return gradients
+    only (:class:`ModelLossGradients`): a method whose local round trains part of its
+    tensors (FedRep's phases, RoLoRA's halves)."""
+    return ModelLossGradients(model, group=frozenset(group))
 
 
 def backprop_reporting(
