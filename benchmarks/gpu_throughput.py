@@ -69,6 +69,7 @@ from fedpeft.methods.base import ClientData, Job, load_tensors, read_tensors  # 
 from fedpeft.models.backbone import TaskModel  # noqa: E402
 
 CLASSES, VOCAB = 45, 30522
+MODES = ("vmap", "folded", "folded+compile", "hand-written")
 
 
 def make_model(kind: str, precision: str, device: str, steps: int, batch: int):
@@ -320,13 +321,32 @@ def check_targets(rows: list[tuple], processes: int) -> list[str]:
     return lines
 
 
+def cohort_rows(model, method, initial, clients, device, precision: str, mode: str, size: int, args):
+    """The rows of a cohort of ``size`` in ``mode``: its raw step and (the engine's modes)
+    an engine round of it."""
+    steps = args.steps
+    warm = size if "compile" in mode else min(size, 2)  # compiled: for this cohort's size
+    timed(mode)(model, method, initial, clients[:warm], device)  # warm-up
+    with PeakMemory(device) as mem:
+        t = timed(mode)(model, method, initial, clients[:size], device)
+    rate = size * steps / t
+    rows = [(f"{mode} {size}", precision, size, rate, mem.peak)]
+    if mode == "hand-written":
+        print(f"  {precision} {mode} {size}: {rate:,.1f} client-steps/s", flush=True)
+        return rows
+    t_round = engine_round(model, method, initial, clients[:size], size, device, mode)
+    rows.append((f"engine round, {mode} {size}", precision, size, size * steps / t_round, None))
+    print(f"  {precision} {mode} {size}: {rate:,.1f} client-steps/s, engine round {t_round / t:.2f}x "
+          "the raw cohort time", flush=True)  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--model", choices=["minilm-shape", "bundled"], default="minilm-shape")
     ap.add_argument("--precisions", default="fp32,bf16")
-    modes = "vmap,folded,folded+compile,hand-written"
-    ap.add_argument("--modes", default=modes, help="cohort modes measured")
+    ap.add_argument("--modes", default=",".join(MODES), help="cohort modes measured")
     ap.add_argument(
         "--cohorts", default=None, help="cohort sizes (default: 8..512 on a GPU, 1..16 on the CPU)"
     )
@@ -343,11 +363,13 @@ def main() -> None:
     gpu = args.device != "cpu" and torch.cuda.is_available()
     sizes = [int(c) for c in (args.cohorts or ("8,32,128,512" if gpu else "1,4,16")).split(",")]
     modes = args.modes.split(",")
+    if unknown := set(modes) - set(MODES):
+        ap.error(f"--modes: unknown {sorted(unknown)}; choose from {', '.join(MODES)}")
     seq_clients = args.sequential_clients or (16 if gpu else 4)
     where = torch.cuda.get_device_name() if gpu else f"CPU, {args.threads} threads"
     peak_flops = bf16_peak(where, args.peak_tflops)
 
-    rows, flops, profiles = [], None, []
+    rows, flops, profiles, failures = [], None, [], []
     for precision in args.precisions.split(","):
         model, method, initial, train, device = make_model(
             args.model, precision, args.device, args.steps, args.batch
@@ -358,26 +380,29 @@ def main() -> None:
         with PeakMemory(device) as mem:
             t = one_at_a_time(model, method, initial, train, clients[:seq_clients], device)
         rows.append(("one at a time", precision, 1, seq_clients * args.steps / t, mem.peak))
+        failed: set[str] = set()  # a mode that failed (say, out of memory) is not tried larger
         for mode, size in ((m, c) for m in modes for c in sizes):
-            warm = size if "compile" in mode else min(size, 2)  # compiled: for this cohort's size
-            timed(mode)(model, method, initial, clients[:warm], device)  # warm-up
-            with PeakMemory(device) as mem:
-                t = timed(mode)(model, method, initial, clients[:size], device)
-            rate = size * args.steps / t
-            rows.append((f"{mode} {size}", precision, size, rate, mem.peak))
-            if mode == "hand-written":
-                print(f"  {precision} {mode} {size}: {rate:,.1f} client-steps/s", flush=True)
+            if mode in failed:
                 continue
-            t_round = engine_round(model, method, initial, clients[:size], size, device, mode)
-            rows.append((f"engine round, {mode} {size}", precision, size, size * args.steps / t_round, None))
-            print(f"  {precision} {mode} {size}: {rate:,.1f} client-steps/s, engine round {t_round / t:.2f}x "
-                  "the raw cohort time", flush=True)  # fmt: skip
+            try:
+                rows += cohort_rows(model, method, initial, clients, device, precision, mode, size, args)
+            except Exception as err:  # one layout's failure costs its row, not the run's table
+                failed.add(mode)
+                why = str(err).splitlines()[0] if str(err) else ""
+                failures.append(f"{precision} {mode} {size}: {type(err).__name__}: {why}")
+                print(f"  {failures[-1]}", flush=True)
+                if gpu:
+                    torch.cuda.empty_cache()
         if args.profile and (precision == "bf16" or not gpu):
             from profiling import profile
 
-            for mode in modes:
+            for mode in (m for m in modes if m not in failed):
                 step = partial(timed(mode), model, method, initial, clients[: args.profile], device)
-                summary = profile(step, device, unit=f"cohort round ({args.steps} steps)")
+                try:
+                    summary = profile(step, device, unit=f"cohort round ({args.steps} steps)")
+                except Exception as err:
+                    failures.append(f"profile {precision} {mode}: {type(err).__name__}: {err}")
+                    continue
                 profiles.append((f"{mode} {args.profile}, {precision}", summary))
         del model
         if args.processes > 1:
@@ -402,6 +427,8 @@ def main() -> None:
     print()
     for line in check_targets(rows, args.processes):
         print(f"- {line}")
+    for line in failures:
+        print(f"- failed: {line}")
     for title, summary in profiles:
         print(f"\n**Profile: {title}** ({summary.steps} cohort rounds timed)\n")
         print(summary.table())

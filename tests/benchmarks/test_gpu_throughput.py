@@ -99,3 +99,27 @@ def test_the_benchmark_runs_every_layout_and_prints_one_table():
     assert "GFLOP a client-step" in out and "**Profile: folded 2, fp32**" in out
     assert "- engine round bf16 >= 2,500 client-steps/s" in out and "**Profile: hand-written 2, fp32**" in out
     assert "- engine round >= the hand-written step (hand-written 2, bf16, this run)" in out
+
+
+@pytest.mark.slow  # the MiniLM-shaped model at a tiny size: about 15 s
+def test_a_layout_that_fails_costs_its_rows_not_the_table(monkeypatch, capsys):
+    """A GPU's minutes are few: a mode that fails (out of memory, a compiler error) is
+    reported at the end and not tried at larger sizes; the other rows still print."""
+    import gpu_throughput
+
+    real = gpu_throughput.cohort_rows
+
+    def failing(model, method, initial, clients, device, precision, mode, size, args):
+        if mode == "folded":
+            raise RuntimeError("CUDA out of memory (a stand-in)\nthe rest of its message")
+        return real(model, method, initial, clients, device, precision, mode, size, args)
+
+    monkeypatch.setattr(gpu_throughput, "cohort_rows", failing)
+    argv = ["gpu_throughput.py", "--device", "cpu", "--cohorts", "2,3", "--processes", "1", "--steps", "1",
+            "--sequential-clients", "2", "--threads", "1", "--precisions", "fp32", "--modes",
+            "folded,hand-written"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    gpu_throughput.main()
+    out = capsys.readouterr().out
+    assert "- failed: fp32 folded 2: RuntimeError: CUDA out of memory (a stand-in)\n" in out
+    assert "folded 3" not in out and "| hand-written 3 | fp32 | 3 |" in out
