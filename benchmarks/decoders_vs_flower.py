@@ -148,7 +148,7 @@ def measure(name: str, argv: list[str], out: Path, gpu: bool) -> dict:
         time.sleep(0.2)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"{name} failed with exit code {proc.returncode}")
+        raise RuntimeError(f"{name} failed with exit code {proc.returncode}")
     records = read_records(out)
     tokens = sum(r["fit"]["tokens"] * len(r["clients"]) for r in records)
     train = sum(r["time_train"] for r in records)
@@ -191,9 +191,13 @@ def main() -> None:
             f"--clients={args.clients}", f"--rounds={args.rounds}", f"--steps={args.steps}",
             f"--batch={args.batch}", f"--workers={args.workers}", f"--work={args.work}",
             f"--data={args.data}"]  # fmt: skip
-    results = []
-    for name in args.only.split(","):
-        results.append(measure(name, argv, root / name, gpu))
+    results, failures = [], []
+    for name in args.only.split(","):  # one contender's failure does not cost the others theirs
+        try:
+            results.append(measure(name, argv, root / name, gpu))
+        except RuntimeError as err:
+            failures.append(str(err))
+            continue
         print(results[-1], flush=True)
     where = torch.cuda.get_device_name() if gpu else "CPU"
     total = DeviceMemory.total(gpu)
@@ -213,6 +217,8 @@ def main() -> None:
             f"\nfedpeft (cohort_size auto) / Flower's simulation: {ratio:.2f}x training tokens/s (goal >= 2x)"
         )
     shutil.rmtree(root, ignore_errors=True)
+    if failures:
+        raise SystemExit("; ".join(failures))
 
 
 if __name__ == "__main__":
