@@ -199,7 +199,9 @@ def folded_step(method: Method, model: nn.Module, context: RoundContext):
         raise ValueError(f"a folded cohort: {refusal}")
     apply, scale = vmap(apply_gradients(method, model, context)), model_scale(model)
     objective = method.step_gradients(model)  # a ModelLossGradients (fold_refusal)
-    optimised = set(method.optimised_names()) & (objective.group or set(method.optimised_names()))
+    optimised = set(method.optimised_names())
+    if objective.group is not None:
+        optimised &= objective.group
     gradients = compiled_gradients() if context.train.compile else folded_gradients
 
     def step(params, opt, consts, batches: StepInput, anchor, correction, noise):
