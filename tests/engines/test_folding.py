@@ -265,11 +265,13 @@ def test_compile_folds_and_refuses_what_cannot_be_compiled(tiny_config):
     assert fingerprint(tiny_config(**{"train.compile": True})) == fingerprint(setup.cfg)
 
 
-@pytest.mark.slow  # torch.compile of a tiny BERT's forward and backward: about a minute on 2 cores
-def test_a_compiled_folded_cohort_equals_one_at_a_time(tiny_config):
+@pytest.mark.slow  # torch.compile of a tiny BERT's forward and backward: about a minute on 2 cores each
+@pytest.mark.parametrize("name", ["fedlr", "hetlora"])  # HETLoRA: its penalty, a float weight, compiled too
+def test_a_compiled_folded_cohort_equals_one_at_a_time(tiny_config, name):
     from torch._dynamo.utils import counters
 
-    setup = build(tiny_config(**{"train.local_steps": 3, "train.compile": True}))
+    method = {"name": name, **MIXED_RANKS.get(name, {})}
+    setup = build(tiny_config(method=method, **{"train.local_steps": 3, "train.compile": True}))
     counters.clear()
-    assert_cohort_equals_alone(setup, [0, 1, 2], "fedlr compiled")
+    assert_cohort_equals_alone(setup, [0, 1, 2], f"{name} compiled")
     assert counters["stats"]["unique_graphs"] > 0  # it did compile

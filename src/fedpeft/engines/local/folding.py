@@ -186,8 +186,16 @@ def folded_gradients(
 def compiled_gradients():
     """:func:`folded_gradients` compiled by ``torch.compile`` (``train.compile``), once per
     process; its shapes are dynamic, so a new cohort size or batch width does not compile
-    it again (a new model does: the compiled code is guarded on it)."""
-    return torch.compile(folded_gradients, dynamic=True)
+    it again (a new model does: the compiled code is guarded on it). Python floats (a
+    method's settings, as HETLoRA's penalty weight) compile as constants: as symbols,
+    inductor cannot multiply a tensor by them."""
+    compiled = torch.compile(folded_gradients, dynamic=True)
+
+    def gradients(*args):
+        with torch._dynamo.config.patch(specialize_float=True):
+            return compiled(*args)
+
+    return gradients
 
 
 def folded_step(method: Method, model: nn.Module, context: RoundContext):
