@@ -28,6 +28,16 @@ class DeployConfig(BaseModel):
     max_skipped_rounds: int = Field(
         3, ge=1, description="Consecutive skipped rounds after which the run stops with an error."
     )
+    max_weight_share: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Under server.weighting examples, the largest share of a round's weight one client "
+        "may hold: weights above it are lowered to a common cap so that none exceeds this share of the "
+        "total (all equal when no cap can). A node's size is its own claim at the roll call, so a node "
+        "that lies about it gains this share and no more; 1: no cap beyond the size its node gave at "
+        "the roll call (a training reply claiming more is refused). Not with secure_aggregation.",
+    )
     secure_aggregation: bool = Field(
         False,
         description="Train through Flower's SecAgg+ protocol: the server sees only the mean update "

@@ -177,6 +177,28 @@ def decode_tensor(name: str, parts: Tensors, cfg: CodecConfig, seed: int = 0) ->
     return flat.reshape(shape).to(dtype)
 
 
+def claimed(message: Tensors) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """What each tensor of an encoded ``message`` decodes into, its dtype and shape, read
+    from its ``#meta`` alone (a tensor sent as it is: its own). A receiver checks these
+    against what it expects before :func:`decode` allocates them (topk and randk decode
+    into a dense tensor of the claimed shape). :class:`CompressionError` naming the tensor
+    when a ``#meta`` is missing or is not an int32 vector of a dtype code and a shape."""
+    out = {}
+    for name in names_in(message):
+        if name in message:
+            out[name] = (message[name].dtype, tuple(message[name].shape))
+            continue
+        meta = message.get(f"{name}{SEP}meta")
+        if meta is None or meta.dtype != torch.int32 or meta.dim() != 1 or not 1 <= len(meta) <= 17:
+            got = "none" if meta is None else f"{meta.dtype} {tuple(meta.shape)}"
+            raise CompressionError(f"{name}: its {SEP}meta is {got}, not int32 [dtype code, *shape]")
+        code, *shape = meta.tolist()
+        if not 0 <= code < len(DTYPES) or any(size < 0 for size in shape):
+            raise CompressionError(f"{name}: its {SEP}meta {[code, *shape]} is no dtype code and shape")
+        out[name] = (DTYPES[code], tuple(shape))
+    return out
+
+
 # ---------------------------------------------------------------- messages
 
 

@@ -6,12 +6,18 @@ one after another (:data:`PACKED`), and an index of their names, dtypes and shap
 objects, and a node pulls or pushes every object in a request of its own. Small figures
 travel as a :class:`~flwr.app.MetricRecord`. A received tensor dict is checked against
 the names, shapes and dtypes the receiver expects before anything uses it, so a
-malformed or truncated reply is refused whole and never half-aggregated.
+malformed or truncated reply is refused whole and never half-aggregated. A record is
+read without trusting what it claims: its arrays' headers are checked against the bytes
+they carry (and against a size cap, when the receiver gives one) before anything is
+copied, and each tensor's bytes are copied once, at the size its index says and the
+packed bytes hold.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,26 +49,124 @@ def to_record(tensors: Tensors) -> ArrayRecord:
     return ArrayRecord({PACKED: Array(packed.numpy()), INDEX: Array(meta.copy())})
 
 
-def from_record(record: ArrayRecord) -> Tensors:
-    """The tensors of :func:`to_record`'s record (copies: the arrays Flower decodes are
-    read-only views of the message buffer); :class:`ReplyError` if it is not one."""
+def npy_layout(data: bytes, what: str) -> tuple[np.dtype, tuple[int, ...], int]:
+    """The dtype, shape and data offset that the ``.npy`` bytes ``data`` (how Flower
+    carries an array) declare, read from their header alone; :class:`ReplyError` when the
+    header is not one or its data are not exactly the declared size. ``np.load`` would
+    allocate the declared size first, whatever the bytes hold."""
+    buffer = io.BytesIO(data)
+    try:
+        version = np.lib.format.read_magic(buffer)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(buffer)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(buffer)
+        else:
+            raise ValueError(f"npy version {version}")
+    except (ValueError, TypeError, SyntaxError) as err:
+        raise ReplyError(f"array {what!r}: not an npy array ({err})") from None
+    offset = buffer.tell()
+    if dtype.hasobject or fortran and len(shape) > 1:
+        raise ReplyError(
+            f"array {what!r}: dtype {dtype}{' in Fortran order' if fortran else ''} is not plain data"
+        )
+    declared = math.prod(shape) * dtype.itemsize
+    if declared != len(data) - offset:
+        raise ReplyError(
+            f"array {what!r}: its header declares {declared} bytes, it holds {len(data) - offset}"
+        )
+    return dtype, tuple(shape), offset
+
+
+def packed_bytes(array: Array, what: str, max_bytes: int | None = None) -> np.ndarray:
+    """A tensor record's byte array as a read-only view of the message's own buffer (no
+    copy): a one-dimensional uint8 array, at most ``max_bytes`` long (None: any length);
+    :class:`ReplyError` otherwise."""
+    if array.stype != "numpy.ndarray":
+        raise ReplyError(f"array {what!r}: serialised as {array.stype!r}, not numpy.ndarray")
+    if max_bytes is not None and len(array.data) > max_bytes + 1024:  # before parsing anything
+        raise ReplyError(f"array {what!r}: {len(array.data)} bytes, at most {max_bytes} expected")
+    dtype, shape, offset = npy_layout(array.data, what)
+    if dtype != np.uint8 or len(shape) != 1:
+        raise ReplyError(f"array {what!r}: {dtype} {shape}, expected uint8 bytes in one dimension")
+    if max_bytes is not None and shape[0] > max_bytes:
+        raise ReplyError(f"array {what!r}: {shape[0]} bytes, at most {max_bytes} expected")
+    return np.frombuffer(array.data, dtype=np.uint8, count=shape[0], offset=offset)
+
+
+#: the most bytes a record's index may take per tensor it lists, and in all besides
+INDEX_BYTES_PER_TENSOR, INDEX_BYTES = 2048, 4096
+
+
+def read_index(record: ArrayRecord, max_tensors: int | None = None) -> tuple[np.ndarray, list[tuple]]:
+    """A tensor record's packed bytes (a view, see :func:`packed_bytes`) and its checked
+    index: ``(name, torch dtype, shape, offset, size)`` per tensor, each tensor's bytes
+    within the packed bytes and of exactly its shape's size. ``max_tensors``: caps the
+    record at that many tensors' index and bytes as large as it could need (None: no
+    cap); the caller checks the names, shapes and dtypes themselves."""
     if set(record) != {PACKED, INDEX}:
         raise ReplyError(f"a tensor record holds arrays {PACKED!r} and {INDEX!r}, not {sorted(record)[:4]}")
-    packed = torch.from_numpy(record[PACKED].numpy().copy())
+    index_cap = None if max_tensors is None else INDEX_BYTES + INDEX_BYTES_PER_TENSOR * max_tensors
+    raw = packed_bytes(record[INDEX], INDEX, index_cap)
     try:
-        index = json.loads(record[INDEX].numpy().tobytes())
-        tensors = {}
-        for name, dtype, shape, offset, size in index:
-            if not (
-                isinstance(getattr(torch, dtype, None), torch.dtype)
-                and 0 <= offset <= offset + size <= len(packed)
-            ):
-                raise ReplyError(
-                    f"tensor {name!r}: dtype {dtype!r}, bytes {offset}..{offset + size} of {len(packed)}"
-                )
-            tensors[name] = packed[offset : offset + size].clone().view(getattr(torch, dtype)).reshape(shape)
-    except (ValueError, TypeError, RuntimeError) as err:  # JSON, unpacking, a size that is no shape
-        raise ReplyError(f"a tensor record's index does not describe its bytes: {err}") from None
+        index = json.loads(raw.tobytes())
+    except ValueError as err:
+        raise ReplyError(f"a tensor record's index is not JSON: {err}") from None
+    if not isinstance(index, list) or (max_tensors is not None and len(index) > max_tensors):
+        raise ReplyError(f"a tensor record's index is not a list of at most {max_tensors} tensors")
+    return raw, index
+
+
+def _entries(index: list, packed_size: int) -> list[tuple[str, torch.dtype, tuple[int, ...], int, int]]:
+    """``index``'s entries, each checked: a name, a torch dtype, a shape of whole
+    non-negative sizes, and an ``offset``, ``size`` within ``packed_size`` bytes that are
+    exactly the shape's bytes."""
+    out, seen = [], set()
+    for entry in index:
+        if not (isinstance(entry, list) and len(entry) == 5):
+            raise ReplyError(
+                f"a tensor record's index entry is not [name, dtype, shape, offset, size]: {entry!r:.80}"
+            )
+        name, dtype, shape, offset, size = entry
+        if not isinstance(name, str) or name in seen:
+            raise ReplyError(f"a tensor record's index names {name!r:.80} twice or not as a string")
+        seen.add(name)
+        dt = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+        if not isinstance(dt, torch.dtype):
+            raise ReplyError(f"tensor {name!r}: dtype {dtype!r:.40}")
+        whole = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0  # noqa: E731
+        if not (isinstance(shape, list) and len(shape) <= 16 and all(map(whole, shape))):
+            raise ReplyError(f"tensor {name!r}: shape {shape!r:.80} is not a list of sizes")
+        if not (whole(offset) and whole(size) and offset + size <= packed_size):
+            raise ReplyError(
+                f"tensor {name!r}: dtype {dtype!r}, bytes {offset}..{offset + size} of {packed_size}"
+            )
+        if size != math.prod(shape) * dt.itemsize:
+            raise ReplyError(f"tensor {name!r}: {size} bytes for a {dtype} tensor of shape {tuple(shape)}")
+        out.append((name, dt, tuple(shape), offset, size))
+    return out
+
+
+def describe(record: ArrayRecord, max_bytes: int | None = None, max_tensors: int | None = None) -> dict:
+    """What a tensor record claims to hold, ``{name: (torch dtype, shape)}``, read from its
+    index and headers without copying a tensor (``max_bytes``, ``max_tensors``: caps on
+    its packed bytes and its tensors; None: none); :class:`ReplyError` if it is not a
+    record of :func:`to_record`."""
+    raw, index = read_index(record, max_tensors)
+    packed = packed_bytes(record[PACKED], PACKED, max_bytes)
+    return {name: (dtype, shape) for name, dtype, shape, _, _ in _entries(index, len(packed))}
+
+
+def from_record(record: ArrayRecord, max_bytes: int | None = None, max_tensors: int | None = None) -> Tensors:
+    """The tensors of :func:`to_record`'s record (writable copies, made once: the arrays
+    Flower decodes are read-only views of the message buffer); :class:`ReplyError` if it
+    is not one, or holds more than ``max_bytes`` bytes or ``max_tensors`` tensors."""
+    _, index = read_index(record, max_tensors)
+    packed = packed_bytes(record[PACKED], PACKED, max_bytes)
+    tensors = {}
+    for name, dtype, shape, offset, size in _entries(index, len(packed)):
+        data = torch.from_numpy(packed[offset : offset + size].copy())
+        tensors[name] = data.view(dtype).reshape(shape) if size else torch.zeros(shape, dtype=dtype)
     return tensors
 
 

@@ -14,6 +14,17 @@ sampled clients' instructions and takes back the unmasked mean; on the nodes,
 :func:`secure_train` answers the protocol's training stage (see ``apps.py``). Precision:
 values are clipped to ``[-clipping_range, clipping_range]`` (8) and quantised to
 ``2**22`` levels over that range, so the mean is exact to about 4e-6.
+
+Every reply of every stage is checked as it arrives (:class:`CountingGrid`, with
+:func:`fedpeft.flower.replies.check_secure_reply`): the fields Flower's workflow reads,
+the masked vector's arrays and sizes, and the training result's size and metrics in the
+clear (a size no more than the client's node gave at the roll call). A reply that fails
+is handed to the workflow as an error, so its node counts as one that dropped out of the
+protocol, which SecAgg+ recovers from. What the server cannot check is the weight each
+client folds into its masked update: SecAgg+ hides it with the update. Each masked value
+is clipped to ``[-clipping_range, clipping_range]`` after weighting, so a client that
+overstates its weight cannot steer the mean to a value of its choosing, but it can
+shrink the round's update towards zero.
 """
 
 from __future__ import annotations
@@ -22,15 +33,17 @@ import json
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message
 from flwr.common import Code, FitIns, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from flwr.common.secure_aggregation.secaggplus_constants import Key as SecAggKey
 from flwr.server.compat.legacy_context import LegacyContext
 from flwr.server.strategy import Strategy
 from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD, Key
 from flwr.serverapp import Grid
 
-from fedpeft.flower import codec
+from fedpeft.flower import codec, replies
 from fedpeft.methods.base import FitResult, Method, Tensors
 from fedpeft.methods.capabilities import refusal
 
@@ -41,11 +54,19 @@ def supports_secure_aggregation(method: Method) -> bool:
     return not refusal(method, "secure_aggregation")
 
 
-class CountingGrid:
-    """A Grid that adds up the bytes Flower serialises for what passes through it."""
+#: the code of the error that stands for a refused reply (Flower's codes are small numbers)
+REFUSED = 72
 
-    def __init__(self, grid: Grid):
-        self.grid, self.down, self.up = grid, 0, 0
+
+class CountingGrid:
+    """A Grid that adds up the bytes Flower serialises for what passes through it and,
+    given what the round expects (``expect``), checks each reply of each SecAgg+ stage
+    before the workflow reads it; a reply that fails reaches the workflow as an error
+    (its node drops out) and its reason is kept by node (``refused``)."""
+
+    def __init__(self, grid: Grid, expect: replies.SecureRound | None = None):
+        self.grid, self.down, self.up, self.expect = grid, 0, 0, expect
+        self.refused: dict[int, str] = {}
 
     def get_node_ids(self):
         return self.grid.get_node_ids()
@@ -53,9 +74,27 @@ class CountingGrid:
     def send_and_receive(self, messages, *, timeout=None):
         messages = list(messages)
         self.down += sum(codec.wire_bytes(m) for m in messages)
-        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
-        self.up += sum(codec.wire_bytes(r) for r in replies if not r.has_error())
-        return replies
+        received = list(self.grid.send_and_receive(messages, timeout=timeout))
+        self.up += sum(codec.wire_bytes(r) for r in received if not r.has_error())
+        if self.expect is None:
+            return received
+        asked = {m.metadata.message_id: m for m in messages}
+        return [self.checked(asked.get(r.metadata.reply_to_message_id), r) for r in received]
+
+    def checked(self, request: Message | None, reply: Message) -> Message:
+        """``reply``, or an error in its place when it fails the checks of its stage."""
+        if reply.has_error():
+            return reply
+        try:
+            if request is None:
+                raise codec.ReplyError("a reply to no message of this stage")
+            stage = str(request.content.config_records[RECORD_KEY_CONFIGS][SecAggKey.STAGE])
+            replies.check_secure_reply(stage, reply, request.metadata.dst_node_id, self.expect)
+        except codec.ReplyError as err:
+            node = request.metadata.dst_node_id if request is not None else reply.metadata.src_node_id
+            self.refused[node] = str(err)
+            return Message(metadata=reply.metadata, error=Error(REFUSED, f"refused: {err}"))
+        return reply
 
 
 class _Node:
@@ -126,13 +165,15 @@ def secure_round(
     uplink_like: Tensors,
     max_weight: float,
     timeout: float,
+    expect: replies.SecureRound | None = None,
 ) -> tuple[OneRound, CountingGrid]:
-    """Run SecAgg+ for one round over the clients in ``instructions``."""
+    """Run SecAgg+ for one round over the clients in ``instructions`` (``expect``: what
+    their replies are checked against; None: unchecked)."""
     strategy = OneRound(instructions, uplink_like)
     legacy = LegacyContext(context, strategy=strategy)
     legacy.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({Key.CURRENT_ROUND: rnd})
     legacy.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
-    counting = CountingGrid(grid)
+    counting = CountingGrid(grid, expect)
     workflow = SecAggPlusWorkflow(
         num_shares=1.0, reconstruction_threshold=0.5, max_weight=max_weight, timeout=timeout
     )

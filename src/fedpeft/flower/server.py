@@ -9,12 +9,21 @@ Each round:
    in-process engine (so with every node up both engines train the same clients);
 3. **train**: one ``train`` message per sampled client; a client that errs, crashes or
    has not answered within ``deploy.round_timeout`` is dropped from the round, and a
-   reply whose tensors are not exactly the expected names, shapes and dtypes is refused
-   whole;
+   reply that fails its checks (:mod:`fedpeft.flower.replies`: its fields, counts and
+   metrics, its update's size and claimed shapes before anything is decoded, then its
+   tensors' exact names, shapes and dtypes) is refused whole;
 4. **aggregate** through the method when at least ``deploy.min_results`` updates came
-   back (otherwise the round is recorded as skipped and the global state is kept);
+   back (otherwise the round is recorded as skipped and the global state is kept); under
+   ``server.weighting: examples`` each client weighs no more than the examples its node
+   gave at the roll call and no more than ``deploy.max_weight_share`` of the round;
 5. **evaluate**: the global model on the global test set here, and each client's own
    model on its local test split on its node (``evaluate`` messages).
+
+Every reply is read through :mod:`fedpeft.flower.replies`; one that fails a check
+drops its client (``dropped``, ``eval_failed``) or, at the roll call, leaves its node
+out of the round (``ignored_nodes``), and never stops the server. With SuperNode
+authentication a client id stays with the node that first claimed it (or the one the
+operator assigned it to), kept in the server state.
 
 Bytes are those Flower serialises (:func:`~fedpeft.flower.codec.wire_bytes`); the
 tensor payload the in-process engine counts is recorded beside them. The server
@@ -39,7 +48,7 @@ from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
 from fedpeft.engines.local import derive_seed
 from fedpeft.engines.round import Returned, Round, ServerRound, close_record, receive, sample_clients
 from fedpeft.experiment import Setup
-from fedpeft.flower import codec, secure
+from fedpeft.flower import codec, replies, secure
 from fedpeft.methods.base import FitResult, ServerState, Tensors, load_tensors, tensor_bytes
 from fedpeft.metrics.classification import mean_scores, spread
 from fedpeft.metrics.scorers import scorer_for
@@ -93,6 +102,12 @@ class FlowerServer:
             )
         if setup.cfg.deploy.secure_aggregation and setup.cfg.train.clients_per_round < 2:
             raise DeploymentError("deploy.secure_aggregation needs train.clients_per_round >= 2")
+        if setup.cfg.deploy.secure_aggregation and setup.cfg.deploy.max_weight_share < 1:
+            raise DeploymentError(
+                f"deploy.max_weight_share {setup.cfg.deploy.max_weight_share:g}: under "
+                "deploy.secure_aggregation each client weighs its own masked update, which the server "
+                "cannot reweigh; use deploy.max_weight_share 1 (a weight is still bounded by its roll call)"
+            )
         self.setup, self.grid, self.method, self.context = setup, grid, setup.method, context
         # differential privacy (privacy.*): the nodes clip (and, local mode, noise); the server
         # adds its noise to the sum (user mode) and keeps the accountant; under DP-SGD
@@ -119,6 +134,12 @@ class FlowerServer:
         self.uplink_like: Tensors = {}
         self.peers: dict[int, Peer] = {}  # client id -> the node that holds it
         self.strangers: set[int] = set()  # nodes that answered with an unusable client id
+        # node authentication: client id -> the node that holds it (first claim, or the
+        # operator's assignment), kept in the server state (replies.BINDINGS)
+        self.bound: dict[int, int] = {}
+        self.ignored: dict[int, str] = {}  # this round's roll-call replies refused, by node
+        self.told: str | None = None  # the last problem with the operator's assignments, logged once
+        self.score_names = replies.score_names(self.cfg.data.task)  # what an evaluation reply holds
         # the global model's scorer: the in-process engine's, for this task
         self.scorer = scorer_for(self.cfg.data.task, setup.tokenizer, self.cfg.eval, setup.corpus)
 
@@ -172,11 +193,29 @@ class FlowerServer:
     def roll_call(self, rnd: int) -> dict[int, Peer]:
         """Client id -> its node. Nodes seen before are known; a node id not seen before
         (a new or restarted SuperNode) is asked who it is, with ``deploy.query_timeout``
-        to answer. A node that claims a client id already held replaces the older node
-        (a restarted SuperNode comes back under a new node id, while the old id lingers
-        until its heartbeat lapses)."""
+        to answer. A reply that fails its checks (:func:`replies.read_roll_call`) leaves
+        its node out of this round (it is asked again at the next). Without node
+        authentication a node that claims a client id already held replaces the older
+        node (a restarted SuperNode comes back under a new node id, while the old id
+        lingers until its heartbeat lapses). With it (:func:`replies.enrolment`) a node id
+        stands for an enrolled key and keeps its id across restarts: a client id stays with
+        the node that first claimed it, or the one the operator assigned it to, and another
+        node's claim is refused."""
+        who = replies.enrolment()
+        if who.problem and who.problem != self.told:
+            self.log(f"round {rnd}: the operator's client assignments are not used: {who.problem}")
+        self.told = who.problem
         listed = set(self.grid.get_node_ids())
         self.peers = {cid: p for cid, p in self.peers.items() if p.node_id in listed}
+        if who.authenticated:
+            self.bound.update(who.assigned)  # the operator's word overrides the first claim
+            for cid, peer in list(self.peers.items()):
+                if self.bound.get(cid, peer.node_id) != peer.node_id:
+                    self.log(
+                        f"round {rnd}: client {cid} moves from node {peer.node_id} to node "
+                        f"{self.bound[cid]} (the operator's assignment)"
+                    )
+                    del self.peers[cid]
         known = {p.node_id for p in self.peers.values()} | self.strangers
         ask = ConfigRecord({"round": rnd, "class_names": list(self.setup.corpus.class_names)})
         timeout = self.deploy.query_timeout
@@ -185,8 +224,13 @@ class FlowerServer:
         for node, why in failed.items():
             self.log(f"round {rnd}: node {node} did not answer the roll call ({why})")
         for node, reply in sorted(good.items()):
-            info = reply.content["node"]
-            cid = int(info["cid"])
+            try:
+                info = replies.read_roll_call(reply)
+            except codec.ReplyError as err:
+                self.ignored[node] = f"refused: {err}"
+                self.log(f"round {rnd}: node {node}'s roll-call reply refused ({err}); ignored this round")
+                continue
+            cid = info.cid
             if not 0 <= cid < self.cfg.partition.num_clients:
                 self.strangers.add(node)
                 self.log(
@@ -194,9 +238,15 @@ class FlowerServer:
                     f"(partition.num_clients={self.cfg.partition.num_clients}); ignored"
                 )
                 continue
-            if cid in self.peers:
+            if (why := replies.claim_refusal(cid, node, who, self.bound)) is not None:
+                self.ignored[node] = why
+                self.log(f"round {rnd}: {why}")
+                continue
+            if cid in self.peers and self.peers[cid].node_id != node:
                 self.log(f"node {node} replaces node {self.peers[cid].node_id} as client {cid}")
-            self.peers[cid] = Peer(node, bool(info["joined"]), int(info["num_examples"]))
+            if who.authenticated:
+                self.bound[cid] = node
+            self.peers[cid] = Peer(node, info.joined, info.num_examples)
         return dict(sorted(self.peers.items()))
 
     def wait_for_nodes(self) -> None:
@@ -233,14 +283,13 @@ class FlowerServer:
             payload += tensor_bytes(join)
         return records, payload, compress.decode(sent, self.cfg.comm.downlink) if train else sent
 
-    def uplink_of(self, reply: Message, cid: int, rnd: int, held: Tensors) -> tuple[Tensors, int]:
-        """Client ``cid``'s update decoded (``comm.uplink``) onto ``held``, what it was
-        sent; and the update's bytes as encoded."""
-        message = codec.from_record(reply.content["uplink"])
+    def uplink_of(self, message: Tensors, cid: int, rnd: int, held: Tensors) -> Tensors:
+        """Client ``cid``'s update (``message``, as encoded, its claims checked by
+        :func:`replies.read_fit`) decoded (``comm.uplink``) onto ``held``, what it was sent."""
         seed = derive_seed(self.cfg.seed, rnd, cid)
         try:
-            return receive(message, held, self.cfg.comm.uplink, seed), tensor_bytes(message)
-        except (KeyError, IndexError, RuntimeError, ValueError) as err:
+            return receive(message, held, self.cfg.comm.uplink, seed)
+        except (KeyError, IndexError, RuntimeError, ValueError, TypeError) as err:
             raise codec.ReplyError(
                 f"its {self.cfg.comm.uplink.codec} update does not decode: {err}"
             ) from None
@@ -284,43 +333,50 @@ class FlowerServer:
         for node, reply in sorted(good.items(), key=lambda kv: cid_of[kv[0]]):
             cid = cid_of[node]
             up += codec.wire_bytes(reply)
-            try:
-                uplink, sent_bytes = self.uplink_of(reply, cid, rnd, held[cid])
-                fit = dict(reply.content["fit"])
-                fitted = bool(fit.pop("fitted", True))  # privacy user mode: within the clip bound
-                result = FitResult(uplink, {}, int(fit.pop("num_examples")), fit, cid)
+            like = self.round_uplink_like(rnd, held[cid])
+            try:  # every field checked, and the update's size and claims, before it is decoded
+                fit = replies.read_fit(
+                    reply,
+                    known=peers[cid].num_examples,
+                    like=like,
+                    uplink=self.cfg.comm.uplink,
+                    control_like=control or None,
+                )
+                uplink = self.uplink_of(fit.message, cid, rnd, held[cid])
+                result = FitResult(uplink, {}, fit.num_examples, fit.metrics, cid)
                 if control:  # SCAFFOLD: the update of the client's control
-                    result.control = codec.from_record(reply.content["control"])
+                    result.control = fit.control
                 if (reason := guard.nonfinite_reason(result)) is not None:  # the in-process engine's rule
                     dropped[cid] = diverged[cid] = f"non-finite: {reason}"
                     continue
                 codec.check_tensors(
-                    self.method.messages.uplink_as_shared(uplink),
-                    self.round_uplink_like(rnd, held[cid]),
-                    f"client {cid} update",
+                    self.method.messages.uplink_as_shared(uplink), like, f"client {cid} update"
                 )
                 codec.check_tensors(result.control, control, f"client {cid} control update")
-            except (codec.ReplyError, KeyError) as err:
+            except codec.ReplyError as err:
                 dropped[cid] = f"refused: {err}"
                 continue
-            fit_times.append(fit.pop("time_fit"))
+            fit_times.append(fit.time_fit)
             peers[cid].joined = True
             reference = privacy.reference(self.method, held[cid], uplink)
-            results.append(Returned(result, reference, fitted if adaptive else None))
-            payload_up += sent_bytes + tensor_bytes(result.control)
-            if "readout" in reply.content:
-                readouts[str(cid)] = dict(reply.content["readout"])
+            # privacy user mode: whether the update fitted within the clip bound
+            results.append(Returned(result, reference, fit.fitted if adaptive else None))
+            payload_up += tensor_bytes(fit.message) + tensor_bytes(result.control)
+            if fit.readout:
+                readouts[str(cid)] = fit.readout
         for cid, why in sorted(dropped.items()):
             self.log(f"round {rnd}: client {cid} dropped ({why})")
         if diverged and not results:  # every update that came back diverged: as in-process, stop
             raise guard.all_dropped(rnd, diverged, step.lr, server)
         fits = [r.result for r in results]
+        capped = self.cap_weights(fits)
         weights = [r.num_examples for r in fits]
         names = sorted({k for r in fits for k in r.metrics} - {"loss"})
         return results, {
             "clients": sampled,
             "clients_returned": [r.cid for r in fits],
             **({"dropped": {str(c): why for c, why in sorted(dropped.items())}} if dropped else {}),
+            **({"capped_weights": capped} if capped else {}),
             "nodes": len(peers),
             "loss": float(np.average([r.metrics.get("loss", np.nan) for r in fits], weights=weights))
             if fits
@@ -333,6 +389,21 @@ class FlowerServer:
             "time_fit_max": max(fit_times, default=float("nan")),
             **({"client_readout": readouts} if readouts else {}),
         }
+
+    def cap_weights(self, fits: list[FitResult]) -> dict[str, float]:
+        """Under ``server.weighting: examples``, each result's weight (its ``num_examples``,
+        already no more than its node gave at the roll call) capped at
+        ``deploy.max_weight_share`` of the round (:func:`replies.capped_weights`), in
+        place; returns the weights the cap lowered, by client (recorded)."""
+        if self.cfg.server.weighting != "examples" or self.deploy.max_weight_share >= 1:
+            return {}
+        weights = replies.capped_weights([r.num_examples for r in fits], self.deploy.max_weight_share)
+        lowered = {}
+        for r, w in zip(fits, weights, strict=True):
+            if w < r.num_examples:
+                lowered[str(r.cid)] = w
+                r.num_examples = w
+        return lowered
 
     def fit_round_secure(
         self, server: ServerState, step: Round, peers: dict[int, Peer], sampled: list[int]
@@ -347,19 +418,37 @@ class FlowerServer:
             payload_down += tensor_bytes(received) + (tensor_bytes(join) if join else 0)
         uniform = self.cfg.privacy.mode == "user"  # user-level DP: weights 1
         max_weight = 1 if uniform else max(max(peers[c].num_examples for c in sampled), 1)
-        outcome, counted = secure.secure_round(
-            self.grid,
-            self.context,
-            rnd,
-            instructions,
-            self.round_uplink_like(rnd, received),
-            max_weight,
-            self.deploy.round_timeout,
+        like = self.round_uplink_like(rnd, received)
+        # each stage's replies checked as they come (replies.check_secure_reply); a refused
+        # one counts as its node dropping out, which the protocol recovers from
+        expect = replies.SecureRound(
+            {peers[c].node_id: peers[c].num_examples for c in sampled}, like, uniform
         )
+        try:
+            outcome, counted = secure.secure_round(
+                self.grid,
+                self.context,
+                rnd,
+                instructions,
+                like,
+                max_weight,
+                self.deploy.round_timeout,
+                expect,
+            )
+        except Exception as err:  # noqa: BLE001  a reply the checks let through broke the protocol
+            outcome, counted = secure.OneRound(instructions, like), secure.CountingGrid(self.grid)
+            counted.refused = {
+                peers[c].node_id: f"SecAgg+ failed: {type(err).__name__}: {err}" for c in sampled
+            }
         returned = outcome.returned
         for cid in returned:
             peers[cid].joined = True
-        dropped = {c: "did not complete the SecAgg+ protocol" for c in sampled if c not in returned}
+        why_not = {cid: counted.refused.get(node) for node, (cid, _) in instructions.items()}
+        dropped = {
+            c: f"refused: {why_not[c]}" if why_not[c] else "did not complete the SecAgg+ protocol"
+            for c in sampled
+            if c not in returned
+        }
         for cid, why in dropped.items():
             self.log(f"round {rnd}: client {cid} dropped ({why})")
         results = []
@@ -468,19 +557,25 @@ class FlowerServer:
         good, failed = self.exchange(messages, max(self.deploy.query_timeout, self.deploy.round_timeout))
         cid_of = {p.node_id: c for c, p in peers.items()}
         per_client_global, per_client_local, extra_local, evaluated = [], [], {}, 0
-        for _, reply in sorted(good.items(), key=lambda kv: cid_of[kv[0]]):
+        failed = {cid_of[n]: why for n, why in failed.items()}
+        for node, reply in sorted(good.items(), key=lambda kv: cid_of[kv[0]]):
+            try:  # exactly the scorer's scores, or the reply is left out of the means
+                ev = replies.read_evaluation(reply, self.score_names)
+            except codec.ReplyError as err:
+                failed[cid_of[node]] = f"refused: {err}"
+                self.log(f"round {rnd}: client {cid_of[node]}'s evaluation refused ({err})")
+                continue
             evaluated += 1  # every client, trained or not, as in-process
-            if "local" in reply.content:
-                per_client_local.append(dict(reply.content["local"]))
-            for key in reply.content:
-                if key.startswith("local_"):
-                    extra_local.setdefault(key, []).append(dict(reply.content[key]))
-            if "global" in reply.content:
-                per_client_global.append(dict(reply.content["global"]))
+            if ev.local is not None:
+                per_client_local.append(ev.local)
+            for key, scores in ev.extra.items():
+                extra_local.setdefault(key, []).append(scores)
+            if ev.global_ is not None:
+                per_client_global.append(ev.global_)
         out["clients_evaluated"] = evaluated
         out["join_bytes_down"], out["join_payload_bytes_down"] = join_bytes, join_payload
         if failed:
-            out["eval_failed"] = {str(cid_of[n]): why for n, why in failed.items()}
+            out["eval_failed"] = {str(c): why for c, why in sorted(failed.items())}
         if per_client_global:
             out["global"] = mean_scores(per_client_global)
         if per_client_local and self.cfg.eval.local:
@@ -511,6 +606,7 @@ class FlowerServer:
         # the global model is evaluated here, on the server's copy of the joined backbone
         self.method.messages.join(self.setup.model, self.method.messages.join_message(server))
         self.uplink_like = {n: t for n, t in self.setup.initial.items() if n in set(self.method.shared_names)}
+        self.bound = replies.bindings_of(server.extras)  # a resumed run keeps who holds which client
         self.on_start(records)
         self.wait_for_nodes()
         skipped = 0
@@ -518,9 +614,16 @@ class FlowerServer:
             step = self.rounds.begin(rnd, server)
             t0 = time.perf_counter()
             peers = self.roll_call(rnd)
+            ignored, self.ignored = self.ignored, {}
+            if self.bound:  # node authentication: the client ids' holders, in the server state
+                server = ServerState(
+                    server.tensors, {**server.extras, replies.BINDINGS: replies.bindings_extra(self.bound)}
+                )
             if cfg.privacy.mode == "sample":
                 server = self.dp_sgd(server, peers)
             returned, record = self.fit_round(server, step, peers)
+            if ignored:
+                record["ignored_nodes"] = {str(n): why for n, why in sorted(ignored.items())}
             t1 = time.perf_counter()
             secure_count = len(record["clients_returned"]) if record.get("secure_aggregation") else None
             enough = len(returned) >= deploy.min_results
