@@ -14,7 +14,7 @@ import typer
 
 from fedpeft.cli import common
 from fedpeft.cli.common import ConfigArg, SetOpt, fail, read_config
-from fedpeft.cli.security import CaOpt, InsecureOpt, tls_setting
+from fedpeft.cli.security import CaOpt, InsecureOpt, OperatorOpt, PlaintextOpt, plaintext_check, tls_setting
 from fedpeft.cli.tables import print_summaries
 from fedpeft.config import ConfigError, ExperimentConfig
 
@@ -28,6 +28,14 @@ EnrolledOpt = Annotated[
     Path | None,  # noqa: UP007
     typer.Option(
         help="A folder of node public keys (*.pub, from `fedpeft certs --nodes N`) enrolled at start."
+    ),
+]
+RemoteOperatorOpt = Annotated[
+    bool,
+    typer.Option(
+        "--remote-operator",
+        help="Let the operator reach the Control API (enrol, revoke, runs) from other machines too, "
+        "with the operator's credential (TLS only). Default: from this machine only.",
     ),
 ]
 AuthOpt = Annotated[
@@ -118,6 +126,9 @@ def serve(
     cert: CertOpt = None,
     key: KeyOpt = None,
     insecure: InsecureOpt = False,
+    plaintext_on_network: PlaintextOpt = False,
+    operator: OperatorOpt = None,
+    remote_operator: RemoteOperatorOpt = False,
     enrolled: EnrolledOpt = None,
     auth: AuthOpt = None,
     workdir: Annotated[Path | None, typer.Option(help="Flower's files (default: OUTPUT_DIR/flower).")] = None,  # noqa: UP007
@@ -149,11 +160,23 @@ def serve(
         fail(
             ValueError("--cert/--key: for the SuperLink serve starts itself; with --superlink give --ca only")
         )
-    tls = tls_setting(ca, insecure, cert, key)
-    if superlink is not None and (enrolled is not None or auth is not None):
+    tls = tls_setting(ca, insecure, cert, key, operator)
+    if superlink is not None and (enrolled is not None or auth is not None or remote_operator):
         fail(
-            ValueError("--enrolled/--auth: for the SuperLink serve starts itself; a running one has its own")
+            ValueError(
+                "--enrolled/--auth/--remote-operator: for the SuperLink serve starts itself; a running one "
+                "has its own"
+            )
         )
+    if superlink is not None:
+        from fedpeft.flower.connect import split_address
+
+        try:
+            plaintext_check(insecure, split_address(superlink)[0], plaintext_on_network, "--superlink")
+        except deploy.DeployError as err:
+            fail(err)
+    else:
+        plaintext_check(insecure, host, plaintext_on_network, "--host")
     authenticate = _auth(auth, tls, enrolled) if superlink is None else False
     work = (workdir or Path(cfg.output_dir) / "flower").resolve()
     link = None
@@ -162,8 +185,9 @@ def serve(
             try:
                 if superlink is None:
                     link = deploy.start_superlink(  # for this run only: its state in memory
-                        work, host, port, tls, log=work / "superlink.log", auth=authenticate, persistent=False
-                    )
+                        work, host, port, tls, log=work / "superlink.log", auth=authenticate,
+                        persistent=False, remote_operator=remote_operator,
+                    )  # fmt: skip
                     superlink = local_address(host, port, tls)
                     if authenticate:
                         _enrol_folder(superlink, enrolled, tls, work)
@@ -208,6 +232,9 @@ def superlink(
     cert: CertOpt = None,
     key: KeyOpt = None,
     insecure: InsecureOpt = False,
+    plaintext_on_network: PlaintextOpt = False,
+    operator: OperatorOpt = None,
+    remote_operator: RemoteOperatorOpt = False,
     enrolled: EnrolledOpt = None,
     auth: AuthOpt = None,
     workdir: Annotated[Path, typer.Option(help="The SuperLink's files (database, log).")] = Path(
@@ -218,20 +245,26 @@ def superlink(
     every run submitted with ``fedpeft serve CONFIG --superlink HOST:PORT``. With TLS only
     enrolled nodes join (``--enrolled`` at start, ``fedpeft enrol`` while it runs). Stopped
     (Ctrl-C, SIGTERM, SIGHUP, its shell gone), it ends the SuperLink and everything it
-    started, the runs' ServerApps too."""
+    started, the runs' ServerApps too. Its Control API (enrol, revoke, runs) answers the
+    operator alone: from this machine, and with TLS only with the operator's credential
+    (--operator; --remote-operator: from other machines too)."""
     from fedpeft.flower import deploy
     from fedpeft.flower.connect import local_address
     from fedpeft.flower.processes import CommandProcesses, Stopped
 
-    tls = tls_setting(ca, insecure, cert, key)
+    tls = tls_setting(ca, insecure, cert, key, operator)
+    plaintext_check(insecure, host, plaintext_on_network, "--host")
+    if remote_operator and tls is None:
+        fail(ValueError("--remote-operator: the operator's credential needs TLS (--ca, --cert, --key)"))
     authenticate = _auth(auth, tls, enrolled)
     work = workdir.resolve()
     try:
         with CommandProcesses():  # on leaving, however: no process it started is left
             try:
                 link = deploy.start_superlink(
-                    work, host, port, tls, log=work / "superlink.log", auth=authenticate
-                )
+                    work, host, port, tls, log=work / "superlink.log", auth=authenticate,
+                    remote_operator=remote_operator,
+                )  # fmt: skip
                 if authenticate:
                     _enrol_folder(local_address(host, port, tls), enrolled, tls, work)
             except deploy.DeployError as err:
@@ -284,6 +317,7 @@ def join(
     ] = 300,
     ca: CaOpt = None,
     insecure: InsecureOpt = False,
+    plaintext_on_network: PlaintextOpt = False,
     key: Annotated[
         Path | None,  # noqa: UP007
         typer.Option(
@@ -310,7 +344,7 @@ def join(
     if key is not None and not key.is_file():
         fail(FileNotFoundError(f"--key {key}: no such file"))
     try:
-        split_address(superlink)
+        plaintext_check(insecure, split_address(superlink)[0], plaintext_on_network, "--superlink")
     except deploy.DeployError as err:
         fail(err)
     state = state_dir.resolve()

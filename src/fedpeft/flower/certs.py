@@ -1,9 +1,12 @@
 """A local certificate authority for a deployment's TLS (``fedpeft certs``).
 
-Writes ``ca.crt``/``ca.key`` (the CA every node trusts) and ``server.pem``/``server.key``
-(the SuperLink's certificate, valid for the given host names and IP addresses). An
-organisation with its own PKI uses its own certificates instead; these are for trying
-a deployment and for closed networks.
+Writes ``ca.crt``/``ca.key`` (the CA every node trusts), ``server.pem``/``server.key``
+(the SuperLink's certificate, valid for the given host names and IP addresses) and
+``operator.pem``/``operator.key`` (the operator's credential: enrolling, revoking, submitting
+runs; :mod:`fedpeft.flower.operator`). Private keys are readable by their owner alone from
+the moment they exist, and an existing CA is never replaced unless asked: every node
+trusts it. An organisation with its own PKI uses its own certificates instead; these are
+for trying a deployment and for closed networks.
 """
 
 from __future__ import annotations
@@ -17,18 +20,24 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
+from fedpeft.flower.operator import issue_operator, write_private
+
+
+class CertificateError(FileExistsError):
+    """A certificate authority that would be replaced without being asked to."""
+
 
 def _key() -> rsa.RSAPrivateKey:
     return rsa.generate_private_key(public_exponent=65537, key_size=2048)
 
 
 def _write_key(key: rsa.RSAPrivateKey, path: Path) -> None:
-    path.write_bytes(
+    write_private(
+        path,
         key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
+        ),
     )
-    path.chmod(0o600)
 
 
 def _san(hosts: list[str]) -> x509.SubjectAlternativeName:
@@ -41,9 +50,18 @@ def _san(hosts: list[str]) -> x509.SubjectAlternativeName:
     return x509.SubjectAlternativeName(names)
 
 
-def make_certificates(out: Path, hosts: list[str], days: int = 365) -> dict[str, Path]:
-    """A CA and a SuperLink certificate for ``hosts``; returns the written paths."""
+def make_certificates(
+    out: Path, hosts: list[str], days: int = 365, *, overwrite_ca: bool = False
+) -> dict[str, Path]:
+    """A CA, a SuperLink certificate for ``hosts`` and the operator's certificate;
+    returns the written paths. :class:`CertificateError` if ``out`` already holds a CA
+    key and ``overwrite_ca`` is not set (the nodes trust that CA)."""
     out.mkdir(parents=True, exist_ok=True)
+    if (out / "ca.key").exists() and not overwrite_ca:
+        raise CertificateError(
+            f"{out / 'ca.key'} exists: a new CA would replace the one every node of this deployment "
+            "trusts (and lock them out). Give another folder, or --overwrite-ca to replace it"
+        )
     now = dt.datetime.now(dt.UTC)
     ca_key, server_key = _key(), _key()
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedpeft local CA")])
@@ -75,7 +93,7 @@ def make_certificates(out: Path, hosts: list[str], days: int = 365) -> dict[str,
     _write_key(ca_key, paths["ca.key"])
     paths["server.pem"].write_bytes(server.public_bytes(serialization.Encoding.PEM))
     _write_key(server_key, paths["server.key"])
-    return paths
+    return paths | issue_operator(out, ca, ca_key, days)
 
 
 def make_node_keys(out: Path, nodes: list[int] | range) -> dict[int, tuple[Path, Path]]:
@@ -88,12 +106,12 @@ def make_node_keys(out: Path, nodes: list[int] | range) -> dict[int, tuple[Path,
     for i in nodes:
         key = ec.generate_private_key(ec.SECP384R1())
         private, public = out / f"node-{i}.key", out / f"node-{i}.pub"
-        private.write_bytes(
+        write_private(
+            private,
             key.private_bytes(
                 serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
-            )
+            ),
         )
-        private.chmod(0o600)
         public.write_bytes(
             key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
             + b"\n"

@@ -24,6 +24,7 @@ the SuperLink's address and keeps its node joined (:mod:`fedpeft.flower.connect`
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -37,10 +38,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tomli_w
+import yaml
 
 from fedpeft.config import ConfigError, ExperimentConfig, dump_config
 from fedpeft.flower import processes
 from fedpeft.flower.connect import local_address, probe
+from fedpeft.flower.operator import Operator, OperatorError, mint_token, sign_app, write_private
 from fedpeft.flower.tls import DeployError, Tls
 
 CONNECTION = "fedpeft"
@@ -85,10 +88,14 @@ def _script(name: str) -> str:
     return str(path) if path.exists() else name
 
 
-def _spawn(cmd: list[str], workdir: Path, home: Path, log: Path | None) -> subprocess.Popen:
+def _spawn(
+    cmd: list[str], workdir: Path, home: Path, log: Path | None, env: dict[str, str] | None = None
+) -> subprocess.Popen:
     workdir.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") if log else contextlib.nullcontext() as out:  # the child keeps its own copy
-        return processes.popen(cmd, cwd=workdir, env=flower_env(home), stdout=out, stderr=subprocess.STDOUT)
+        return processes.popen(
+            cmd, cwd=workdir, env=flower_env(home, env), stdout=out, stderr=subprocess.STDOUT
+        )
 
 
 def start_superlink(
@@ -100,10 +107,15 @@ def start_superlink(
     *,
     auth: bool | None = None,
     persistent: bool = True,
+    remote_operator: bool = False,
 ) -> subprocess.Popen:
-    """``flower-superlink`` on ``host:port``; returns once it answers its health check.
+    """Flower's SuperLink on ``host:port``, behind fedpeft's gate
+    (:mod:`fedpeft.flower.superlink`: the Control API answers the operator only, from this
+    machine unless ``remote_operator``); returns once it answers its health check.
     ``auth`` (default: with TLS): SuperNode authentication, so that only nodes whose public
-    key was registered (:func:`enrol`) can join; Flower allows it over TLS only.
+    key was registered (:func:`enrol`) can join; Flower allows it over TLS only. Its
+    ServerApps learn it (``FEDPEFT_NODE_AUTH``), and where the operator's client-id
+    assignments are (``FEDPEFT_CLIENT_ASSIGNMENTS``: ``workdir/clients.json``).
     ``persistent``: its state (runs, enrolled nodes) in ``workdir/superlink.db``, kept
     across its restarts; otherwise in memory, which answers the nodes' requests faster
     (a SuperLink that lives for one run or one federation needs nothing kept)."""
@@ -128,10 +140,12 @@ def start_superlink(
             str(tls.key),
         ]
     database = ["--database", str(workdir / "superlink.db")] if persistent else []  # none: in memory
-    cmd = [_script("flower-superlink"), *security, "--host", host, "--port", str(port),
+    cmd = [sys.executable, "-m", "fedpeft.flower.superlink", *security, "--host", host, "--port", str(port),
            "--disable-runtime-dependency-installation", *database,
-           *(["--enable-supernode-auth"] if auth else [])]  # fmt: skip
-    proc = _spawn(cmd, workdir, workdir / "home-superlink", log)
+           *(["--enable-supernode-auth"] if auth else []),
+           *(["--remote-operator"] if remote_operator else [])]  # fmt: skip
+    env = {"FEDPEFT_NODE_AUTH": "1" if auth else "0", "FEDPEFT_CLIENT_ASSIGNMENTS": str(assignments(workdir))}
+    proc = _spawn(cmd, workdir, workdir / "home-superlink", log, env)
     wait_healthy(proc, local_address(host, port, tls), tls, log)
     return proc
 
@@ -230,9 +244,11 @@ def absolute_paths(cfg: ExperimentConfig) -> ExperimentConfig:
 CLIENT_APPS = {True: "fedpeft.flower.relay:client_app", False: "fedpeft.flower.apps:client_app"}
 
 
-def write_app(app_dir: Path, cfg: ExperimentConfig, resume: bool) -> Path:
+def write_app(app_dir: Path, cfg: ExperimentConfig, resume: bool, operator: Operator | None = None) -> Path:
     """A Flower app directory whose components are fedpeft's and whose run config is
-    the experiment. It holds no code: the components import from the installed package."""
+    the experiment. It holds no code: the components import from the installed package.
+    With the ``operator``'s credential the run is signed: nodes given a CA run only apps
+    that CA's operator signed (:func:`fedpeft.flower.operator.check_app`)."""
     app_dir.mkdir(parents=True, exist_ok=True)
     project = {
         "project": {"name": "fedpeft-app", "version": "1.0.0", "dependencies": []},
@@ -249,12 +265,36 @@ def write_app(app_dir: Path, cfg: ExperimentConfig, resume: bool) -> Path:
             }
         },
     }
+    if operator is not None:
+        project = sign_app(project, operator)
     (app_dir / "pyproject.toml").write_text(tomli_w.dumps(project))
     return app_dir
 
 
+_OPERATORS: dict[Path, tuple[str, Operator]] = {}  # a flwr home -> (its SuperLink, the operator's credential)
+
+
+def operator_of(tls: Tls | None) -> Operator | None:
+    """The operator's credential that goes with ``tls`` (None without TLS: no credential
+    exists, and the SuperLink's Control API answers its own machine only);
+    :class:`DeployError` if TLS is on and the credential is missing."""
+    if tls is None:
+        return None
+    if tls.operator is None:
+        raise DeployError(
+            f"no operator credential: with TLS, enrolling, revoking and submitting runs take the operator's "
+            f"key and certificate (`fedpeft certs DIR` writes operator.key and operator.pem beside the CA; "
+            f"none beside {tls.ca}); give --operator OPERATOR.key"
+        )
+    try:
+        return Operator.at(tls.operator)
+    except OperatorError as err:
+        raise DeployError(str(err)) from None
+
+
 def write_connection(home: Path, superlink: str, tls: Tls | None) -> None:
-    """The ``flwr`` CLI's connection to the SuperLink's Control API."""
+    """The ``flwr`` CLI's connection to the SuperLink's Control API; with TLS, signed
+    by the operator (:func:`_flwr` gives each call a fresh token)."""
     home.mkdir(parents=True, exist_ok=True)
     conn: dict = {"address": superlink}
     if tls is None:
@@ -262,11 +302,31 @@ def write_connection(home: Path, superlink: str, tls: Tls | None) -> None:
     else:
         conn["root-certificates"] = str(tls.ca.resolve())
     (home / "config.toml").write_text(tomli_w.dumps({"superlink": {"default": CONNECTION, CONNECTION: conn}}))
+    operator = operator_of(tls)
+    if operator is not None:
+        _OPERATORS[home.resolve()] = (superlink, operator)
+
+
+def _sign_in(home: Path) -> None:
+    """A fresh operator token in the ``flwr`` CLI's credential store of ``home`` (it sends
+    it as the bearer of every Control API request), when ``home`` has an operator."""
+    if (signed := _OPERATORS.get(home.resolve())) is None:
+        return
+    superlink, operator = signed
+    token = mint_token(operator)
+    b64 = lambda text: base64.b64encode(text.encode()).decode()  # noqa: E731 - the store's encoding
+    store = {
+        f"flower.account-auth.{superlink}.authn-type": b64("oidc"),  # the CLI's bearer-token plugin
+        f"flower.account-auth.{superlink}.oidc-access-token": b64(token),
+        f"flower.account-auth.{superlink}.oidc-refresh-token": b64("none"),
+    }
+    write_private(home / "credentials.yaml", yaml.safe_dump(store).encode())
 
 
 def _flwr(
     home: Path, *args: str, check: bool = True, timeout: float | None = None
 ) -> subprocess.CompletedProcess:
+    _sign_in(home)
     proc = subprocess.run(
         [_script("flwr"), *args], env=flower_env(home), capture_output=True, text=True, timeout=timeout
     )
@@ -277,10 +337,19 @@ def _flwr(
 
 
 # ---------------------------------------------------------------- enrolment
-def enrol(superlink: str, public_key: Path, tls: Tls, workdir: Path, name: str | None = None) -> int:
+def enrol(
+    superlink: str,
+    public_key: Path,
+    tls: Tls,
+    workdir: Path,
+    name: str | None = None,
+    client: int | None = None,
+) -> int:
     """Register a node's public key with the authenticating SuperLink whose Control API
     is at ``superlink`` (``flwr supernode register``); returns the node id it will hold.
-    A node whose key is not enrolled is refused when it connects."""
+    A node whose key is not enrolled is refused when it connects. ``client``: the client
+    id this node is to hold (the operator's assignment, ``workdir/clients.json``: it
+    overrides whichever node claimed that id first)."""
     path = Path(public_key).expanduser().resolve()
     if not path.is_file():
         raise DeployError(f"{public_key}: no such public key file")
@@ -289,7 +358,27 @@ def enrol(superlink: str, public_key: Path, tls: Tls, workdir: Path, name: str |
     node = int(reply["node-id"])
     registry = _registry(workdir)
     registry.write_text(json.dumps({**_enrolled(workdir), str(path): node}, indent=1) + "\n")
+    if client is not None:
+        held = {c: n for c, n in _assigned(workdir).items() if n != node}
+        _write_assigned(workdir, {**held, str(client): node})
     return node
+
+
+def assignments(workdir: Path) -> Path:
+    """Which client id the operator gave which node (``fedpeft enrol --client``), beside
+    the SuperLink whose ServerApps read it: ``{"<client id>": <node id>}``."""
+    return workdir / "clients.json"
+
+
+def _assigned(workdir: Path) -> dict[str, int]:
+    path = assignments(workdir)
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _write_assigned(workdir: Path, assigned: dict[str, int]) -> None:
+    tmp = assignments(workdir).with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(dict(sorted(assigned.items(), key=lambda kv: int(kv[0]))), indent=1) + "\n")
+    os.replace(tmp, assignments(workdir))  # a ServerApp reading it sees the old file or the new one
 
 
 def _registry(workdir: Path) -> Path:
@@ -321,6 +410,8 @@ def revoke(superlink: str, node_id: int, tls: Tls, workdir: Path) -> None:
     remaining = {k: v for k, v in _enrolled(workdir).items() if v != node_id}
     if _registry(workdir).is_file():
         _registry(workdir).write_text(json.dumps(remaining, indent=1) + "\n")
+    if assignments(workdir).is_file():  # the client ids it held are free again
+        _write_assigned(workdir, {c: n for c, n in _assigned(workdir).items() if n != node_id})
 
 
 def _supernode(
@@ -334,8 +425,21 @@ def _supernode(
     reply = _json_tail(proc.stdout)
     if proc.returncode != 0 or not reply.get("success"):
         said = reply.get("error-message") or proc.stderr.strip()[-500:] or proc.stdout.strip()[-500:]
+        said = "\n".join(line for line in said.splitlines() if line.strip() and "Using SuperLink" not in line)
         raise DeployError(f"{what} at {superlink}: {said}")
     return reply
+
+
+def enrolled_nodes(superlink: str, tls: Tls, workdir: Path) -> list[int]:
+    """The node ids the SuperLink at ``superlink`` has registered (``flwr supernode ls``)."""
+    home = workdir / "home-cli"
+    write_connection(home, superlink, tls)
+    proc = _flwr(home, "supernode", "ls", CONNECTION, "--format", "json", check=False)
+    reply = _json_tail(proc.stdout)
+    if proc.returncode != 0 or not reply.get("success"):
+        raise DeployError(f"listing the nodes of {superlink}: {reply.get('error-message') or proc.stderr}")
+    gone = ("unregistered", "deleted")
+    return sorted(int(node["node-id"]) for node in reply.get("nodes", []) if node.get("status") not in gone)
 
 
 def _json_tail(text: str) -> dict:
@@ -389,7 +493,7 @@ def submit(
     cfg = absolute_paths(cfg)
     home = workdir / "home-cli"
     write_connection(home, superlink, tls)
-    app = write_app(workdir / "app", cfg, resume)
+    app = write_app(workdir / "app", cfg, resume, operator_of(tls))
     run_id, logs = None, None
     deadline = None if timeout is None else time.monotonic() + timeout
     try:

@@ -10,6 +10,13 @@ to ``FEDPEFT_NODE_POLL`` seconds (default :data:`DEFAULT_POLL`); its command lin
 SuperExec it starts is :mod:`fedpeft.flower.superexec` (a ClientApp process per message
 forked with Flower already imported) rather than ``flower-superexec``.
 
+With TLS (``--root-certificates CA``) the node also runs **only apps its operator signed**
+(:func:`run_signed_apps_only`): before a run's first message is handed to any code, the
+run's app must be a fedpeft app (no code of its own, fedpeft's components) whose run
+config the operator signed with a certificate that CA issued
+(:func:`fedpeft.flower.operator.check_app`), and the run may not override that config.
+Any other run gets an error reply for each of its messages and runs nothing here.
+
     python -m fedpeft.flower.supernode --superlink HOST:PORT ...   (flower-supernode's flags)
 """
 
@@ -19,10 +26,18 @@ import os
 import subprocess
 import sys
 import time
+from logging import ERROR
+from pathlib import Path
 from types import SimpleNamespace
 
+from flwr.app import Error, Message
+from flwr.common.constant import ErrorCode
+from flwr.supercore import log
 from flwr.supernode import start_client_internal
 from flwr.supernode.cli import flower_supernode
+
+from fedpeft.flower.operator import Untrusted, check_app, load_ca
+from fedpeft.flower.tls import flag_value
 
 DEFAULT_POLL = 0.25  # seconds
 POLL_ENV = "FEDPEFT_NODE_POLL"
@@ -62,9 +77,59 @@ def start_superexec_warm() -> None:
         start_client_internal.subprocess = SimpleNamespace(Popen=_popen)
 
 
+def run_signed_apps_only(ca_path: str | None) -> None:
+    """Have the SuperNode refuse every run whose app the operator of the deployment whose
+    CA is ``ca_path`` did not sign (nothing to check against without TLS). Flower hands
+    its pull step the functions that fetch a run and its app: they are wrapped so that an
+    unsigned app, or a run that overrides the signed config, is refused before Flower
+    stores it, and the message is answered with an error (the server drops that client)."""
+    if ca_path is None:
+        return
+    ca = load_ca(Path(ca_path))
+    pull = start_client_internal._pull_and_store_message
+
+    def checked_pull(*, receive, get_run, get_fab, state, object_store, **rest):
+        received: list = []
+
+        def receiving():
+            got = receive()
+            received[:] = [] if got is None else [got[0]]
+            return got
+
+        def checked_run(run_id):
+            run = get_run(run_id)
+            if run.override_config:
+                overridden = sorted(run.override_config)[:3]
+                raise Untrusted(f"the run overrides its signed run config ({overridden})")
+            return run
+
+        def checked_fab(fab_hash, run_id):
+            fab = get_fab(fab_hash, run_id)
+            check_app(fab.content, ca)
+            return fab
+
+        try:
+            return pull(
+                receive=receiving, get_run=checked_run, get_fab=checked_fab, state=state,
+                object_store=object_store, **rest,
+            )  # fmt: skip
+        except Untrusted as err:
+            if not received:
+                raise
+            message = received[0]
+            why = f"fedpeft node: refused run {message.metadata.run_id}: {err}"
+            log(ERROR, why)
+            reply = Message(Error(ErrorCode.INVALID_FAB, why), reply_to=message)
+            start_client_internal._insert_message(reply, state, object_store)
+            return message.metadata.run_id
+
+    start_client_internal._pull_and_store_message = checked_pull
+
+
 def main() -> None:
     shorten_waits(poll_interval())
     start_superexec_warm()
+    run_signed_apps_only(None if "--insecure" in sys.argv else flag_value(sys.argv, "--root-certificates"))
     sys.argv[0] = "flower-supernode"
     flower_supernode()
 
