@@ -32,9 +32,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
 from fedpeft.config import ExperimentConfig, parse_config
+from fedpeft.config.io import read_text, read_yaml
 from fedpeft.data.task import Encoded, encode
 from fedpeft.metrics.classification import logits as model_logits
 
@@ -185,7 +185,7 @@ def export_config(d: Path, info: dict, backbone: str | None) -> ExperimentConfig
                 f"{d / INFO}: holds no 'config' (written by an earlier fedpeft) and the run's "
                 f"{file} is not there either: copy the run's config.yaml to {file}"
             )
-        cfg = parse_config(yaml.safe_load(file.read_text()), str(file))
+        cfg = parse_config(read_yaml(read_text(file, "config"), f"config {file}"), str(file))
     if backbone is not None:
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"backbone": str(backbone)})})
     return cfg

@@ -11,13 +11,15 @@ trainable-parameter budget instead.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedpeft.config import ExperimentConfig, load_config, parse_config, set_dotted
+from fedpeft.config import ConfigError, ExperimentConfig, load_config, parse_config, set_dotted
+from fedpeft.config.io import yaml_value
 from fedpeft.report import results as R
 
 METRICS = ("accuracy", "macro_f1", "mcc")
@@ -25,19 +27,34 @@ METRICS = ("accuracy", "macro_f1", "mcc")
 
 def parse_grid(items: list[str]) -> dict[str, list[Any]]:
     """``["a.b=1,2", "seed=0,1"]`` -> ``{"a.b": [1, 2], "seed": [0, 1]}`` (YAML values)."""
-    import yaml
-
     grid = {}
     for item in items:
         key, eq, values = item.partition("=")
-        if not eq or not values:
+        if not eq or not values or not key.strip():
             raise ValueError(f"--grid {item!r}: expected KEY=V1,V2,...")
-        grid[key.strip()] = [yaml.safe_load(v) for v in values.split(",")]
+        grid[key.strip()] = [yaml_value(v, f"--grid {item!r}") for v in values.split(",")]
     return grid
 
 
 def run_dir_name(point: dict[str, Any]) -> str:
     return "_".join(f"{k.split('.')[-1]}={v}" for k, v in point.items()) or "base"
+
+
+def run_dir(base: Path, point: dict[str, Any]) -> Path:
+    """The folder of grid point ``point``: one folder right inside the sweep's ``base``. A
+    name that would lead elsewhere (a value holding a path separator: ``name=../../x``) or
+    that no file system takes is a ConfigError."""
+    name = run_dir_name(point)
+    seps = {os.sep, os.altsep, "/"} - {None}
+    if any(sep in name for sep in seps) or name in (".", "..") or "\0" in name:
+        held = "a NUL" if "\0" in name else "'/'" if "/" in name else "a path separator"
+        raise ConfigError(
+            f"sweep point {name!r}: its run folder would not be one folder inside {base} (a value holds "
+            f"{held}); sweep values without one"
+        )
+    if len(os.fsencode(name)) > 255:
+        raise ConfigError(f"sweep point {name[:60]!r}...: its run folder name is longer than 255 bytes")
+    return base / name
 
 
 def expand(
@@ -54,7 +71,7 @@ def expand(
                 data["method"] = {"name": value}
             else:
                 set_dotted(data, key, value)
-        data["output_dir"] = str(Path(base.output_dir) / run_dir_name(point))
+        data["output_dir"] = str(run_dir(Path(base.output_dir), point))
         data["name"] = f"{base.name}[{run_dir_name(point)}]"
         points.append((point, parse_config(data, f"sweep point {run_dir_name(point)}")))
     return points

@@ -62,7 +62,7 @@ def test_invalid_config_fails_naming_the_key(data, fragment):
 def test_yaml_file_errors_name_the_file(tmp_path: Path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("train: [unclosed\n")
-    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+    with pytest.raises(ConfigError, match=r"bad.yaml:2:1: not valid YAML: "):
         load_config(bad)
     with pytest.raises(ConfigError, match="no such config file"):
         load_config(tmp_path / "missing.yaml")

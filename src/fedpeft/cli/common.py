@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
-import yaml
 from rich.console import Console
 from rich.markup import escape
 
 from fedpeft.config import ConfigError, ExperimentConfig, load_config
+from fedpeft.config.io import yaml_value
 
 console = Console()
 
@@ -61,7 +61,11 @@ def parse_overrides(sets: list[str] | None) -> dict:
         key, eq, value = item.partition("=")
         if not eq:
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
-        overrides[key.strip()] = yaml.safe_load(value)
+        if not all(part.strip() for part in key.split(".")):
+            raise ConfigError(
+                f"--set {item!r}: the key {key.strip()!r} has an empty part (e.g. train.rounds)"
+            )
+        overrides[key.strip()] = yaml_value(value, f"--set {item!r}")
     return overrides
 
 
@@ -82,5 +86,7 @@ def checked_config(path: Path | None, sets: list[str] | None) -> ExperimentConfi
 def fail(err: Exception | str) -> NoReturn:
     """Print ``err`` as one line and leave with exit code 2 (its brackets as they are: a
     library's message may hold some, ``[gloo/pair.cc:152]``, that are not rich markup)."""
-    console.print(f"[bold red]error:[/] {escape(str(err))}", soft_wrap=True)  # paths in one piece, to copy
+    # a byte the locale could not decode (a file's name) is kept as a lone surrogate: shown escaped
+    text = str(err).encode("utf-8", "backslashreplace").decode("utf-8")
+    console.print(f"[bold red]error:[/] {escape(text)}", soft_wrap=True)  # paths in one piece, to copy
     raise typer.Exit(2)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from fedpeft.data.tables import utf8_line
 from fedpeft.data.task import IGNORE, Encoded
 from fedpeft.data.types import DataError
 
@@ -44,8 +45,9 @@ def read_conll(path: Path) -> list[Sentence]:
     sentences: list[Sentence] = []
     words: list[str] = []
     tags: list[str] = []
-    with Path(path).open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    with Path(path).open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            line = utf8_line(raw, path, lineno)
             fields = line.split()
             if not fields or fields[0] == "-DOCSTART-":
                 if words:

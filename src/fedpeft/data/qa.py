@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fedpeft.data.tables import utf8_line
 from fedpeft.data.task import IGNORE, Encoded
 from fedpeft.data.types import DataError
 
@@ -46,8 +47,15 @@ START, END = 1, 2  # token labels of an answer span's first and last token
 def read_squad(path: Path) -> dict[str, list]:
     """A SQuAD-format JSON file as columns ``question``, ``context``, ``answers``
     (texts), ``answer_starts`` and ``title``; errors name the file and the question."""
+    raw = Path(path).read_bytes()
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))["data"]
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        for lineno, line in enumerate(raw.splitlines(keepends=True), 1):
+            utf8_line(line, path, lineno)  # a DataError naming the first line that is not UTF-8
+        raise
+    try:
+        data = json.loads(text)["data"]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise DataError(f"{path}: not SQuAD-format JSON (a 'data' list of articles): {err}") from None
     out: dict[str, list] = {"question": [], "context": [], "answers": [], "answer_starts": [], "title": []}

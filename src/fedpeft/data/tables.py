@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,28 +39,61 @@ def read_table(path: Path, objects: bool = False) -> Columns:
             frame = pd.read_parquet(path)
         else:
             raise DataError(f"{path}: unsupported file type {suffix!r} (csv, tsv, jsonl, json, parquet)")
-    except (ValueError, OSError) as err:
+    except (ValueError, OSError, TypeError) as err:  # TypeError: pandas on a JSON line that is no object
         if isinstance(err, DataError):
             raise
-        raise DataError(f"{path}: cannot be read as {suffix[1:]}: {err}") from None
+        if not isinstance(err, OSError) and suffix != ".parquet":
+            _find_the_bad_line(path, suffix)  # names the line, where one is at fault
+        raise DataError(f"{path}: cannot be read as {suffix[1:]}: {' '.join(str(err).split())}") from None
     return {str(c): frame[c].tolist() for c in frame.columns}
 
 
-def read_jsonl_messages(path: Path) -> dict[str, list]:
-    """A JSONL file whose lines are objects, as columns (kept as Python objects: a
-    ``messages`` list must not become a table of its own)."""
-    rows = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+def _find_the_bad_line(path: Path, suffix: str) -> None:
+    """A DataError naming the first line of text file ``path`` that is not UTF-8 or (a JSON
+    Lines file) not one JSON object; nothing where every line is."""
+    if suffix == ".jsonl":
+        for _ in _jsonl_objects(path):
+            pass
+        return
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            utf8_line(raw, path, lineno)
+
+
+def utf8_line(raw: bytes, path: Path, lineno: int) -> str:
+    """Line ``lineno`` of ``path`` as text; a DataError naming it where it is not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(
+            f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column {err.start + 1})"
+        ) from None
+
+
+def _jsonl_objects(path: Path) -> Iterator[dict]:
+    """The objects of a JSON Lines file, one a line (blank lines skipped); a DataError
+    naming the file and line of one that is not UTF-8, not JSON, or not an object."""
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            line = utf8_line(raw, path, lineno)
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{lineno}: not valid JSON: {err.msg}") from None
+                raise DataError(f"{path}:{lineno}: not valid JSON: {err.msg} (column {err.colno})") from None
             if not isinstance(obj, dict):
-                raise DataError(f"{path}:{lineno}: each line must be a JSON object")
-            rows.append(obj)
+                got = {list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+                    type(obj), "a number"
+                )
+                raise DataError(f"{path}:{lineno}: each line must be a JSON object ({{...}}), not {got}")
+            yield obj
+
+
+def read_jsonl_messages(path: Path) -> dict[str, list]:
+    """A JSONL file whose lines are objects, as columns (kept as Python objects: a
+    ``messages`` list must not become a table of its own)."""
+    rows = list(_jsonl_objects(path))
     keys = list(dict.fromkeys(k for r in rows for k in r))
     return {k: [r.get(k) for r in rows] for k in keys}
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import zipfile
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,7 +99,9 @@ def load_checkpoint(
     try:
         payload = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as err:  # a truncated or foreign file
-        raise ResumeError(f"{path}: unreadable checkpoint: {err}") from err
+        raise ResumeError(f"{path}: unreadable checkpoint: {_why_unreadable(path, err)}") from err
+    if (wrong := _not_a_checkpoint(payload)) is not None:
+        raise ResumeError(f"{path}: unreadable checkpoint: {wrong}")
     if payload["fingerprint"] != fingerprint:
         raise ResumeError(
             f"{path}: written by a different config; resume needs the same config as the "
@@ -116,6 +119,45 @@ def load_checkpoint(
     return Checkpoint(
         payload["round"], fingerprint, server, personal, payload["records"], payload["joined"], resets
     )
+
+
+#: what a checkpoint file holds (save_checkpoint): a mapping with these keys
+PAYLOAD_KEYS = ("round", "fingerprint", "server", "personal", "records", "joined")
+
+
+def _why_unreadable(path: Path, err: Exception) -> str:
+    """Why ``torch.load`` could not read the checkpoint at ``path``, in a few words."""
+    try:
+        size = path.stat().st_size
+    except OSError as gone:
+        return f"cannot be read: {gone.strerror or gone}"
+    if size == 0:
+        return "the file is empty (0 bytes)"
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive
+        return (
+            f"not a torch checkpoint: no whole zip archive in its {size} bytes (truncated, or another file)"
+        )
+    text = str(err)
+    if "WeightsUnpickler error:" in text:  # torch's advice around it is about other files than ours
+        detail = text.split("WeightsUnpickler error:", 1)[1].strip().split("\n\n")[0]
+        return f"it holds more than tensors and plain values ({' '.join(detail.split())})"
+    return f"{type(err).__name__}: {' '.join(text.split())}" if text.strip() else type(err).__name__
+
+
+def _not_a_checkpoint(payload: object) -> str | None:
+    """What is wrong with a loaded checkpoint's contents (None: it has what one holds)."""
+    expected = f"a mapping of {', '.join(PAYLOAD_KEYS)}"
+    if not isinstance(payload, dict):
+        return f"expected {expected}, got {type(payload).__name__ if payload is not None else 'None'}"
+    if missing := [key for key in PAYLOAD_KEYS if key not in payload]:
+        return f"expected {expected}; it has no {', '.join(missing)}"
+    server = payload["server"]
+    parts = ("tensors", "extras")
+    if not isinstance(server, dict) or not all(isinstance(server.get(k), dict) for k in parts):
+        return f"expected 'server' to be a mapping of tensors and extras, got {type(server).__name__}"
+    if not isinstance(payload["round"], int):
+        return f"expected 'round' to be a number, got {type(payload['round']).__name__}"
+    return None
 
 
 def import_index(directory: Path, index: dict[int, str], checksums: dict[str, str] | None) -> int:

@@ -23,6 +23,7 @@ import hashlib
 import multiprocessing
 import os
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -62,8 +63,7 @@ def worker_files(state_dir: Path, cid: int) -> dict[str, Path]:
     state_dir = state_dir.resolve()
     sock = state_dir / f"worker-{cid}.sock"
     if len(os.fsencode(sock)) > MAX_SOCKET_PATH:
-        private = Path(tempfile.gettempdir()) / f"fedpeft-{os.getuid()}"
-        private.mkdir(mode=0o700, exist_ok=True)
+        private = private_folder(Path(tempfile.gettempdir()) / f"fedpeft-{os.getuid()}")
         digest = hashlib.sha256(os.fsencode(state_dir)).hexdigest()[:16]
         sock = private / f"{digest}-{cid}.sock"
     return {
@@ -72,6 +72,43 @@ def worker_files(state_dir: Path, cid: int) -> dict[str, Path]:
         "log": state_dir / f"worker-{cid}.log",
         "status": state_dir / f"worker-{cid}.json",
     }
+
+
+def private_folder(folder: Path) -> Path:
+    """``folder`` (the sockets' folder under the temporary directory), made for this user
+    alone (mode 0700) where it is not there yet. Its name can be guessed, so another user
+    may have made it first: a folder that is a symbolic link, is not this user's, or that
+    others may open or write to is refused (:class:`WorkerError`), never used. Checked
+    after making it, on the entry itself (``lstat``); the temporary directory must keep
+    others from renaming it (the sticky bit, as ``/tmp`` has) or be closed to them."""
+    try:
+        os.mkdir(folder, 0o700)  # the umask can only take more away
+    except FileExistsError:
+        pass
+    except OSError as err:
+        raise WorkerError(f"{folder}: cannot make the workers' socket folder: {err.strerror}") from None
+    parent = os.stat(folder.parent)  # the temporary directory itself (/tmp may be a link to it)
+    if parent.st_mode & 0o022 and not parent.st_mode & stat.S_ISVTX:
+        raise WorkerError(
+            f"{folder}: refusing the workers' socket folder: {folder.parent} lets others rename what is in "
+            "it (writable by others, no sticky bit); set TMPDIR to a folder of your own"
+        )
+    st = os.lstat(folder)
+    why = None
+    if stat.S_ISLNK(st.st_mode):
+        why = "it is a symbolic link"
+    elif not stat.S_ISDIR(st.st_mode):
+        why = "it is not a folder"
+    elif st.st_uid != os.getuid():
+        why = f"it belongs to user {st.st_uid}, not to this user ({os.getuid()})"
+    elif st.st_mode & 0o077:
+        why = f"others may open it (mode {stat.S_IMODE(st.st_mode):04o}; it must be 0700)"
+    if why is not None:
+        raise WorkerError(
+            f"{folder}: refusing the workers' socket folder: {why}; remove it, or give the node a shorter "
+            "state-dir (its sockets then lie in it)"
+        )
+    return folder
 
 
 def node_identity(context: Context) -> tuple[Path, int]:

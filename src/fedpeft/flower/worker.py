@@ -33,7 +33,7 @@ from flwr.proto.message_pb2 import Message as ProtoMessage  # pylint: disable=E0
 
 from fedpeft.flower import apps
 from fedpeft.flower.node import Node
-from fedpeft.flower.relay import FAILED, encode_reply, recv_frames, send_frames
+from fedpeft.flower.relay import FAILED, WorkerError, encode_reply, private_folder, recv_frames, send_frames
 
 WATCH_SECONDS = 1.0  # how often the worker checks that its node is still there
 
@@ -134,6 +134,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--status", type=Path, required=True)
     parser.add_argument("--watch", type=int, required=True, help="the node's process: stop when it is gone")
     args = parser.parse_args(argv)
+    if args.socket.parent.resolve() != args.status.parent.resolve():  # the sockets' folder in the temp dir
+        try:
+            private_folder(args.socket.parent)  # the relay checked it too; a worker started by hand did not
+        except WorkerError as err:
+            raise SystemExit(f"error: {err}") from None
     Worker(args.socket, args.status, args.watch).serve()
 
 
