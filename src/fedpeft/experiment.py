@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedpeft.config import ConfigError, ExperimentConfig, TrainConfig, dump_config
+from fedpeft.config import ConfigError, ExperimentConfig, TrainConfig, dump_config, public_config
+from fedpeft.config.secrets import identity_dump
 from fedpeft.data import partition as P
 from fedpeft.data.encoding import encode_corpus
 from fedpeft.data.silos import load_silos
@@ -55,7 +56,9 @@ def fingerprint(cfg: ExperimentConfig) -> str:
     resume differently laid out):
     the settings that differ
     from their defaults, and the method's name. An option that a later fedpeft adds, with
-    a default, leaves it unchanged, so older runs still resume."""
+    a default, leaves it unchanged, so older runs still resume. No secret enters it
+    (:func:`fedpeft.config.secrets.identity_dump`): a run whose credential moved from the
+    config to the environment, or was redacted in the config.yaml it resumes from, is the same run."""
     exclude = {
         "output_dir": True,
         "export": True,
@@ -72,7 +75,7 @@ def fingerprint(cfg: ExperimentConfig) -> str:
         },
         "deploy": {"warm_nodes"},
     }
-    data = cfg.model_dump(mode="json", exclude_defaults=True, exclude=exclude)
+    data = identity_dump(cfg, exclude_defaults=True, exclude=exclude)  # no credential in it
     data["method"] = {**data.get("method", {}), "name": cfg.method.name}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -363,8 +366,9 @@ def export(
     Every directory gets ``fedpeft_model.json``: the task, backbone and method; for
     classification the pooling and label names; for a causal LM the system prompt its
     training used; which model it is (``part``: ``global`` or ``client``, and ``client``,
-    its id); and the run's resolved ``config``, from which :func:`fedpeft.load_export`
-    rebuilds the model, so that a directory loads on its own, wherever it is copied."""
+    its id); and the run's resolved ``config`` (its secrets redacted), from which
+    :func:`fedpeft.load_export` rebuilds the model, so that a directory loads on its own,
+    wherever it is copied."""
     target = out / "adapter"
     shutil.rmtree(target, ignore_errors=True)  # never leave a previous run's adapter behind
     method, exported, cfg = setup.method, {}, setup.cfg
@@ -380,7 +384,7 @@ def export(
         info["id2label"] = dict(enumerate(setup.corpus.tag_names))
     else:
         info.update(pooling=cfg.model.pooling, id2label=dict(enumerate(setup.corpus.class_names)))
-    config = {"config": cfg.model_dump(mode="json")}
+    config = {"config": public_config(cfg)}  # its secrets redacted
     if method.shared_names:
         shared = {n: server_tensors[n] for n in method.messages.global_export_names()}
         refuse_nonfinite(shared, target)

@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from fedpeft.config import ConfigError, ExperimentConfig, load_config
+from fedpeft.config import ConfigError, ExperimentConfig, load_config, scrub
 from fedpeft.config.io import yaml_value
 
 console = Console()
@@ -86,6 +86,7 @@ def checked_config(path: Path | None, sets: list[str] | None) -> ExperimentConfi
 def fail(err: Exception | str) -> NoReturn:
     """Print ``err`` as one line and leave with exit code 2 (its brackets as they are: a
     library's message may hold some, ``[gloo/pair.cc:152]``, that are not rich markup)."""
+    err = scrub(str(err))  # no credential on the console: a URI's password, a token the environment holds
     # a byte the locale could not decode (a file's name) is kept as a lone surrogate: shown escaped
     text = str(err).encode("utf-8", "backslashreplace").decode("utf-8")
     console.print(f"[bold red]error:[/] {escape(text)}", soft_wrap=True)  # paths in one piece, to copy

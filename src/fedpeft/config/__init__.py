@@ -4,7 +4,8 @@ Everything an experiment needs (data, partition, model, method, training schedul
 evaluation, output) is declared with pydantic, one leaf module per section (``data``,
 ``model``, ``train``, ``server``, ``comm``, ``privacy``, ``evaluation``, ``deploy``,
 ``output``), put together in :mod:`~fedpeft.config.experiment` and read and written by
-:mod:`~fedpeft.config.io`. Unknown keys, wrong types and impossible values fail *before*
+:mod:`~fedpeft.config.io`, its secrets (credentials in a URI, a token) redacted by
+:mod:`~fedpeft.config.secrets`. Unknown keys, wrong types and impossible values fail *before*
 any training, with an error that names the key, e.g.
 ``train.clients_per_round: 12 clients per round but partition.num_clients is 10``.
 
@@ -25,6 +26,7 @@ from fedpeft.config.methods.registry import method_config_union
 from fedpeft.config.model import ModelConfig
 from fedpeft.config.output import CheckpointConfig, ExportConfig, LogConfig
 from fedpeft.config.privacy import PrivacyConfig
+from fedpeft.config.secrets import REDACTED, public_config, scrub
 from fedpeft.config.server import FaultsConfig, ServerConfig
 from fedpeft.config.train import TrainConfig
 
@@ -44,6 +46,7 @@ __all__ = [
     "ModelConfig",
     "PartitionConfig",
     "PrivacyConfig",
+    "REDACTED",
     "ServerConfig",
     "SiloConfig",
     "Strict",
@@ -53,5 +56,7 @@ __all__ = [
     "load_config",
     "method_config_union",
     "parse_config",
+    "public_config",
+    "scrub",
     "set_dotted",
 ]

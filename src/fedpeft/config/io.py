@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from fedpeft.config.common import ConfigError
 from fedpeft.config.experiment import ExperimentConfig
+from fedpeft.config.secrets import public_config, scrub
 
 
 def _format_errors(err: ValidationError, origin: str) -> str:
@@ -27,7 +28,7 @@ def _format_errors(err: ValidationError, origin: str) -> str:
         elif e["type"] == "extra_forbidden":
             lines.append(f"{origin}: {'.'.join(loc)}: unknown key")
         else:
-            got = "" if e["type"] == "missing" else f" (got {e.get('input')!r:.60})"
+            got = "" if e["type"] == "missing" else scrub(f" (got {e.get('input')!r:.60})")
             lines.append(f"{origin}: {'.'.join(loc) or '<root>'}: {msg}{got}")
     return "\n".join(lines)
 
@@ -183,5 +184,7 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
 
 
 def dump_config(cfg: ExperimentConfig) -> str:
-    """The fully resolved config as YAML (what a run actually used)."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """The fully resolved config as YAML (what a run actually used), its secrets redacted
+    (:func:`fedpeft.config.secrets.public_config`): what fedpeft writes (``config.yaml``) and
+    sends (a deployment's run config)."""
+    return yaml.safe_dump(public_config(cfg), sort_keys=False)

@@ -59,7 +59,13 @@ class LogConfig(BaseModel):
     mlflow_uri: str | None = Field(
         None,
         description="MLflow tracking URI (a server such as http://host:5000, or a database such as "
-        "sqlite:///mlflow.db); unset: a local store, output_dir/mlflow.db.",
+        "sqlite:///mlflow.db); unset: a local store, output_dir/mlflow.db. Credentials are better left to "
+        "the environment MLflow reads them from (MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or "
+        "MLFLOW_TRACKING_TOKEN); given in the URI (https://user:TOKEN@host), they are used but never "
+        "written or sent: config.yaml, exports, trackers, logs and the run config `fedpeft serve` sends "
+        "read https://user:***@host. A *** read back (a resume, a deployment's server) is taken from "
+        "MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD: on a deployment, in the environment of the "
+        "SuperLink's machine, where the ServerApp and its tracker run.",
     )
     mlflow_experiment: str = Field("fedpeft", description="The MLflow experiment the runs are filed under.")
     wandb_project: str = Field("fedpeft", description="The W&B project.")

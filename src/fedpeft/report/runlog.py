@@ -13,14 +13,23 @@ import traceback
 from pathlib import Path
 
 import fedpeft
+from fedpeft.config.secrets import scrub
 
 LOG_FILE = "fedpeft.log"
 PACKAGE = Path(fedpeft.__file__).resolve().parent
 
 
+class Scrubbed(logging.Formatter):
+    """A record formatted, traceback included, with its credentials redacted
+    (:func:`fedpeft.config.secrets.scrub`)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return scrub(super().format(record))
+
+
 def open_log(out: Path) -> logging.Logger:
     """The logger writing (appending) to ``out/fedpeft.log``; one handler however often
-    it is opened."""
+    it is opened. No credential is written (:class:`Scrubbed`)."""
     out.mkdir(parents=True, exist_ok=True)
     path = (out / LOG_FILE).resolve()
     log = logging.getLogger(f"fedpeft.run.{path}")
@@ -28,7 +37,7 @@ def open_log(out: Path) -> logging.Logger:
     log.propagate = False
     if not log.handlers:
         handler = logging.FileHandler(path, encoding="utf-8")
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        handler.setFormatter(Scrubbed("%(asctime)s %(levelname)s %(message)s"))
         log.addHandler(handler)
     return log
 
@@ -60,8 +69,9 @@ def is_expected(err: BaseException) -> bool:
 
 def one_line(err: BaseException) -> str:
     """What failed, in one line: the message of an expected error; for any other, its type,
-    where it was raised and the last place in fedpeft's code that led there."""
-    message = " ".join(str(err).split()) or "(no message)"
+    where it was raised and the last place in fedpeft's code that led there. No credential
+    is told (:func:`fedpeft.config.secrets.scrub`)."""
+    message = scrub(" ".join(str(err).split())) or "(no message)"
     if is_expected(err):
         return message
     frames = traceback.extract_tb(err.__traceback__)

@@ -8,6 +8,11 @@ logged: TensorBoard drops its events from the first repeated round on (``purge_s
 MLflow and W&B keep whatever they were sent, so they are sent only the rounds after the
 last one they hold (a repeated round reproduces the interrupted one: see
 docs/reliability.md).
+
+No tracker is given a credential to record: the config they get is redacted
+(:func:`fedpeft.config.public_config`), W&B's copy of the command line too, and an MLflow
+server's credentials reach MLflow through the environment variables it reads them from
+(:func:`mlflow_target`).
 """
 
 from __future__ import annotations
@@ -15,12 +20,22 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from fedpeft.config import ConfigError, ExperimentConfig
+from fedpeft.config import ConfigError, ExperimentConfig, public_config, scrub
+from fedpeft.config.secrets import (
+    from_environment,
+    redact_uri,
+    redacted_params,
+    uri_credentials,
+    with_credentials,
+)
 
 STATE_FILE = "tracking.json"
 
@@ -50,7 +65,8 @@ def scalars(record: dict) -> dict[str, float]:
 
 
 def flat_config(cfg: ExperimentConfig) -> dict[str, str]:
-    """The resolved config as dotted keys (``train.lr``, ``method.name``, ...) and text values."""
+    """The resolved config as dotted keys (``train.lr``, ``method.name``, ...) and text values,
+    its secrets redacted (:func:`fedpeft.config.public_config`)."""
     out: dict[str, str] = {}
 
     def walk(prefix: str, value: Any) -> None:
@@ -60,7 +76,7 @@ def flat_config(cfg: ExperimentConfig) -> dict[str, str]:
         else:
             out[prefix] = json.dumps(value) if isinstance(value, list | dict) else str(value)
 
-    walk("", cfg.model_dump(mode="json"))
+    walk("", public_config(cfg))
     return out
 
 
@@ -101,20 +117,62 @@ class TensorBoard:
         self.writer.close()
 
 
+#: The environment variables MLflow reads a tracking server's HTTP basic auth from
+#: (mlflow.environment_variables; a bearer token it reads from MLFLOW_TRACKING_TOKEN)
+MLFLOW_USERNAME, MLFLOW_PASSWORD = "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"
+
+
+def mlflow_target(uri: str) -> tuple[str, dict[str, str]]:
+    """The tracking URI to give MLflow for ``log.mlflow_uri`` and the environment variables to
+    set while it runs. A server's (http, https) credentials leave the URI for the variables
+    MLflow reads them from (so that no MLflow message or record can hold them); a database's
+    stay in the URI, its driver's only way to get them. A credential that a written config
+    redacted (``***``) is the environment's: MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD."""
+    key = "log.mlflow_uri"
+    if params := redacted_params(uri):
+        raise ConfigError(
+            f"{key}: the value of its query parameter {params[0]!r} was redacted (***) in the config this "
+            f"run read; give the URI in full again (--set {key}=...), or the credential through the "
+            "environment"
+        )
+    bare, user, password = uri_credentials(uri)
+    user = from_environment(user, key, "user", MLFLOW_USERNAME)
+    password = from_environment(password, key, "password", MLFLOW_PASSWORD)
+    if urlsplit(bare).scheme.lower() not in ("http", "https"):
+        return with_credentials(bare, user, password), {}
+    env = {MLFLOW_USERNAME: user, MLFLOW_PASSWORD: password}
+    return bare, {name: value for name, value in env.items() if value is not None}
+
+
 class MLflow:
     """One MLflow run (``log.mlflow_uri``, by default a local store in
-    ``output_dir/mlflow.db``): the config as params, the rounds as metrics by step."""
+    ``output_dir/mlflow.db``): the config as params, the rounds as metrics by step. A
+    server's credentials in the URI reach MLflow through its own environment variables
+    (:func:`mlflow_target`), set while the run is open."""
 
     name = "mlflow"
 
     def __init__(self, cfg: ExperimentConfig, state: dict | None, done: int) -> None:
         mlflow = _package("mlflow", self.name)
-        from mlflow.entities import Metric, Param
+        from mlflow.entities import Metric
 
         self.Metric = Metric
         # MLflow 3 refuses its old file store by default: a SQLite file is its local store now
         uri = cfg.log.mlflow_uri or f"sqlite:///{(Path(cfg.output_dir) / 'mlflow.db').resolve()}"
-        self.client = mlflow.MlflowClient(tracking_uri=uri)
+        target, env = mlflow_target(uri)
+        self.saved_env = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
+        try:
+            self._open(mlflow, cfg, state, target)
+        except BaseException:
+            self._restore_env()
+            raise
+        self.state = {"tracking_uri": redact_uri(uri), "run_id": self.run_id, "last_round": self.last}
+
+    def _open(self, mlflow, cfg: ExperimentConfig, state: dict | None, target: str) -> None:
+        from mlflow.entities import Param
+
+        self.client = mlflow.MlflowClient(tracking_uri=target)
         if state is None:
             name = cfg.log.mlflow_experiment
             found = self.client.get_experiment_by_name(name)
@@ -127,7 +185,6 @@ class MLflow:
         else:
             self.run_id, self.last = state["run_id"], state["last_round"]
             self.client.update_run(self.run_id, status="RUNNING")
-        self.state = {"tracking_uri": uri, "run_id": self.run_id, "last_round": self.last}
 
     def log(self, step: int, values: dict[str, float]) -> None:
         if step <= self.last:  # already logged before the interruption
@@ -139,7 +196,18 @@ class MLflow:
         self.last = self.state["last_round"] = step
 
     def close(self, failed: bool) -> None:
-        self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
+        try:
+            self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
+        finally:
+            self._restore_env()
+
+    def _restore_env(self) -> None:
+        """The credentials set for this run leave the environment with it."""
+        for name, value in self.saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 class WandB:
@@ -152,16 +220,23 @@ class WandB:
         wandb = _package("wandb", self.name)
         out = Path(cfg.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(
-            project=cfg.log.wandb_project,
-            name=cfg.name,
-            id=state["run_id"] if state else None,  # None: W&B makes one
-            resume="allow",
-            dir=str(out),
-            mode=cfg.log.wandb_mode,
-            config=cfg.model_dump(mode="json"),
-            settings=wandb.Settings(quiet=True),  # no run summary printed at its end
-        )
+        argv = sys.argv
+        # W&B files the command line with the run (its metadata's "args"): a credential given
+        # there (--set log.mlflow_uri=https://user:TOKEN@host) would be filed with it
+        sys.argv = [scrub(arg) for arg in argv]
+        try:
+            self.run = wandb.init(
+                project=cfg.log.wandb_project,
+                name=cfg.name,
+                id=state["run_id"] if state else None,  # None: W&B makes one
+                resume="allow",
+                dir=str(out),
+                mode=cfg.log.wandb_mode,
+                config=public_config(cfg),
+                settings=wandb.Settings(quiet=True),  # no run summary printed at its end
+            )
+        finally:
+            sys.argv = argv
         self.last = state["last_round"] if state else 0
         self.state = {"run_id": self.run.id, "last_round": self.last}
 
@@ -189,6 +264,8 @@ class Tracking:
         self.open: list = []
         for name in cfg.log.to:  # fail now, not after the first round, on a missing package
             _package(name, name)  # each tracker's package is named as the tracker
+        if "mlflow" in cfg.log.to and cfg.log.mlflow_uri:  # or a credential the environment lacks
+            mlflow_target(cfg.log.mlflow_uri)
 
     def start(self, done: list[dict]) -> None:
         """Open (or, resuming, reopen) the trackers; ``done``: the records kept from before."""
