@@ -95,7 +95,8 @@ def count(value, what: str, known: int | None = None, *, least: int = 1) -> int:
     server knows the client's size (``known``), at most that."""
     x = number(value, what)
     if not math.isfinite(x) or x != int(x) or x < least:
-        raise ReplyError(f"{what} is {value!r}, not a whole number >= {least}")
+        shown = int(x) if math.isfinite(x) and x == int(x) else x
+        raise ReplyError(f"{what} is {shown}, not a whole number >= {least}")
     if known is not None and x > known:
         raise ReplyError(f"{what} is {int(x)}, more than the {known} its node gave at the roll call")
     return int(x)
