@@ -51,7 +51,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from fedpeft.config import CodecConfig
 from fedpeft.engines import compress
 from fedpeft.flower.codec import ReplyError, describe, from_record, npy_layout
-from fedpeft.methods.base import Tensors
+from fedpeft.methods.base import FitResult, ServerState, Tensors
 from fedpeft.metrics import generation, qa, tagging
 from fedpeft.metrics.classification import scores as classification_scores
 
@@ -288,6 +288,20 @@ def read_fit(
     return Fit(num_examples, time_fit, bool(fitted), fit, message, control, readout)
 
 
+def cap_results(fits: list[FitResult], weighting: str, share: float) -> dict[str, float]:
+    """Under ``server.weighting: examples``, each result's weight (its ``num_examples``,
+    already no more than its node gave at the roll call) capped at ``share`` of the round
+    (``deploy.max_weight_share``, :func:`capped_weights`), in place; returns the weights
+    the cap lowered, by client id (the round records them)."""
+    if weighting != "examples" or share >= 1:
+        return {}
+    lowered = {}
+    for r, w in zip(fits, capped_weights([r.num_examples for r in fits], share), strict=True):
+        if w < r.num_examples:
+            lowered[str(r.cid)], r.num_examples = w, w
+    return lowered
+
+
 def capped_weights(weights: list[float], share: float) -> list[float]:
     """Each weight capped so that none is more than ``share`` of the capped total: the
     largest weights lowered to one cap ``c = share * sum(min(w, c))`` (the others keep
@@ -491,6 +505,54 @@ def claim_refusal(cid: int, node: int, who: Enrolment, bound: dict[int, int]) ->
     if holder is not None and holder != node:
         return f"node {node} claims client {cid}, held by node {holder} (its enrolled key); refused"
     return None
+
+
+class ClientIds:
+    """Which node holds which client id under SuperNode authentication (:func:`enrolment`):
+    the node that first claimed it, or the one the operator assigned it to, until the
+    operator assigns it elsewhere. Kept in the server state (:data:`BINDINGS`), so a
+    resumed run keeps it. Without authentication it binds nothing (node ids change when a
+    node restarts: the newest claim stands)."""
+
+    def __init__(self, log):
+        self.bound: dict[int, int] = {}
+        self.log, self.told, self.who = log, None, Enrolment(False, {})
+
+    def start(self, rnd: int, held: dict[int, int]) -> list[int]:
+        """Read the SuperLink's word for round ``rnd``'s roll call; the client ids of
+        ``held`` (client id -> node id) that the operator's assignment moved to another
+        node, each logged: their old node holds them no longer."""
+        who = self.who = enrolment()
+        if who.problem and who.problem != self.told:
+            self.log(f"round {rnd}: the operator's client assignments are not used: {who.problem}")
+        self.told = who.problem
+        if not who.authenticated:
+            return []
+        self.bound.update(who.assigned)  # the operator's word overrides the first claim
+        moved = [cid for cid, node in held.items() if self.bound.get(cid, node) != node]
+        for cid in moved:
+            self.log(
+                f"round {rnd}: client {cid} moves from node {held[cid]} to node {self.bound[cid]} "
+                "(the operator's assignment)"
+            )
+        return moved
+
+    def claim(self, cid: int, node: int) -> str | None:
+        """Why ``node``'s claim to client ``cid`` is refused; None when it stands (then,
+        under authentication, ``node`` holds ``cid`` from now on)."""
+        why = claim_refusal(cid, node, self.who, self.bound)
+        if why is None and self.who.authenticated:
+            self.bound[cid] = node
+        return why
+
+    def resume(self, server: ServerState) -> None:
+        self.bound = bindings_of(server.extras)
+
+    def kept_in(self, server: ServerState) -> ServerState:
+        """``server`` with the bindings in its extras (unchanged when nothing is bound)."""
+        if not self.bound:
+            return server
+        return ServerState(server.tensors, {**server.extras, BINDINGS: bindings_extra(self.bound)})
 
 
 def bindings_of(extras: dict) -> dict[int, int]:

@@ -168,7 +168,9 @@ def secure_round(
     expect: replies.SecureRound | None = None,
 ) -> tuple[OneRound, CountingGrid]:
     """Run SecAgg+ for one round over the clients in ``instructions`` (``expect``: what
-    their replies are checked against; None: unchecked)."""
+    their replies are checked against; None: unchecked). An error the workflow raises
+    (a reply that passed the checks and still broke the protocol) ends the round with
+    every client dropped and the error as their reason, never the server."""
     strategy = OneRound(instructions, uplink_like)
     legacy = LegacyContext(context, strategy=strategy)
     legacy.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({Key.CURRENT_ROUND: rnd})
@@ -177,7 +179,11 @@ def secure_round(
     workflow = SecAggPlusWorkflow(
         num_shares=1.0, reconstruction_threshold=0.5, max_weight=max_weight, timeout=timeout
     )
-    workflow(counting, legacy)
+    try:
+        workflow(counting, legacy)
+    except Exception as err:  # noqa: BLE001  a reply the checks let through broke the protocol
+        strategy = OneRound(instructions, uplink_like)  # nothing aggregated: every client dropped
+        counting.refused = {node: f"SecAgg+ failed: {type(err).__name__}: {err}" for node in instructions}
     return strategy, counting
 
 

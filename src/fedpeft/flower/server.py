@@ -19,11 +19,10 @@ Each round:
 5. **evaluate**: the global model on the global test set here, and each client's own
    model on its local test split on its node (``evaluate`` messages).
 
-Every reply is read through :mod:`fedpeft.flower.replies`; one that fails a check
-drops its client (``dropped``, ``eval_failed``) or, at the roll call, leaves its node
-out of the round (``ignored_nodes``), and never stops the server. With SuperNode
-authentication a client id stays with the node that first claimed it (or the one the
-operator assigned it to), kept in the server state.
+A reply that fails a check drops its client (``dropped``, ``eval_failed``) or, at the
+roll call, leaves its node out of the round (``ignored_nodes``); it never stops the
+server. With SuperNode authentication a client id stays with its node
+(:class:`~fedpeft.flower.replies.ClientIds`).
 
 Bytes are those Flower serialises (:func:`~fedpeft.flower.codec.wire_bytes`); the
 tensor payload the in-process engine counts is recorded beside them. The server
@@ -134,11 +133,8 @@ class FlowerServer:
         self.uplink_like: Tensors = {}
         self.peers: dict[int, Peer] = {}  # client id -> the node that holds it
         self.strangers: set[int] = set()  # nodes that answered with an unusable client id
-        # node authentication: client id -> the node that holds it (first claim, or the
-        # operator's assignment), kept in the server state (replies.BINDINGS)
-        self.bound: dict[int, int] = {}
+        self.ids = replies.ClientIds(log)  # under node authentication, who holds which client id
         self.ignored: dict[int, str] = {}  # this round's roll-call replies refused, by node
-        self.told: str | None = None  # the last problem with the operator's assignments, logged once
         self.score_names = replies.score_names(self.cfg.data.task)  # what an evaluation reply holds
         # the global model's scorer: the in-process engine's, for this task
         self.scorer = scorer_for(self.cfg.data.task, setup.tokenizer, self.cfg.eval, setup.corpus)
@@ -193,29 +189,15 @@ class FlowerServer:
     def roll_call(self, rnd: int) -> dict[int, Peer]:
         """Client id -> its node. Nodes seen before are known; a node id not seen before
         (a new or restarted SuperNode) is asked who it is, with ``deploy.query_timeout``
-        to answer. A reply that fails its checks (:func:`replies.read_roll_call`) leaves
-        its node out of this round (it is asked again at the next). Without node
-        authentication a node that claims a client id already held replaces the older
-        node (a restarted SuperNode comes back under a new node id, while the old id
-        lingers until its heartbeat lapses). With it (:func:`replies.enrolment`) a node id
-        stands for an enrolled key and keeps its id across restarts: a client id stays with
-        the node that first claimed it, or the one the operator assigned it to, and another
-        node's claim is refused."""
-        who = replies.enrolment()
-        if who.problem and who.problem != self.told:
-            self.log(f"round {rnd}: the operator's client assignments are not used: {who.problem}")
-        self.told = who.problem
+        to answer; a reply that fails its checks leaves its node out of this round. A node
+        that claims a client id already held replaces the older node (a restarted SuperNode
+        comes back under a new node id, while the old id lingers until its heartbeat
+        lapses), unless nodes are authenticated: then the id's holder keeps it
+        (:class:`replies.ClientIds`)."""
         listed = set(self.grid.get_node_ids())
         self.peers = {cid: p for cid, p in self.peers.items() if p.node_id in listed}
-        if who.authenticated:
-            self.bound.update(who.assigned)  # the operator's word overrides the first claim
-            for cid, peer in list(self.peers.items()):
-                if self.bound.get(cid, peer.node_id) != peer.node_id:
-                    self.log(
-                        f"round {rnd}: client {cid} moves from node {peer.node_id} to node "
-                        f"{self.bound[cid]} (the operator's assignment)"
-                    )
-                    del self.peers[cid]
+        for cid in self.ids.start(rnd, {cid: p.node_id for cid, p in self.peers.items()}):
+            del self.peers[cid]  # the operator assigned it to another node
         known = {p.node_id for p in self.peers.values()} | self.strangers
         ask = ConfigRecord({"round": rnd, "class_names": list(self.setup.corpus.class_names)})
         timeout = self.deploy.query_timeout
@@ -238,14 +220,12 @@ class FlowerServer:
                     f"(partition.num_clients={self.cfg.partition.num_clients}); ignored"
                 )
                 continue
-            if (why := replies.claim_refusal(cid, node, who, self.bound)) is not None:
+            if (why := self.ids.claim(cid, node)) is not None:
                 self.ignored[node] = why
                 self.log(f"round {rnd}: {why}")
                 continue
             if cid in self.peers and self.peers[cid].node_id != node:
                 self.log(f"node {node} replaces node {self.peers[cid].node_id} as client {cid}")
-            if who.authenticated:
-                self.bound[cid] = node
             self.peers[cid] = Peer(node, info.joined, info.num_examples)
         return dict(sorted(self.peers.items()))
 
@@ -335,13 +315,8 @@ class FlowerServer:
             up += codec.wire_bytes(reply)
             like = self.round_uplink_like(rnd, held[cid])
             try:  # every field checked, and the update's size and claims, before it is decoded
-                fit = replies.read_fit(
-                    reply,
-                    known=peers[cid].num_examples,
-                    like=like,
-                    uplink=self.cfg.comm.uplink,
-                    control_like=control or None,
-                )
+                known, uplink_cfg = peers[cid].num_examples, self.cfg.comm.uplink
+                fit = replies.read_fit(reply, known=known, like=like, uplink=uplink_cfg, control_like=control)
                 uplink = self.uplink_of(fit.message, cid, rnd, held[cid])
                 result = FitResult(uplink, {}, fit.num_examples, fit.metrics, cid)
                 if control:  # SCAFFOLD: the update of the client's control
@@ -369,7 +344,7 @@ class FlowerServer:
         if diverged and not results:  # every update that came back diverged: as in-process, stop
             raise guard.all_dropped(rnd, diverged, step.lr, server)
         fits = [r.result for r in results]
-        capped = self.cap_weights(fits)
+        capped = replies.cap_results(fits, self.cfg.server.weighting, self.deploy.max_weight_share)
         weights = [r.num_examples for r in fits]
         names = sorted({k for r in fits for k in r.metrics} - {"loss"})
         return results, {
@@ -390,21 +365,6 @@ class FlowerServer:
             **({"client_readout": readouts} if readouts else {}),
         }
 
-    def cap_weights(self, fits: list[FitResult]) -> dict[str, float]:
-        """Under ``server.weighting: examples``, each result's weight (its ``num_examples``,
-        already no more than its node gave at the roll call) capped at
-        ``deploy.max_weight_share`` of the round (:func:`replies.capped_weights`), in
-        place; returns the weights the cap lowered, by client (recorded)."""
-        if self.cfg.server.weighting != "examples" or self.deploy.max_weight_share >= 1:
-            return {}
-        weights = replies.capped_weights([r.num_examples for r in fits], self.deploy.max_weight_share)
-        lowered = {}
-        for r, w in zip(fits, weights, strict=True):
-            if w < r.num_examples:
-                lowered[str(r.cid)] = w
-                r.num_examples = w
-        return lowered
-
     def fit_round_secure(
         self, server: ServerState, step: Round, peers: dict[int, Peer], sampled: list[int]
     ) -> tuple[list[Returned], dict]:
@@ -424,22 +384,9 @@ class FlowerServer:
         expect = replies.SecureRound(
             {peers[c].node_id: peers[c].num_examples for c in sampled}, like, uniform
         )
-        try:
-            outcome, counted = secure.secure_round(
-                self.grid,
-                self.context,
-                rnd,
-                instructions,
-                like,
-                max_weight,
-                self.deploy.round_timeout,
-                expect,
-            )
-        except Exception as err:  # noqa: BLE001  a reply the checks let through broke the protocol
-            outcome, counted = secure.OneRound(instructions, like), secure.CountingGrid(self.grid)
-            counted.refused = {
-                peers[c].node_id: f"SecAgg+ failed: {type(err).__name__}: {err}" for c in sampled
-            }
+        outcome, counted = secure.secure_round(
+            self.grid, self.context, rnd, instructions, like, max_weight, self.deploy.round_timeout, expect
+        )
         returned = outcome.returned
         for cid in returned:
             peers[cid].joined = True
@@ -606,7 +553,7 @@ class FlowerServer:
         # the global model is evaluated here, on the server's copy of the joined backbone
         self.method.messages.join(self.setup.model, self.method.messages.join_message(server))
         self.uplink_like = {n: t for n, t in self.setup.initial.items() if n in set(self.method.shared_names)}
-        self.bound = replies.bindings_of(server.extras)  # a resumed run keeps who holds which client
+        self.ids.resume(server)  # a resumed run keeps who holds which client id
         self.on_start(records)
         self.wait_for_nodes()
         skipped = 0
@@ -615,10 +562,7 @@ class FlowerServer:
             t0 = time.perf_counter()
             peers = self.roll_call(rnd)
             ignored, self.ignored = self.ignored, {}
-            if self.bound:  # node authentication: the client ids' holders, in the server state
-                server = ServerState(
-                    server.tensors, {**server.extras, replies.BINDINGS: replies.bindings_extra(self.bound)}
-                )
+            server = self.ids.kept_in(server)  # node authentication: who holds which client id
             if cfg.privacy.mode == "sample":
                 server = self.dp_sgd(server, peers)
             returned, record = self.fit_round(server, step, peers)
