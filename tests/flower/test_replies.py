@@ -146,6 +146,15 @@ def test_zero_examples_from_every_client_skips_the_round(tiny_config, tmp_path):
     assert record["clients_returned"] == [] and record["skipped"] == "0 of deploy.min_results=1 updates"
 
 
+def test_an_unknown_fit_metric_is_refused_by_name(tiny_config, tmp_path):
+    def extra(reply, message):
+        reply.content["fit"]["accuracy_on_my_secret_set"] = 1.0
+
+    record = one_round(tiny_config, tmp_path, "train", extra)
+    assert record["dropped"] == {"0": "refused: fit metrics: unknown metric 'accuracy_on_my_secret_set'"}
+    assert record["clients_returned"] == [1, 2, 3]
+
+
 def test_more_examples_than_the_roll_call_said_are_refused(tiny_config, tmp_path):
     def inflated(reply, message):
         reply.content["fit"]["num_examples"] = reply.content["fit"]["num_examples"] + 1
@@ -386,6 +395,25 @@ def test_secure_aggregation_refuses_a_weight_above_the_roll_call(tiny_config, tm
     assert record["clients_returned"] == [1, 2, 3] and "skipped" not in record
     assert re.fullmatch(r"refused: num_examples is 1000000000000000, more than the \d+ its node gave at "
                         r"the roll call", record["dropped"]["0"])  # fmt: skip
+
+
+def test_secure_aggregation_refuses_a_setup_reply_without_its_keys(tiny_config, tmp_path):
+    """Before: KeyError in Flower's workflow, out of the server. Now client 0's reply is
+    refused at the first stage. Flower's SecAgg+ recovers from a node that drops out at
+    the masked-vector stage only: one gone earlier fails the round's protocol (here the
+    other nodes' unmasking raises, which the in-memory grid hands to the server). The
+    round is then recorded with every client dropped and why, and the run goes on."""
+
+    def keyless(reply, message):
+        configs = reply.content.config_records.get("secaggplus_configs", {})
+        if "pk1" in configs:
+            del configs["pk1"]
+
+    over = {"deploy.secure_aggregation": True}
+    record = one_round(tiny_config, tmp_path, "train", keyless, **over)
+    assert record["dropped"]["0"] == "refused: SecAgg+ setup reply: pk1 is not bytes"
+    assert all(record["dropped"][str(c)].startswith("SecAgg+ failed: ") for c in (1, 2, 3))
+    assert record["skipped"] == "0 of deploy.min_results=1 updates"
 
 
 def test_secure_aggregation_refuses_a_weight_share_cap(tiny_config, tmp_path):

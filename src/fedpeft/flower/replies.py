@@ -26,11 +26,11 @@ What is checked:
 
 Two rules of trust live here too. A client's weight in an example-weighted mean is at
 most the count the server knows and at most ``deploy.max_weight_share`` of the round
-(:func:`capped_weights`): a node that lies about its size at the roll call gains that
-share and no more. With SuperNode authentication (the SuperLink's environment says so,
+(:func:`cap_results`): a node that lies about its size at the roll call gains that share
+and no more. With SuperNode authentication (the SuperLink's environment says so,
 :func:`enrolment`) a client id belongs to the node that first claimed it, or to the node
 the operator assigned it to (``fedpeft enrol --client``), and another node's claim to it
-is refused (:func:`claim_refusal`); the binding is kept in the server state
+is refused (:class:`ClientIds`); the binding is kept in the server state
 (:data:`BINDINGS`), so a resumed run keeps it.
 """
 

@@ -67,6 +67,15 @@ class CountingGrid:
     def __init__(self, grid: Grid, expect: replies.SecureRound | None = None):
         self.grid, self.down, self.up, self.expect = grid, 0, 0, expect
         self.refused: dict[int, str] = {}
+        self.failure: str | None = None  # the error that ended the protocol, if one did
+
+    def why_dropped(self, node: int) -> str:
+        """Why ``node``'s client is not among the round's results."""
+        if node in self.refused:
+            return f"refused: {self.refused[node]}"
+        if self.failure is not None:
+            return f"SecAgg+ failed: {self.failure}"
+        return "did not complete the SecAgg+ protocol"
 
     def get_node_ids(self):
         return self.grid.get_node_ids()
@@ -183,7 +192,7 @@ def secure_round(
         workflow(counting, legacy)
     except Exception as err:  # noqa: BLE001  a reply the checks let through broke the protocol
         strategy = OneRound(instructions, uplink_like)  # nothing aggregated: every client dropped
-        counting.refused = {node: f"SecAgg+ failed: {type(err).__name__}: {err}" for node in instructions}
+        counting.failure = f"{type(err).__name__}: {err}"
     return strategy, counting
 
 

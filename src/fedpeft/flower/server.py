@@ -390,12 +390,7 @@ class FlowerServer:
         returned = outcome.returned
         for cid in returned:
             peers[cid].joined = True
-        why_not = {cid: counted.refused.get(node) for node, (cid, _) in instructions.items()}
-        dropped = {
-            c: f"refused: {why_not[c]}" if why_not[c] else "did not complete the SecAgg+ protocol"
-            for c in sampled
-            if c not in returned
-        }
+        dropped = {c: counted.why_dropped(peers[c].node_id) for c in sampled if c not in returned}
         for cid, why in dropped.items():
             self.log(f"round {rnd}: client {cid} dropped ({why})")
         results = []
