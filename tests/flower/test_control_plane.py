@@ -33,7 +33,7 @@ from cryptography.x509.oid import NameOID
 from typer.testing import CliRunner
 
 from fedpeft.cli import app
-from fedpeft.flower import deploy, operator, supernode
+from fedpeft.flower import control, deploy, operator, supernode
 from fedpeft.flower.certs import make_certificates, make_node_keys
 from fedpeft.flower.superlink import Gate
 
@@ -375,7 +375,7 @@ def test_a_stranger_with_the_ca_certificate_cannot_enrol_revoke_or_run(tmp_path)
         assert set(enrolled) == {"enrolled node-0.pub", "enrolled node-1.pub"}
         node_0 = enrolled["enrolled node-0.pub"].strip()
         tls = deploy.Tls(op / "runs/certs/ca.crt")
-        before = deploy.enrolled_nodes(link, tls, tmp_path / "check")
+        before = control.enrolled_nodes(link, tls, tmp_path / "check")
 
         stranger = tmp_path / "stranger"
         stranger.mkdir()
@@ -421,7 +421,7 @@ def test_a_stranger_with_the_ca_certificate_cannot_enrol_revoke_or_run(tmp_path)
         log = (op / "runs/superlink/superlink.log").read_text()
         assert log.count("fedpeft gate: refused POST /v1/control/") >= 5
 
-        assert deploy.enrolled_nodes(link, tls, tmp_path / "check") == before  # nothing enrolled or revoked
+        assert control.enrolled_nodes(link, tls, tmp_path / "check") == before  # nothing enrolled or revoked
         node = deploy.start_supernode(  # the operator's node still joins
             tmp_path / "node",
             link,
@@ -446,7 +446,7 @@ def test_a_stranger_with_the_ca_certificate_cannot_enrol_revoke_or_run(tmp_path)
             "revoke", "runs/certs/nodes/node-3.pub", "--superlink", link, "--ca", "runs/certs/ca.crt", cwd=op
         )
         assert res.returncode == 0 and "revoked node" in res.stdout, res.stdout + res.stderr
-        assert deploy.enrolled_nodes(link, tls, tmp_path / "check") == before
+        assert control.enrolled_nodes(link, tls, tmp_path / "check") == before
     finally:
         for proc in (node, superlink):
             if proc is not None:
@@ -458,9 +458,9 @@ def _online(link: str, tls, workdir: Path, node_id: int, wait: float = 120) -> b
     deadline = time.monotonic() + wait
     home = workdir / "home-cli"
     while time.monotonic() < deadline:
-        deploy.write_connection(home, link, tls)
-        proc = deploy._flwr(home, "supernode", "ls", deploy.CONNECTION, "--format", "json", check=False)
-        for entry in deploy._json_tail(proc.stdout).get("nodes", []):
+        control.write_connection(home, link, tls)
+        proc = control.flwr(home, "supernode", "ls", control.CONNECTION, "--format", "json", check=False)
+        for entry in control.json_tail(proc.stdout).get("nodes", []):
             if int(entry["node-id"]) == node_id and entry.get("status") == "online":
                 return True
         time.sleep(1)

@@ -74,11 +74,11 @@ def _auth(auth: bool | None, tls, enrolled: Path | None) -> bool:
 
 def _enrol_folder(address: str, enrolled: Path | None, tls, work: Path) -> None:
     """Enrol every public key of ``enrolled`` with the SuperLink just started at ``address``."""
-    from fedpeft.flower import deploy
+    from fedpeft.flower import control
 
     keys = sorted(enrolled.glob("*.pub")) if enrolled is not None else []
     for key in keys:
-        node = deploy.enrol(address, key, tls, work, name=key.stem)
+        node = control.enrol(address, key, tls, work, name=key.stem)
         common.console.print(f"enrolled {key.name} as node {node}", soft_wrap=True)
     if not keys:
         common.console.print(

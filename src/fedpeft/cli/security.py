@@ -142,14 +142,14 @@ def enrol(
     credential, --operator, is required: the SuperLink refuses anyone else).
 
     Prints the node id it will hold, which 'fedpeft revoke' takes (or the key file)."""
-    from fedpeft.flower import deploy
+    from fedpeft.flower import control
 
     tls = tls_setting(ca, False, operator=operator)
     try:
-        node = deploy.enrol(
+        node = control.enrol(
             superlink, public_key, tls, workdir.resolve(), name=public_key.stem, client=client
         )
-    except deploy.DeployError as err:
+    except control.DeployError as err:
         fail(err)
     common.console.print(f"enrolled {public_key} as node {node}", soft_wrap=True)
 
@@ -165,14 +165,14 @@ def revoke(
     """Remove a node from a running SuperLink: it is refused from its next request on, and
     runs go on with the other nodes (the operator's credential, --operator, is required);
     the client ids it held are free again."""
-    from fedpeft.flower import deploy
+    from fedpeft.flower import control
 
     tls = tls_setting(ca, False, operator=operator)
     work = workdir.resolve()
     try:
-        node_id = int(node) if node.isdigit() else deploy.enrolled_node(Path(node), work)
-        deploy.revoke(superlink, node_id, tls, work)
-    except deploy.DeployError as err:
+        node_id = int(node) if node.isdigit() else control.enrolled_node(Path(node), work)
+        control.revoke(superlink, node_id, tls, work)
+    except control.DeployError as err:
         fail(err)
     common.console.print(f"revoked node {node_id}", soft_wrap=True)
 

@@ -19,12 +19,12 @@ command ends every process it started when it stops, however it stops
 
 ``fedpeft superlink`` keeps one SuperLink up for run after run; ``fedpeft join`` checks
 the SuperLink's address and keeps its node joined (:mod:`fedpeft.flower.connect`,
-:mod:`fedpeft.flower.join`).
+:mod:`fedpeft.flower.join`). What the operator tells a running SuperLink (runs, enrolment)
+goes through :mod:`fedpeft.flower.control`.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
@@ -38,35 +38,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tomli_w
-import yaml
 
 from fedpeft.config import ConfigError, ExperimentConfig, dump_config
-from fedpeft.flower import processes
+from fedpeft.flower import control, processes
 from fedpeft.flower.connect import local_address, probe
-from fedpeft.flower.operator import Operator, OperatorError, mint_token, sign_app, write_private
+from fedpeft.flower.control import CONNECTION, enrol, flwr, operator_of, revoke, run_status, write_connection
+from fedpeft.flower.operator import Operator, sign_app
+from fedpeft.flower.processes import flower_env  # noqa: F401 - a node's environment (fedpeft join)
 from fedpeft.flower.tls import DeployError, Tls
-
-CONNECTION = "fedpeft"
-
-
-def flower_env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for a Flower process: its own FLWR_HOME, this venv's scripts first
-    on PATH (Flower starts its helpers by name), and nothing that phones home."""
-    home.mkdir(parents=True, exist_ok=True)
-    bindir = str(Path(sys.executable).parent)
-    return {
-        **os.environ,
-        "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
-        "FLWR_HOME": str(home),
-        "FLWR_TELEMETRY_ENABLED": "0",
-        "FLWR_DISABLE_UPDATE_CHECK": "1",
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        # how often a node's SuperExec looks for a message to run (a user's setting stands)
-        "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": os.environ.get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.2"),
-        "PYTHONUNBUFFERED": "1",
-        **(extra or {}),
-    }
-
 
 _HANDED_OUT: set[int] = set()
 
@@ -83,18 +62,13 @@ def free_port() -> int:
             return port
 
 
-def _script(name: str) -> str:
-    path = Path(sys.executable).parent / name
-    return str(path) if path.exists() else name
-
-
 def _spawn(
     cmd: list[str], workdir: Path, home: Path, log: Path | None, env: dict[str, str] | None = None
 ) -> subprocess.Popen:
     workdir.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") if log else contextlib.nullcontext() as out:  # the child keeps its own copy
         return processes.popen(
-            cmd, cwd=workdir, env=flower_env(home, env), stdout=out, stderr=subprocess.STDOUT
+            cmd, cwd=workdir, env=processes.flower_env(home, env), stdout=out, stderr=subprocess.STDOUT
         )
 
 
@@ -144,7 +118,10 @@ def start_superlink(
            "--disable-runtime-dependency-installation", *database,
            *(["--enable-supernode-auth"] if auth else []),
            *(["--remote-operator"] if remote_operator else [])]  # fmt: skip
-    env = {"FEDPEFT_NODE_AUTH": "1" if auth else "0", "FEDPEFT_CLIENT_ASSIGNMENTS": str(assignments(workdir))}
+    env = {
+        "FEDPEFT_NODE_AUTH": "1" if auth else "0",
+        "FEDPEFT_CLIENT_ASSIGNMENTS": str(control.assignments(workdir)),
+    }
     proc = _spawn(cmd, workdir, workdir / "home-superlink", log, env)
     wait_healthy(proc, local_address(host, port, tls), tls, log)
     return proc
@@ -271,192 +248,6 @@ def write_app(app_dir: Path, cfg: ExperimentConfig, resume: bool, operator: Oper
     return app_dir
 
 
-_OPERATORS: dict[Path, tuple[str, Operator]] = {}  # a flwr home -> (its SuperLink, the operator's credential)
-
-
-def operator_of(tls: Tls | None) -> Operator | None:
-    """The operator's credential that goes with ``tls`` (None without TLS: no credential
-    exists, and the SuperLink's Control API answers its own machine only);
-    :class:`DeployError` if TLS is on and the credential is missing."""
-    if tls is None:
-        return None
-    if tls.operator is None:
-        raise DeployError(
-            f"no operator credential: with TLS, enrolling, revoking and submitting runs take the operator's "
-            f"key and certificate (`fedpeft certs DIR` writes operator.key and operator.pem beside the CA; "
-            f"none beside {tls.ca}); give --operator OPERATOR.key"
-        )
-    try:
-        return Operator.at(tls.operator)
-    except OperatorError as err:
-        raise DeployError(str(err)) from None
-
-
-def write_connection(home: Path, superlink: str, tls: Tls | None) -> None:
-    """The ``flwr`` CLI's connection to the SuperLink's Control API; with TLS, signed
-    by the operator (:func:`_flwr` gives each call a fresh token)."""
-    home.mkdir(parents=True, exist_ok=True)
-    conn: dict = {"address": superlink}
-    if tls is None:
-        conn["insecure"] = True
-    else:
-        conn["root-certificates"] = str(tls.ca.resolve())
-    (home / "config.toml").write_text(tomli_w.dumps({"superlink": {"default": CONNECTION, CONNECTION: conn}}))
-    operator = operator_of(tls)
-    if operator is not None:
-        _OPERATORS[home.resolve()] = (superlink, operator)
-
-
-def _sign_in(home: Path) -> None:
-    """A fresh operator token in the ``flwr`` CLI's credential store of ``home`` (it sends
-    it as the bearer of every Control API request), when ``home`` has an operator."""
-    if (signed := _OPERATORS.get(home.resolve())) is None:
-        return
-    superlink, operator = signed
-    token = mint_token(operator)
-    b64 = lambda text: base64.b64encode(text.encode()).decode()  # noqa: E731 - the store's encoding
-    store = {
-        f"flower.account-auth.{superlink}.authn-type": b64("oidc"),  # the CLI's bearer-token plugin
-        f"flower.account-auth.{superlink}.oidc-access-token": b64(token),
-        f"flower.account-auth.{superlink}.oidc-refresh-token": b64("none"),
-    }
-    write_private(home / "credentials.yaml", yaml.safe_dump(store).encode())
-
-
-def _flwr(
-    home: Path, *args: str, check: bool = True, timeout: float | None = None
-) -> subprocess.CompletedProcess:
-    _sign_in(home)
-    proc = subprocess.run(
-        [_script("flwr"), *args], env=flower_env(home), capture_output=True, text=True, timeout=timeout
-    )
-    if check and proc.returncode != 0:
-        said = proc.stderr[-1500:] or proc.stdout[-1500:]
-        raise DeployError(f"flwr {' '.join(args[:2])} failed ({proc.returncode}): {said}")
-    return proc
-
-
-# ---------------------------------------------------------------- enrolment
-def enrol(
-    superlink: str,
-    public_key: Path,
-    tls: Tls,
-    workdir: Path,
-    name: str | None = None,
-    client: int | None = None,
-) -> int:
-    """Register a node's public key with the authenticating SuperLink whose Control API
-    is at ``superlink`` (``flwr supernode register``); returns the node id it will hold.
-    A node whose key is not enrolled is refused when it connects. ``client``: the client
-    id this node is to hold (the operator's assignment, ``workdir/clients.json``: it
-    overrides whichever node claimed that id first)."""
-    path = Path(public_key).expanduser().resolve()
-    if not path.is_file():
-        raise DeployError(f"{public_key}: no such public key file")
-    named = ["--name", name] if name else []
-    reply = _supernode(superlink, tls, workdir, f"enrolling {public_key}", "register", str(path), *named)
-    node = int(reply["node-id"])
-    registry = _registry(workdir)
-    registry.write_text(json.dumps({**_enrolled(workdir), str(path): node}, indent=1) + "\n")
-    if client is not None:
-        held = {c: n for c, n in _assigned(workdir).items() if n != node}
-        _write_assigned(workdir, {**held, str(client): node})
-    return node
-
-
-def assignments(workdir: Path) -> Path:
-    """Which client id the operator gave which node (``fedpeft enrol --client``), beside
-    the SuperLink whose ServerApps read it: ``{"<client id>": <node id>}``."""
-    return workdir / "clients.json"
-
-
-def _assigned(workdir: Path) -> dict[str, int]:
-    path = assignments(workdir)
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _write_assigned(workdir: Path, assigned: dict[str, int]) -> None:
-    tmp = assignments(workdir).with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(dict(sorted(assigned.items(), key=lambda kv: int(kv[0]))), indent=1) + "\n")
-    os.replace(tmp, assignments(workdir))  # a ServerApp reading it sees the old file or the new one
-
-
-def _registry(workdir: Path) -> Path:
-    """The node ids this workdir's enrolments got, by public key file: ``fedpeft revoke KEY.pub``."""
-    return workdir / "enrolled.json"
-
-
-def _enrolled(workdir: Path) -> dict[str, int]:
-    path = _registry(workdir)
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def enrolled_node(public_key: Path, workdir: Path) -> int:
-    """The node id ``public_key`` was enrolled as (from ``workdir``); :class:`DeployError` if none."""
-    path = str(Path(public_key).expanduser().resolve())
-    known = _enrolled(workdir)
-    if path not in known:
-        raise DeployError(
-            f"{public_key}: not enrolled from {workdir} (its enrolled.json); revoke by the node id "
-            "`fedpeft enrol` printed"
-        )
-    return known[path]
-
-
-def revoke(superlink: str, node_id: int, tls: Tls, workdir: Path) -> None:
-    """Unregister node ``node_id`` (``flwr supernode unregister``): the SuperLink refuses
-    it from its next request on; a run goes on with the other nodes."""
-    _supernode(superlink, tls, workdir, f"revoking node {node_id}", "unregister", str(node_id))
-    remaining = {k: v for k, v in _enrolled(workdir).items() if v != node_id}
-    if _registry(workdir).is_file():
-        _registry(workdir).write_text(json.dumps(remaining, indent=1) + "\n")
-    if assignments(workdir).is_file():  # the client ids it held are free again
-        _write_assigned(workdir, {c: n for c, n in _assigned(workdir).items() if n != node_id})
-
-
-def _supernode(
-    superlink: str, tls: Tls, workdir: Path, what: str, command: str, target: str, *options: str
-) -> dict:
-    """``flwr supernode COMMAND TARGET [OPTIONS]`` against the SuperLink's Control API at
-    ``superlink``: its JSON reply, or :class:`DeployError` saying ``what`` failed and why."""
-    home = workdir / "home-cli"
-    write_connection(home, superlink, tls)
-    proc = _flwr(home, "supernode", command, target, CONNECTION, *options, "--format", "json", check=False)
-    reply = _json_tail(proc.stdout)
-    if proc.returncode != 0 or not reply.get("success"):
-        said = reply.get("error-message") or proc.stderr.strip()[-500:] or proc.stdout.strip()[-500:]
-        said = "\n".join(line for line in said.splitlines() if line.strip() and "Using SuperLink" not in line)
-        raise DeployError(f"{what} at {superlink}: {said}")
-    return reply
-
-
-def enrolled_nodes(superlink: str, tls: Tls, workdir: Path) -> list[int]:
-    """The node ids the SuperLink at ``superlink`` has registered (``flwr supernode ls``)."""
-    home = workdir / "home-cli"
-    write_connection(home, superlink, tls)
-    proc = _flwr(home, "supernode", "ls", CONNECTION, "--format", "json", check=False)
-    reply = _json_tail(proc.stdout)
-    if proc.returncode != 0 or not reply.get("success"):
-        raise DeployError(f"listing the nodes of {superlink}: {reply.get('error-message') or proc.stderr}")
-    gone = ("unregistered", "deleted")
-    return sorted(int(node["node-id"]) for node in reply.get("nodes", []) if node.get("status") not in gone)
-
-
-def _json_tail(text: str) -> dict:
-    """The JSON object ``flwr ... --format json`` prints last (after any progress lines)."""
-    start = text.find("{")
-    with contextlib.suppress(json.JSONDecodeError):
-        return json.loads(text[start:]) if start >= 0 else {}
-    return {}
-
-
-def run_status(home: Path, run_id: int) -> dict:
-    proc = _flwr(home, "ls", CONNECTION, "--run-id", str(run_id), "--format", "json", check=False)
-    with contextlib.suppress(json.JSONDecodeError, KeyError, IndexError):
-        return json.loads(proc.stdout)["runs"][0]
-    return {}
-
-
 def check_deployable(cfg: ExperimentConfig) -> None:
     """A :class:`ConfigError` naming the key when ``cfg`` asks for what a deployed run
     cannot do (simulated faults; client drift)."""
@@ -498,21 +289,21 @@ def submit(
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         with processes.deferred_stop():  # a run is stopped by its id: once submitted, it is known
-            run_id = _run_id(_flwr(home, "run", str(app), CONNECTION, "--format", "json"))
+            run_id = _run_id(flwr(home, "run", str(app), CONNECTION, "--format", "json"))
         # the run's log: echoed, or kept in the work directory (its tail explains a failure)
         log_file = workdir / f"run-{run_id}.log"
         said = lambda: "" if echo else f"; the run's log ({log_file}) ends:\n{_tail(log_file)}"  # noqa: E731
         with contextlib.ExitStack() as files:
             sink = None if echo else files.enter_context(open(log_file, "wb"))
             logs = processes.popen(
-                [_script("flwr"), "log", str(run_id), CONNECTION, "--stream"],
+                [processes.script("flwr"), "log", str(run_id), CONNECTION, "--stream"],
                 env=flower_env(home),
                 stdout=sink,
                 stderr=subprocess.STDOUT,
             )
         while not (status := run_status(home, run_id)).get("status", "").startswith("finished"):
             if deadline is not None and time.monotonic() > deadline:
-                _flwr(home, "stop", str(run_id), CONNECTION, check=False)
+                flwr(home, "stop", str(run_id), CONNECTION, check=False)
                 raise DeployError(
                     f"run {run_id} still {status.get('status')} after {timeout:g} s; stopped{said()}"
                 )
@@ -522,7 +313,7 @@ def submit(
             stop(logs)
         if stop_if_interrupted and run_id is not None:  # else its ServerApp goes on writing the output
             with contextlib.suppress(subprocess.TimeoutExpired):
-                _flwr(home, "stop", str(run_id), CONNECTION, check=False, timeout=30)
+                flwr(home, "stop", str(run_id), CONNECTION, check=False, timeout=30)
         raise
     finally:
         if logs is not None:

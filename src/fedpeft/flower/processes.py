@@ -40,6 +40,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import psutil
 
@@ -129,6 +130,31 @@ def _parent_death_signal() -> int:
 
 def _die_with_parent() -> None:  # a child's, between fork and exec
     _set_parent_death_signal(signal.SIGTERM)
+
+
+def flower_env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a Flower process: its own FLWR_HOME, this venv's scripts first
+    on PATH (Flower starts its helpers by name), and nothing that phones home."""
+    home.mkdir(parents=True, exist_ok=True)
+    bindir = str(Path(sys.executable).parent)
+    return {
+        **os.environ,
+        "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
+        "FLWR_HOME": str(home),
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        # how often a node's SuperExec looks for a message to run (a user's setting stands)
+        "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": os.environ.get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.2"),
+        "PYTHONUNBUFFERED": "1",
+        **(extra or {}),
+    }
+
+
+def script(name: str) -> str:
+    """The path of this environment's console script ``name`` (Flower's CLI), else the name."""
+    path = Path(sys.executable).parent / name
+    return str(path) if path.exists() else name
 
 
 def popen(cmd: list[str], **kwargs) -> subprocess.Popen:
