@@ -13,6 +13,7 @@ import torch
 
 from fedpeft.engines.checkpoint import load_checkpoint
 from fedpeft.experiment import build, fingerprint, run
+from fedpeft.flower import replies
 from fedpeft.methods import REGISTRY
 from fedpeft.methods.base import Method, load_tensors, tensor_bytes
 from fedpeft.methods.capabilities import DORA_UNDEFINED, FEATURES, SHARES_NOTHING, refusal
@@ -128,17 +129,22 @@ def test_conformance(method_name, tiny_config):
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
     # record every message of training: what each client received and what it sent back
-    sent_down, sent_up = [], []
+    sent_down, sent_up, reported, readouts = [], [], set(), set()
     real_fit_cohort = method.fit_cohort
 
     def fit_cohort(model, jobs):
         sent_down.extend({n: t.clone() for n, t in job.received.items()} for job in jobs)
         results = real_fit_cohort(model, jobs)
         sent_up.extend(result.uplink for result in results)
+        reported.update(name for result in results for name in result.metrics)
+        readouts.update(name for result in results for name in method.readout(result))
         return results
 
     method.fit_cohort = fit_cohort
     summary = run(cfg, setup=setup)
+    # what its clients report is what a deployed server accepts (it refuses unknown names)
+    assert reported <= replies.FIT_METRICS, sorted(reported - replies.FIT_METRICS)
+    assert readouts <= replies.READOUTS, sorted(readouts - replies.READOUTS)
     assert not list(cfg.output_dir.glob("*.png"))  # log.plots: false (tests/conftest.py) draws none
 
     # trains exactly what it claims, and something
