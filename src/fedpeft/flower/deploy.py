@@ -2,9 +2,11 @@
 
 ``fedpeft serve`` and ``fedpeft join`` are thin wrappers over this module:
 
-- :func:`start_superlink` runs ``flower-superlink`` (one HTTP(S) server: Fleet API for
-  the SuperNodes, Control API for ``flwr run``, ServerAppIo for the ServerApp);
-- :func:`start_supernode` runs ``flower-supernode`` for one client, with its
+- :func:`start_superlink` runs Flower's SuperLink (one HTTP(S) server: Fleet API for
+  the SuperNodes, Control API for ``flwr run``, Runtime API for the ServerApp) behind
+  fedpeft's gate (:mod:`fedpeft.flower.superlink`: the Control API for the operator alone);
+- :func:`start_supernode` runs Flower's SuperNode for one client
+  (:mod:`fedpeft.flower.supernode`: it runs only runs its operator signed), with its
   ``partition-id``, optional ``data-file`` and ``state-dir`` as node config;
 - :func:`submit` writes a Flower app directory whose components are fedpeft's
   ``server_app``/``client_app`` and whose run config is the experiment, submits it with
@@ -136,7 +138,7 @@ def wait_healthy(
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = log.read_text()[-2000:] if log and log.exists() else ""
-            raise DeployError(f"flower-superlink exited with code {proc.returncode}:\n{tail}")
+            raise DeployError(f"the SuperLink exited with code {proc.returncode}:\n{tail}")
         problem = probe(address, tls, timeout=2)
         if problem is None:
             return
@@ -144,7 +146,7 @@ def wait_healthy(
             stop(proc)
             raise DeployError(f"the SuperLink just started at {address}: {problem.why}")
         time.sleep(0.3)
-    raise DeployError(f"flower-superlink at {address} not healthy after {timeout:g} s")
+    raise DeployError(f"the SuperLink at {address} not healthy after {timeout:g} s")
 
 
 def node_config(partition_id: int, state_dir: Path, data_file: Path | None = None) -> str:
