@@ -127,3 +127,18 @@ def test_no_engine_sets_a_methods_round_settings():
     ]
     assert not found, f"a method's round settings assigned from outside: {found}"
     assert assignment.search("self.method.train = step.train")  # what it looks for
+
+
+def test_every_document_a_source_file_cites_is_in_the_repository():
+    """A comment or message in ``src/`` that sends the reader to a document names one the
+    repository holds (``docs/x.md``, ``README.md``): the planning notes fedpeft was built
+    from are not part of it, and a reader cannot open them."""
+    root = SRC.parent
+    missing = []
+    for path in MODULES.values():
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            named = re.findall(r"[\w./-]+\.md\b", line) + re.findall(r"\bDESIGN\b", line)
+            for name in named:
+                if not name.endswith(".md") or not any((root / d / name).is_file() for d in (".", "docs")):
+                    missing.append(f"{path.relative_to(root)}:{number}: {name}")
+    assert not missing, missing

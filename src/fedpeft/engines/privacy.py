@@ -1,7 +1,7 @@
 """Differential privacy of what leaves a client (issue 34): user-level DP-FedAvg, local DP
 and the accounting of sample-level DP-SGD (whose steps are :mod:`fedpeft.engines.local.dp`'s).
 
-The uplink's order (docs/DESIGN, "Layers that compose with every method"): the client
+The uplink's order (docs/architecture.md, "One round, written once"): the client
 clips its update, adds its own noise (``local``), then compresses; the server decodes,
 adds its noise (``user``), then the method aggregates and the server optimiser steps.
 

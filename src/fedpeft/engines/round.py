@@ -1,7 +1,7 @@
 """One federated round's pipeline: the order every engine runs a round's messages in.
 
-The uplink's order is part of the design (DESIGN, "Layers that compose with every
-method"): the guarantees of differential privacy, compression and the server's
+The uplink's order is part of the design (docs/architecture.md, "One round, written
+once"): the guarantees of differential privacy, compression and the server's
 optimiser each hold only in it. It is written here once; an engine owns only how its
 clients are reached and how their replies come back.
 

@@ -2,8 +2,8 @@
 training, averaged for inference (+ head).
 
 Paper: "AdaMix: Mixture-of-Adaptations for Parameter-efficient Model Tuning" (Wang et
-al., EMNLP 2022), a baseline of C2A (Kim et al., 2023, Tables 1, 2, 5); METHODS.md,
-baselines table. The module is :mod:`fedpeft.peft.adamix`.
+al., EMNLP 2022), a baseline of C2A (Kim et al., 2023, Tables 1, 2, 5); docs/c2a.md. The
+module is :mod:`fedpeft.peft.adamix`.
 
 Our reading of AdaMix:
 

@@ -4,7 +4,8 @@ Methods never see an engine and engines never see a method's internals: what cro
 between them is plain data, ``dict[str, torch.Tensor]`` plus a few numbers, so the same
 method runs in-process and over a network unchanged.
 
-Every method splits a client's trainable tensors into three parts (METHODS.md):
+Every method splits a client's trainable tensors into three parts (each method's docs
+page, e.g. docs/personalized.md, lists its shared and personal ones):
 
 - **shared** (``self.shared_names``): sent to the server each round and aggregated;
 - **personal** (``self.personal_names``): stays on the client for the whole run;

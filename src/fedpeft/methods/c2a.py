@@ -1,7 +1,7 @@
 """C2A: Client-Customized Adaptation, adapters generated per client by a hypernetwork.
 
 Paper: "Client-Customized Adaptation for Parameter-Efficient Federated Learning"
-(Kim et al., Findings of ACL 2023); METHODS.md, C2A section; the generator is
+(Kim et al., Findings of ACL 2023); docs/c2a.md; the generator is
 :mod:`fedpeft.peft.hyper`.
 
 Each mini-batch's Houlsby adapters are generated from a client embedding built from

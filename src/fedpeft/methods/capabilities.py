@@ -2,8 +2,8 @@
 
 A method declares in one place, its class's ``refuses`` mapping, each feature it does not
 compose with and why (a method whose reason depends on its config sets its own mapping
-in ``__init__``). The features are the layers around a method (DESIGN.md, "Layers that
-compose with every method"), two training options and the tasks (``data.task``):
+in ``__init__``). The features are the layers around a method (docs/architecture.md, "One round,
+written once"), two training options and the tasks (``data.task``):
 
 - ``dora``: ``method.lora.use_dora`` (opt-in: refused unless declared ``""``);
 - ``fp16``: ``train.precision fp16``, whose loss scaling a method that takes its own

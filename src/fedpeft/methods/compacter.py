@@ -2,7 +2,7 @@
 
 Paper: "Compacter: Efficient Low-Rank Hypercomplex Adapter Layers" (Karimi Mahabadi,
 Henderson and Ruder, NeurIPS 2021), a baseline of C2A (Kim et al., 2023, Tables 1, 2,
-5); METHODS.md, baselines table. The module is :mod:`fedpeft.peft.compacter`.
+5); docs/c2a.md. The module is :mod:`fedpeft.peft.compacter`.
 
 Readings and choices:
 

@@ -1,8 +1,8 @@
 """Ditto: a global model by FedAvg and a personal model pulled towards it.
 
 Paper: Li, Hu, Beirami, Smith, "Ditto: Fair and Robust Federated Learning Through
-Personalization", ICML 2021 (Algorithm 1); METHODS.md names it among the personalised
-baselines beside FedRep and FedRoD.
+Personalization", ICML 2021 (Algorithm 1); one of the personalised baselines beside
+FedRep and FedRoD (docs/two_modules.md).
 
 Each client holds two copies of the trainable tensors (LoRA, adapters, BitFit biases or
 every weight: ``trainable``, plus the head):

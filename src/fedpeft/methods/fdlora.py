@@ -1,7 +1,7 @@
 """FDLoRA: a personal and a global LoRA per client, an outer optimiser, and AdaFusion.
 
 Paper: "FDLoRA: Personalized Federated Learning of Large Language Model via Dual LoRA
-Tuning" (Algorithm 1, sec. 3); METHODS.md, FDLoRA section.
+Tuning" (Algorithm 1, sec. 3); docs/two_modules.md.
 
 Every client holds two LoRA modules of the same rank (each with its own classifier on
 a classification task): a personal one ``theta_p`` (kept, as private ``own.*`` entries

@@ -1,8 +1,8 @@
 """FedAMP: federated attentive message passing (a personalised baseline of FDLoRA).
 
 Paper: Huang, Chu, Zhou, Wang, Liu, Pei, Zhang, "Personalized Cross-Silo Federated
-Learning on Non-IID Data", AAAI 2021 (FedAMP, sec. 3-4; arXiv 2007.03797); METHODS.md,
-FDLoRA section. FedAMP minimises ``sum_i F_i(w_i) + lambda sum_{i<j} A(||w_i - w_j||^2)``
+Learning on Non-IID Data", AAAI 2021 (FedAMP, sec. 3-4; arXiv 2007.03797);
+docs/two_modules.md. FedAMP minimises ``sum_i F_i(w_i) + lambda sum_{i<j} A(||w_i - w_j||^2)``
 over one model ``w_i`` per client by alternating two steps each round ``k``:
 
 1. **Attentive message passing** (server): a gradient step of size ``alpha_k`` on the

@@ -1,7 +1,7 @@
 """FeDeRA: federated LoRA initialised from the SVD of the pretrained weights.
 
 Paper: Yan et al., "FeDeRA: Efficient Fine-tuning of Language Models in Federated
-Learning Leveraging Weight Decomposition", 2024, sec. 4.1 (eqs. 6-10); METHODS.md.
+Learning Leveraging Weight Decomposition", 2024, sec. 4.1 (eqs. 6-10); docs/federa.md.
 
 LoRA on query and value, with ``A, B`` taken from the truncated SVD of each pretrained
 weight (``fedpeft.peft.svd_init``) and the frozen weight replaced by the residual

@@ -3,7 +3,7 @@
 Paper: Wu, Wu, Lyu, Huang, Xie, "Communication-efficient federated learning via
 knowledge distillation", Nature Communications 13, 2032 (2022) (FedKD; "Methods":
 adaptive mutual distillation, dynamic gradient approximation); the authors' code
-(github.com/wuch15/FedKD) settles details the text leaves open. METHODS.md, FDLoRA section.
+(github.com/wuch15/FedKD) settles details the text leaves open. docs/two_modules.md.
 
 **Two models on one frozen backbone.** Each client has a *mentor* (personal: it never
 leaves the client) and a *mentee* (shared: aggregated by FedAvg). The paper's mentor is a

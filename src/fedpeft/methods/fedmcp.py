@@ -1,7 +1,7 @@
 """FedMCP: a global and a private adapter per client, tied by a model-contrastive term.
 
 Paper: "FedMCP: Parameter-Efficient Federated Learning with Model-Contrastive
-Personalization" (sec. 3); METHODS.md, FedMCP section.
+Personalization" (sec. 3); docs/two_modules.md.
 
 Every Houlsby site of the backbone holds two adapters (bottleneck 16), a *global* one
 ``g`` (aggregated) and a *private* one ``p`` (never leaves the client), both reading

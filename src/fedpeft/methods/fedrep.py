@@ -2,7 +2,7 @@
 
 Paper: Collins, Hassani, Mokhtari, Shakkottai, "Exploiting Shared Representations for
 Personalized Federated Learning", ICML 2021 (Algorithm 1); a baseline of FedMCP and
-FDLoRA (METHODS.md).
+FDLoRA (docs/two_modules.md).
 
 The body (the PEFT tensors: LoRA, adapters, BitFit biases or every weight: ``trainable``)
 is shared and averaged as in FedAvg; the head is always personal (it never leaves the
@@ -65,8 +65,8 @@ Phase = Literal["head", "body"]
 HEAD_NEEDED = {
     "causal_lm": "FedRep personalises a classification head; a causal LM predicts with its own, frozen "
     "LM head",
-    "token_classification": "FedRep is defined for a sequence classifier's head (METHODS.md)",
-    "extractive_qa": "FedRep is defined for a sequence classifier's head (METHODS.md)",
+    "token_classification": "FedRep is defined for a sequence classifier's head (docs/two_modules.md)",
+    "extractive_qa": "FedRep is defined for a sequence classifier's head (docs/two_modules.md)",
 }
 
 

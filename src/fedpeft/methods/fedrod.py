@@ -1,7 +1,7 @@
 """FedRoD: a generic model trained with a balanced loss, plus a personal head on top.
 
 Paper: Chen & Chao, "On Bridging Generic and Personalized Federated Learning for Image
-Classification", ICLR 2022 (sec. 4); a baseline of FDLoRA (METHODS.md).
+Classification", ICLR 2022 (sec. 4); a baseline of FDLoRA (docs/two_modules.md).
 
 The model gets a second linear head, the **personal head** ``p`` (``model.personal_head``,
 added in :meth:`FedRoD.prepare`). Per client:

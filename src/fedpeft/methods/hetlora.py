@@ -1,7 +1,7 @@
 """HETLoRA: heterogeneous LoRA ranks across clients (a baseline of PF2LoRA).
 
 Paper: Cho et al., "Heterogeneous LoRA for Federated Fine-tuning of On-Device Foundation
-Models", EMNLP 2024; METHODS.md, PF2LoRA section. Four parts:
+Models", EMNLP 2024; a baseline of PF2LoRA (docs/personalized.md). Four parts:
 
 1. **Rank initialisation**: client ``i`` gets a fixed rank ``r_i`` in ``[r_min, r_max]``
    (a uniform draw seeded by the experiment seed, ``rank_seed`` and the client id; or
@@ -19,8 +19,8 @@ Models", EMNLP 2024; METHODS.md, PF2LoRA section. Four parts:
    to the Frobenius norm of the client's update ``||B_i A_i||`` (over all adapted
    matrices); the head is averaged by client size, as in FedAvg.
 
-**The pruning rule.** The paper's text is not among fedpeft's sources; METHODS.md says
-the client "prunes columns whose norm falls below a ratio". Component ``j`` of an adapter
+**The pruning rule.** The paper's text is not among fedpeft's sources; what is known of
+it is that the client prunes columns whose norm falls below a ratio. Component ``j`` of an adapter
 is the rank-one term ``b_j a_j^T`` (column ``j`` of ``B``, row ``j`` of ``A``); its energy is
 ``e_j = sum over adapted modules of ||b_j|| ||a_j||`` (the Frobenius norm of the term).
 ``prune_rule`` compares the tail ``T = {q, ..., r_i - 1}`` with the kept components

@@ -1,7 +1,7 @@
 """MOON: model-contrastive federated learning (FedAvg with a representation-level loss).
 
 Paper: Li, He, Song, "Model-Contrastive Federated Learning", CVPR 2021 (sec. 3, Algorithm 1);
-a baseline of FedMCP (METHODS.md).
+a baseline of FedMCP (docs/two_modules.md).
 
 FedAvg over the trainable tensors (LoRA, adapters, BitFit biases or every weight:
 ``trainable``; the head too, unless ``head: personal``), with the local loss

@@ -2,7 +2,7 @@
 
 Paper: Fallah et al., "Personalized Federated Learning with Theoretical Guarantees: A
 Model-Agnostic Meta-Learning Approach", 2020; the LoRA variant is a baseline of PF2LoRA
-(METHODS.md). The federation looks for a common adapter that does well *after one local
+(docs/personalized.md). The federation looks for a common adapter that does well *after one local
 SGD step*. One local step on two mini-batches ``D1, D2``:
 
     theta'  = theta - alpha * grad L(theta; D1)                  (inner, adaptation)

@@ -1,7 +1,7 @@
 """PF2LoRA: two-level LoRA solved as a bilevel problem (personalised federated fine-tuning).
 
 Paper: "PF2LoRA: Personalized Federated Fine-tuning via an Automatic Rank Learning
-Approach via Two-Level LoRA" (Algorithm 1); METHODS.md, PF2LoRA section.
+Approach via Two-Level LoRA" (Algorithm 1); docs/personalized.md.
 
 Every adapted matrix of client ``i`` computes
 ``W0 x + (alpha/r) B A x + (alpha2/r2) D_i C_i x``: a common adapter ``(A, B)`` of rank

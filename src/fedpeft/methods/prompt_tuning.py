@@ -1,7 +1,7 @@
 """Prompt tuning under FedAvg: a soft prompt (+ head) trained and averaged.
 
 Paper: "The Power of Scale for Parameter-Efficient Prompt Tuning" (Lester et al., EMNLP
-2021), a baseline of C2A (Kim et al., 2023, Tables 1, 2, 5); METHODS.md, baselines table.
+2021), a baseline of C2A (Kim et al., 2023, Tables 1, 2, 5); docs/c2a.md.
 The module is :mod:`fedpeft.peft.prompt`.
 
 Readings and choices:

@@ -1,7 +1,7 @@
 """C2A's client-conditional hypernetwork: Houlsby adapters generated per mini-batch.
 
 Paper: "Client-Customized Adaptation for Parameter-Efficient Federated Learning"
-(Kim et al., 2023), sec. 3; METHODS.md, C2A section.
+(Kim et al., 2023), sec. 3; docs/c2a.md.
 
 For a mini-batch ``B`` and layer ``l`` the client embedding is ``I_l = L + F_l + E_l``:
 
