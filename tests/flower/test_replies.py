@@ -509,3 +509,43 @@ def test_a_resumed_run_keeps_who_holds_a_client_id(tiny_config, tmp_path, monkey
     assert "node 200 claims client 0, held by node 100 (its enrolled key); refused" in capsys.readouterr().out
     last = read_records(cfg.output_dir)[-1]
     assert last["round"] == 3 and last["clients"] == [1, 2, 3]
+
+
+def test_a_key_enrolled_anew_keeps_its_client_id_under_its_new_node_id(
+    tiny_config, tmp_path, monkeypatch, capsys
+):
+    """A client id is held by the node's key, not its node id: ``fedpeft serve`` starts a
+    SuperLink per run, so a resumed run's nodes come back under new node ids for the same
+    keys (``nodes.json``, written by ``fedpeft enrol``). Client 0's key, back as node 300,
+    keeps client 0; node 200, another key, is refused; without the key on record the new
+    node id would be a stranger to the binding."""
+    from fedpeft.flower import control
+    from fedpeft.flower.certs import make_node_keys
+
+    keys = make_node_keys(tmp_path / "keys", range(5))  # 0..3: clients 0..3; 4: the impostor
+    nodes = tmp_path / "nodes.json"
+    fingerprints = {i: control.fingerprint(public) for i, (_, public) in keys.items()}
+    assert len(set(fingerprints.values())) == 5
+    nodes.write_text(json.dumps({str(100 + i): fingerprints[i] for i in range(4)} | {"200": fingerprints[4]}))
+    monkeypatch.setenv(replies.NODE_AUTH_ENV, "1")
+    monkeypatch.setenv(replies.NODE_KEYS_ENV, str(nodes))
+    monkeypatch.delenv(replies.ASSIGNMENTS_ENV, raising=False)
+    cfg = tiny_config(**{**ONE_ROUND, "train.rounds": 3, "deploy.max_skipped_rounds": 1})
+    grid = deploy(cfg, tmp_path)
+    grid.faults = lambda node, m: (
+        "error" if m.metadata.message_type == "train" and m.content["config"]["round"] == 2 else None
+    )
+    with pytest.raises(DeploymentError, match="1 consecutive rounds skipped"):
+        serve(grid)
+    # a new SuperLink: client 0's key enrolled again as node 300, the impostor as 200
+    grid.faults = lambda node, m: None
+    state_0 = grid.contexts.pop(100).node_config
+    grid.contexts[300] = grid.context(300, state_0)
+    grid.contexts[200] = grid.context(200, {"partition-id": 0, "state-dir": str(tmp_path / "impostor")})
+    nodes.write_text(json.dumps({**json.loads(nodes.read_text()), "300": fingerprints[0]}))
+    capsys.readouterr()
+    serve(grid, resume=True)
+    out = capsys.readouterr().out
+    assert "node 200 claims client 0, held by node 300 (its enrolled key); refused" in out
+    assert trained_by(grid, 300) == [(3, 300)]
+    assert read_records(cfg.output_dir)[-1]["clients"] == [0, 1, 2, 3]

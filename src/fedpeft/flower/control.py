@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import json
 import os
 import subprocess
@@ -120,10 +121,29 @@ def enrol(
     node = int(reply["node-id"])
     registry = _registry(workdir)
     registry.write_text(json.dumps({**_enrolled(workdir), str(path): node}, indent=1) + "\n")
+    _write_json(node_keys(workdir), {**_read_json(node_keys(workdir)), str(node): fingerprint(path)})
     if client is not None:
         held = {c: n for c, n in _assigned(workdir).items() if n != node}
-        _write_assigned(workdir, {**held, str(client): node})
+        _write_json(assignments(workdir), {**held, str(client): node})
     return node
+
+
+def fingerprint(public_key: Path) -> str:
+    """A node's key, as the ServerApps know it: the SHA-256 (hex) of its public key (DER)."""
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        key = serialization.load_ssh_public_key(Path(public_key).read_bytes())
+    except (ValueError, TypeError) as err:
+        raise DeployError(f"{public_key}: not an OpenSSH public key ({err})") from None
+    der = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return hashlib.sha256(der).hexdigest()
+
+
+def node_keys(workdir: Path) -> Path:
+    """Which key each node id enrolled from ``workdir`` has (``{"<node id>": "<fingerprint>"}``):
+    a member keeps its client id when the same key gets a new node id (a new SuperLink)."""
+    return workdir / "nodes.json"
 
 
 def assignments(workdir: Path) -> Path:
@@ -133,14 +153,17 @@ def assignments(workdir: Path) -> Path:
 
 
 def _assigned(workdir: Path) -> dict[str, int]:
-    path = assignments(workdir)
+    return _read_json(assignments(workdir))
+
+
+def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _write_assigned(workdir: Path, assigned: dict[str, int]) -> None:
-    tmp = assignments(workdir).with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(dict(sorted(assigned.items(), key=lambda kv: int(kv[0]))), indent=1) + "\n")
-    os.replace(tmp, assignments(workdir))  # a ServerApp reading it sees the old file or the new one
+def _write_json(path: Path, content: dict) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(dict(sorted(content.items(), key=lambda kv: int(kv[0]))), indent=1) + "\n")
+    os.replace(tmp, path)  # a ServerApp reading it sees the old file or the new one
 
 
 def _registry(workdir: Path) -> Path:
@@ -173,7 +196,7 @@ def revoke(superlink: str, node_id: int, tls: Tls, workdir: Path) -> None:
     if _registry(workdir).is_file():
         _registry(workdir).write_text(json.dumps(remaining, indent=1) + "\n")
     if assignments(workdir).is_file():  # the client ids it held are free again
-        _write_assigned(workdir, {c: n for c, n in _assigned(workdir).items() if n != node_id})
+        _write_json(assignments(workdir), {c: n for c, n in _assigned(workdir).items() if n != node_id})
 
 
 def _supernode(

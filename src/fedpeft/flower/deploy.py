@@ -90,8 +90,9 @@ def start_superlink(
     machine unless ``remote_operator``); returns once it answers its health check.
     ``auth`` (default: with TLS): SuperNode authentication, so that only nodes whose public
     key was registered (:func:`enrol`) can join; Flower allows it over TLS only. Its
-    ServerApps learn it (``FEDPEFT_NODE_AUTH``), and where the operator's client-id
-    assignments are (``FEDPEFT_CLIENT_ASSIGNMENTS``: ``workdir/clients.json``).
+    ServerApps learn it (``FEDPEFT_NODE_AUTH``), which key each enrolled node has
+    (``FEDPEFT_NODE_KEYS``: ``workdir/nodes.json``) and the operator's client-id
+    assignments (``FEDPEFT_CLIENT_ASSIGNMENTS``: ``workdir/clients.json``).
     ``persistent``: its state (runs, enrolled nodes) in ``workdir/superlink.db``, kept
     across its restarts; otherwise in memory, which answers the nodes' requests faster
     (a SuperLink that lives for one run or one federation needs nothing kept)."""
@@ -120,8 +121,9 @@ def start_superlink(
            "--disable-runtime-dependency-installation", *database,
            *(["--enable-supernode-auth"] if auth else []),
            *(["--remote-operator"] if remote_operator else [])]  # fmt: skip
-    env = {
+    env = {  # what the runs' ServerApps learn of it (fedpeft.flower.replies.enrolment)
         "FEDPEFT_NODE_AUTH": "1" if auth else "0",
+        "FEDPEFT_NODE_KEYS": str(control.node_keys(workdir)),
         "FEDPEFT_CLIENT_ASSIGNMENTS": str(control.assignments(workdir)),
     }
     proc = _spawn(cmd, workdir, workdir / "home-superlink", log, env)
