@@ -16,7 +16,7 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, Message, RecordDict
 
-from fedpeft.flower import codec, replies
+from fedpeft.flower import codec, members, replies
 from fedpeft.flower.server import DeploymentError, FlowerServer
 from fedpeft.report.results import read_records
 from tests.helpers.flower import deploy, serve, wrapped_handler
@@ -441,7 +441,7 @@ def trained_by(grid, cid_node: int) -> list[tuple[int, int]]:
 def test_without_authentication_a_new_node_replaces_the_old_one(tiny_config, tmp_path, monkeypatch, capsys):
     """Today's behaviour, kept: without SuperNode authentication node ids change when a
     node restarts, so the last node to claim a client id holds it."""
-    monkeypatch.delenv(replies.NODE_AUTH_ENV, raising=False)
+    monkeypatch.delenv(members.NODE_AUTH_ENV, raising=False)
     cfg = tiny_config(**ONE_ROUND)
     grid = with_a_second_node_for_client_0(cfg, tmp_path)
     serve(grid)
@@ -452,8 +452,8 @@ def test_without_authentication_a_new_node_replaces_the_old_one(tiny_config, tmp
 def test_with_authentication_a_client_id_stays_with_its_first_node(
     tiny_config, tmp_path, monkeypatch, capsys
 ):
-    monkeypatch.setenv(replies.NODE_AUTH_ENV, "1")
-    monkeypatch.setenv(replies.ASSIGNMENTS_ENV, str(tmp_path / "clients.json"))  # none yet
+    monkeypatch.setenv(members.NODE_AUTH_ENV, "1")
+    monkeypatch.setenv(members.ASSIGNMENTS_ENV, str(tmp_path / "clients.json"))  # none yet
     cfg = tiny_config(**{**ONE_ROUND, "train.rounds": 2})
     grid = with_a_second_node_for_client_0(cfg, tmp_path)
     serve(grid)
@@ -463,15 +463,15 @@ def test_with_authentication_a_client_id_stays_with_its_first_node(
     assert [r["ignored_nodes"] for r in records] == [{"200": why}] * 2  # asked again, refused again
     assert trained_by(grid, 100) == [(1, 100), (2, 100)]
     extras = torch.load(cfg.output_dir / "checkpoint.pt", weights_only=True)["server"]["extras"]
-    assert replies.bindings_of(extras) == {0: 100, 1: 101, 2: 102, 3: 103}
+    assert members.bindings_of(extras) == {0: 100, 1: 101, 2: 102, 3: 103}
 
 
 def test_an_operator_assignment_moves_a_client_id(tiny_config, tmp_path, monkeypatch, capsys):
     """``fedpeft enrol KEY --client 0`` writes the assignment; read at each roll call, it
     moves client 0 to node 200 from the next round on."""
     assignments = tmp_path / "clients.json"
-    monkeypatch.setenv(replies.NODE_AUTH_ENV, "1")
-    monkeypatch.setenv(replies.ASSIGNMENTS_ENV, str(assignments))
+    monkeypatch.setenv(members.NODE_AUTH_ENV, "1")
+    monkeypatch.setenv(members.ASSIGNMENTS_ENV, str(assignments))
     cfg = tiny_config(**{**ONE_ROUND, "train.rounds": 2})
     grid = with_a_second_node_for_client_0(cfg, tmp_path)
 
@@ -492,8 +492,8 @@ def test_a_resumed_run_keeps_who_holds_a_client_id(tiny_config, tmp_path, monkey
     """Round 2 is skipped (every update fails) and the run stops; it resumes with node
     100 offline and node 200 claiming client 0: refused, since the server state says
     node 100 holds it (a server that forgot would give it to the first claimant)."""
-    monkeypatch.setenv(replies.NODE_AUTH_ENV, "1")
-    monkeypatch.delenv(replies.ASSIGNMENTS_ENV, raising=False)
+    monkeypatch.setenv(members.NODE_AUTH_ENV, "1")
+    monkeypatch.delenv(members.ASSIGNMENTS_ENV, raising=False)
     cfg = tiny_config(**{**ONE_ROUND, "train.rounds": 3, "deploy.max_skipped_rounds": 1})
     grid = deploy(cfg, tmp_path)
     grid.faults = lambda node, m: (
@@ -527,9 +527,9 @@ def test_a_key_enrolled_anew_keeps_its_client_id_under_its_new_node_id(
     fingerprints = {i: control.fingerprint(public) for i, (_, public) in keys.items()}
     assert len(set(fingerprints.values())) == 5
     nodes.write_text(json.dumps({str(100 + i): fingerprints[i] for i in range(4)} | {"200": fingerprints[4]}))
-    monkeypatch.setenv(replies.NODE_AUTH_ENV, "1")
-    monkeypatch.setenv(replies.NODE_KEYS_ENV, str(nodes))
-    monkeypatch.delenv(replies.ASSIGNMENTS_ENV, raising=False)
+    monkeypatch.setenv(members.NODE_AUTH_ENV, "1")
+    monkeypatch.setenv(members.NODE_KEYS_ENV, str(nodes))
+    monkeypatch.delenv(members.ASSIGNMENTS_ENV, raising=False)
     cfg = tiny_config(**{**ONE_ROUND, "train.rounds": 3, "deploy.max_skipped_rounds": 1})
     grid = deploy(cfg, tmp_path)
     grid.faults = lambda node, m: (

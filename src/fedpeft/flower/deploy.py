@@ -121,7 +121,7 @@ def start_superlink(
            "--disable-runtime-dependency-installation", *database,
            *(["--enable-supernode-auth"] if auth else []),
            *(["--remote-operator"] if remote_operator else [])]  # fmt: skip
-    env = {  # what the runs' ServerApps learn of it (fedpeft.flower.replies.enrolment)
+    env = {  # what the runs' ServerApps learn of it (fedpeft.flower.members.enrolment)
         "FEDPEFT_NODE_AUTH": "1" if auth else "0",
         "FEDPEFT_NODE_KEYS": str(control.node_keys(workdir)),
         "FEDPEFT_CLIENT_ASSIGNMENTS": str(control.assignments(workdir)),

@@ -22,7 +22,7 @@ Each round:
 A reply that fails a check drops its client (``dropped``, ``eval_failed``) or, at the
 roll call, leaves its node out of the round (``ignored_nodes``); it never stops the
 server. With SuperNode authentication a client id stays with its node
-(:class:`~fedpeft.flower.replies.ClientIds`).
+(:class:`~fedpeft.flower.members.ClientIds`).
 
 Bytes are those Flower serialises (:func:`~fedpeft.flower.codec.wire_bytes`); the
 tensor payload the in-process engine counts is recorded beside them. The server
@@ -47,7 +47,7 @@ from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
 from fedpeft.engines.local import derive_seed
 from fedpeft.engines.round import Returned, Round, ServerRound, close_record, receive, sample_clients
 from fedpeft.experiment import Setup
-from fedpeft.flower import codec, replies, secure
+from fedpeft.flower import codec, members, replies, secure
 from fedpeft.methods.base import FitResult, ServerState, Tensors, load_tensors, tensor_bytes
 from fedpeft.metrics.classification import mean_scores, spread
 from fedpeft.metrics.scorers import scorer_for
@@ -133,7 +133,7 @@ class FlowerServer:
         self.uplink_like: Tensors = {}
         self.peers: dict[int, Peer] = {}  # client id -> the node that holds it
         self.strangers: set[int] = set()  # nodes that answered with an unusable client id
-        self.ids = replies.ClientIds(log)  # under node authentication, who holds which client id
+        self.ids = members.ClientIds(log)  # under node authentication, who holds which client id
         self.ignored: dict[int, str] = {}  # this round's roll-call replies refused, by node
         self.score_names = replies.score_names(self.cfg.data.task)  # what an evaluation reply holds
         # the global model's scorer: the in-process engine's, for this task
@@ -193,7 +193,7 @@ class FlowerServer:
         that claims a client id already held replaces the older node (a restarted SuperNode
         comes back under a new node id, while the old id lingers until its heartbeat
         lapses), unless nodes are authenticated: then the id's holder keeps it
-        (:class:`replies.ClientIds`)."""
+        (:class:`members.ClientIds`)."""
         listed = set(self.grid.get_node_ids())
         self.peers = {cid: p for cid, p in self.peers.items() if p.node_id in listed}
         for cid in self.ids.start(rnd, {cid: p.node_id for cid, p in self.peers.items()}):
