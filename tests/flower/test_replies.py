@@ -488,12 +488,9 @@ def test_an_operator_assignment_moves_a_client_id(tiny_config, tmp_path, monkeyp
     assert "ignored_nodes" not in records[1] or "200" not in records[1]["ignored_nodes"]
 
 
-def test_a_resumed_run_keeps_who_holds_a_client_id(tiny_config, tmp_path, monkeypatch, capsys):
-    """Round 2 is skipped (every update fails) and the run stops; it resumes with node
-    100 offline and node 200 claiming client 0: refused, since the server state says
-    node 100 holds it (a server that forgot would give it to the first claimant)."""
-    monkeypatch.setenv(members.NODE_AUTH_ENV, "1")
-    monkeypatch.delenv(members.ASSIGNMENTS_ENV, raising=False)
+def stopped_in_round_2(tiny_config, tmp_path):
+    """A 3-round run whose round 2 is skipped (every update fails) and which then stops
+    (``deploy.max_skipped_rounds: 1``), ready to resume: its config and grid."""
     cfg = tiny_config(**{**ONE_ROUND, "train.rounds": 3, "deploy.max_skipped_rounds": 1})
     grid = deploy(cfg, tmp_path)
     grid.faults = lambda node, m: (
@@ -502,6 +499,16 @@ def test_a_resumed_run_keeps_who_holds_a_client_id(tiny_config, tmp_path, monkey
     with pytest.raises(DeploymentError, match="1 consecutive rounds skipped"):
         serve(grid)
     grid.faults = lambda node, m: None
+    return cfg, grid
+
+
+def test_a_resumed_run_keeps_who_holds_a_client_id(tiny_config, tmp_path, monkeypatch, capsys):
+    """Round 2 is skipped (every update fails) and the run stops; it resumes with node
+    100 offline and node 200 claiming client 0: refused, since the server state says
+    node 100 holds it (a server that forgot would give it to the first claimant)."""
+    monkeypatch.setenv(members.NODE_AUTH_ENV, "1")
+    monkeypatch.delenv(members.ASSIGNMENTS_ENV, raising=False)
+    cfg, grid = stopped_in_round_2(tiny_config, tmp_path)
     del grid.contexts[100]
     grid.contexts[200] = grid.context(200, {"partition-id": 0, "state-dir": str(tmp_path / "impostor")})
     capsys.readouterr()
@@ -530,15 +537,8 @@ def test_a_key_enrolled_anew_keeps_its_client_id_under_its_new_node_id(
     monkeypatch.setenv(members.NODE_AUTH_ENV, "1")
     monkeypatch.setenv(members.NODE_KEYS_ENV, str(nodes))
     monkeypatch.delenv(members.ASSIGNMENTS_ENV, raising=False)
-    cfg = tiny_config(**{**ONE_ROUND, "train.rounds": 3, "deploy.max_skipped_rounds": 1})
-    grid = deploy(cfg, tmp_path)
-    grid.faults = lambda node, m: (
-        "error" if m.metadata.message_type == "train" and m.content["config"]["round"] == 2 else None
-    )
-    with pytest.raises(DeploymentError, match="1 consecutive rounds skipped"):
-        serve(grid)
+    cfg, grid = stopped_in_round_2(tiny_config, tmp_path)
     # a new SuperLink: client 0's key enrolled again as node 300, the impostor as 200
-    grid.faults = lambda node, m: None
     state_0 = grid.contexts.pop(100).node_config
     grid.contexts[300] = grid.context(300, state_0)
     grid.contexts[200] = grid.context(200, {"partition-id": 0, "state-dir": str(tmp_path / "impostor")})
