@@ -146,6 +146,10 @@ def test_nodes_check_the_app_is_the_operators(pki, tiny_config, tmp_path):
     components = operator.sign_app(components, operator.Operator.at(ours["operator.key"]))
     assert "components are not fedpeft's" in refused(_fab(components))
     assert "not a fedpeft app" in refused(b"not a zip")
+    bomb = io.BytesIO()  # a pyproject that unpacks to more than any config: refused unread
+    with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("pyproject.toml", b" " * (operator.MAX_APP_BYTES + 1))
+    assert "unpacks to" in refused(bomb.getvalue())
 
 
 def test_a_node_answers_an_unsigned_run_with_an_error_and_runs_nothing(
@@ -446,6 +450,8 @@ def test_a_stranger_with_the_ca_certificate_cannot_enrol_revoke_or_run(tmp_path)
             "revoke", "runs/certs/nodes/node-3.pub", "--superlink", link, "--ca", "runs/certs/ca.crt", cwd=op
         )
         assert res.returncode == 0 and "revoked node" in res.stdout, res.stdout + res.stderr
+        # no operator token is left on disk once the calls are over
+        assert not [*op.rglob("credentials.yaml"), *(tmp_path / "check").rglob("credentials.yaml")]
         assert control.enrolled_nodes(link, tls, tmp_path / "check") == before
     finally:
         for proc in (node, superlink):

@@ -162,6 +162,7 @@ def test_only_enrolled_nodes_join_and_a_revoked_one_is_refused(tiny_config, tmp_
         status = submit(fed, cfg, tmp_path / "submit")
         revoker.join(5)
         assert status["status"] == "finished:completed"
+        assert not list((tmp_path / "submit").rglob("credentials.yaml"))  # no operator token left behind
         records = read_records(cfg.output_dir)
         assert len(records) == 5
         assert 2 in records[0]["clients"]

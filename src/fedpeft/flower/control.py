@@ -66,9 +66,11 @@ def write_connection(home: Path, superlink: str, tls: Tls | None) -> None:
         _OPERATORS[home.resolve()] = (superlink, operator)
 
 
-def _sign_in(home: Path) -> None:
+def sign_in(home: Path) -> None:
     """A fresh operator token in the ``flwr`` CLI's credential store of ``home`` (it sends
-    it as the bearer of every Control API request), when ``home`` has an operator."""
+    it as the bearer of every Control API request), when ``home`` has an operator. The
+    store is readable by its owner alone, and :func:`sign_out` removes it once the call
+    that needed it is over."""
     if (signed := _OPERATORS.get(home.resolve())) is None:
         return
     superlink, operator = signed
@@ -82,17 +84,26 @@ def _sign_in(home: Path) -> None:
     write_private(home / "credentials.yaml", yaml.safe_dump(store).encode())
 
 
+def sign_out(home: Path) -> None:
+    """No operator token left on disk in ``home``."""
+    (home / "credentials.yaml").unlink(missing_ok=True)
+
+
 def flwr(
     home: Path, *args: str, check: bool = True, timeout: float | None = None
 ) -> subprocess.CompletedProcess:
-    _sign_in(home)
-    proc = subprocess.run(
-        [processes.script("flwr"), *args],
-        env=processes.flower_env(home),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """``flwr ARGS`` with ``home``'s connection, signed for this call alone."""
+    sign_in(home)
+    try:
+        proc = subprocess.run(
+            [processes.script("flwr"), *args],
+            env=processes.flower_env(home),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    finally:
+        sign_out(home)
     if check and proc.returncode != 0:
         said = proc.stderr[-1500:] or proc.stdout[-1500:]
         raise DeployError(f"flwr {' '.join(args[:2])} failed ({proc.returncode}): {said}")

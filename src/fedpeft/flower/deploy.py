@@ -286,7 +286,7 @@ def submit(
     last completed round with ``resume``."""
     check_deployable(cfg)
     cfg = absolute_paths(cfg)
-    home = workdir / "home-cli"
+    home, follower = workdir / "home-cli", workdir / "home-log"
     write_connection(home, superlink, tls)
     app = write_app(workdir / "app", cfg, resume, operator_of(tls))
     run_id, logs = None, None
@@ -297,11 +297,15 @@ def submit(
         # the run's log: echoed, or kept in the work directory (its tail explains a failure)
         log_file = workdir / f"run-{run_id}.log"
         said = lambda: "" if echo else f"; the run's log ({log_file}) ends:\n{_tail(log_file)}"  # noqa: E731
+        # the follower, a long-lived flwr, signs in with a home of its own (each call on
+        # ``home`` removes its token when it ends), signed out when the run is over
+        write_connection(follower, superlink, tls)
+        control.sign_in(follower)
         with contextlib.ExitStack() as files:
             sink = None if echo else files.enter_context(open(log_file, "wb"))
             logs = processes.popen(
                 [processes.script("flwr"), "log", str(run_id), CONNECTION, "--stream"],
-                env=flower_env(home),
+                env=flower_env(follower),
                 stdout=sink,
                 stderr=subprocess.STDOUT,
             )
@@ -324,6 +328,7 @@ def submit(
             with contextlib.suppress(subprocess.TimeoutExpired):
                 logs.wait(10)  # the stream ends with the run
             stop(logs)
+        control.sign_out(follower)
     status["run-id"] = run_id
     if status["status"] != "finished:completed":
         raise DeployError(f"run {run_id} {status['status']}: {status.get('status-details', '')}{said()}")

@@ -51,6 +51,7 @@ CLOCK_SKEW = 120  # seconds a token may come from the future (clocks of two mach
 SIGNATURE_KEY, CERTIFICATE_KEY = "operator-signature", "operator-certificate"
 #: what a fedpeft app holds (``deploy.write_app``): its pyproject, and the manifest Flower adds
 APP_FILES = {"pyproject.toml", ".info/CONTENT"}
+MAX_APP_BYTES = 16 * 2**20  # its pyproject holds the experiment's config: kilobytes, never this
 #: the components a fedpeft app may name: fedpeft's own, from the installed package
 SERVER_APPS = {"fedpeft.flower.apps:server_app"}
 CLIENT_APPS = {"fedpeft.flower.relay:client_app", "fedpeft.flower.apps:client_app"}
@@ -258,6 +259,8 @@ def check_app(fab: bytes, ca: x509.Certificate, now: float | None = None) -> dic
             names = set(z.namelist())
             if extra := sorted(names - APP_FILES):
                 raise Untrusted(f"the app holds files a fedpeft app does not: {extra[:3]}")
+            if (size := z.getinfo("pyproject.toml").file_size) > MAX_APP_BYTES:
+                raise Untrusted(f"the app's pyproject.toml unpacks to {size} bytes (at most {MAX_APP_BYTES})")
             app = tomllib.loads(z.read("pyproject.toml").decode())
     except (zipfile.BadZipFile, KeyError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
         raise Untrusted(f"the app is not a fedpeft app ({err})") from None
