@@ -18,8 +18,7 @@ import numpy as np
 from fedpeft.config import ExperimentConfig
 from fedpeft.data import partition as P
 from fedpeft.data.task import Encoded
-from fedpeft.data.types import Corpus
-from fedpeft.methods.base import ClientData
+from fedpeft.data.types import ClientData, Corpus
 
 T = TypeVar("T")
 

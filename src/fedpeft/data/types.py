@@ -1,12 +1,16 @@
 """What the data package hands on: a :class:`Corpus` (labelled texts, before tokenisation),
-its tables' :data:`Columns`, and :class:`DataError`, the error bad input fails with."""
+its tables' :data:`Columns`, a client's examples (:class:`ClientData`), and
+:class:`DataError`, the error bad input fails with."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from fedpeft.data.task import Encoded
 
 Columns = dict[str, list[Any]]
 
@@ -40,3 +44,16 @@ class Corpus:
     @property
     def num_classes(self) -> int:
         return len(self.class_names)
+
+
+@dataclass
+class ClientData:
+    """One client's examples: its training split, its local test split, optionally a
+    validation split, and, in the cross-silo multi-task setting, the classes of its own
+    label space (None: every class)."""
+
+    cid: int
+    train: Encoded
+    test: Encoded
+    val: Encoded | None = None
+    classes: np.ndarray | None = None

@@ -41,8 +41,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load, save
 
 from fedpeft.engines.store_index import Entry, StoreIndex
+from fedpeft.tensors import Tensors
 
-Tensors = dict[str, torch.Tensor]
 ALIGN = 16  # bytes
 TRIM_EVERY = 256  # evictions between two hand-backs of freed heap memory
 

@@ -44,35 +44,23 @@ import numpy as np
 import torch
 
 from fedpeft.config.methods.base import MethodConfig
-from fedpeft.data.task import Draw, Encoded, sample_draws, take_draws
+from fedpeft.data.task import Draw, sample_draws, take_draws
+from fedpeft.data.types import ClientData
 from fedpeft.engines.local import (
     OPT,
     GradientFn,
     Job,
     ModelLossGradients,
     Start,
-    Tensors,
     optimizer_state,
     run_cohort,
 )
 from fedpeft.methods.messages import Messages
+from fedpeft.tensors import Tensors
 
 if TYPE_CHECKING:
     from fedpeft.config import TrainConfig
     from fedpeft.models.backbone import TaskModel
-
-
-@dataclass
-class ClientData:
-    """One client's examples: its training split, its local test split, optionally a
-    validation split, and, in the cross-silo multi-task setting, the classes of its own
-    label space (None: every class)."""
-
-    cid: int
-    train: Encoded
-    test: Encoded
-    val: Encoded | None = None
-    classes: np.ndarray | None = None
 
 
 @dataclass

@@ -33,8 +33,8 @@ import torch
 from fedpeft.data.task import IGNORE, WHOLE, Encoded, Part, eval_batches, make_batch, share_of
 from fedpeft.engines.local import predict_cohort
 from fedpeft.metrics.classification import predict, scores
+from fedpeft.tensors import Tensors
 
-Tensors = dict[str, torch.Tensor]
 Loader = Callable[[Tensors], None]
 
 

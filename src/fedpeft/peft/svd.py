@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-Tensors = dict[str, torch.Tensor]
+from fedpeft.tensors import Tensors
 
 SVD_U, SVD_S, SVD_V, DELTA = ".svd_u", ".svd_s", ".svd_v", ".delta"  # suffixes of what is sent
 FACTORS = (SVD_U, SVD_S, SVD_V)

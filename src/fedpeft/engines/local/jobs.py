@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from fedpeft.tensors import Tensors
+
 if TYPE_CHECKING:
     from fedpeft.config import TrainConfig
-    from fedpeft.methods.base import ClientData
+    from fedpeft.data.types import ClientData
 
-Tensors = dict[str, torch.Tensor]
 Batch = dict[str, torch.Tensor]
 #: One local step's input for one client: one batch, or more (Per-FedAvg's D1, D2).
 StepInput = tuple[Batch, ...]
