@@ -5,6 +5,7 @@ A method writes its round as ``cohort_start``, ``step_gradients`` and ``cohort_f
 (``fedpeft.methods.base.Method``) from the pieces below; the engine runs it
 (:func:`run_cohort`). The modules, in the order a round uses them:
 
+- ``hooks``: what the engine calls of a method (:class:`LocalMethod`, its hooks);
 - ``jobs``: what a round is given (:class:`Job`, with the round's :class:`RoundContext`)
   and starts from (:class:`Start`);
 - ``batches``: a cohort's batches, padded and stacked on a client axis;
@@ -19,7 +20,8 @@ A method writes its round as ``cohort_start``, ``step_gradients`` and ``cohort_f
 - ``loop``: the cohort loop (:func:`run_cohort`);
 - ``predict``: each client's predictions, vmapped (:func:`predict_cohort`).
 
-Nothing here imports a method: the loop is handed the method object and calls it.
+Nothing here imports a method, not even for its annotations: the loop is handed the
+method object and calls the hooks :class:`LocalMethod` names.
 """
 
 from fedpeft.engines.local.checkpoints import enable_checkpointing
@@ -39,6 +41,7 @@ from fedpeft.engines.local.gradients import (
     prepare_step,
     row_mean,
 )
+from fedpeft.engines.local.hooks import LocalMethod, LocalResult
 from fedpeft.engines.local.jobs import (
     CONTROL,
     OPT,
@@ -66,6 +69,8 @@ __all__ = [
     "Batch",
     "GradientFn",
     "Job",
+    "LocalMethod",
+    "LocalResult",
     "RoundContext",
     "SampleDP",
     "Start",

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from fedpeft.engines.local.hooks import LocalMethod
     from fedpeft.engines.local.jobs import RoundContext
-    from fedpeft.methods.base import Method
 
 
 @contextmanager
@@ -30,7 +30,7 @@ def eager_attention(model: torch.nn.Module) -> Iterator[None]:
         config._attn_implementation = before
 
 
-def training_attention(model: torch.nn.Module, method: Method, clients: int, context: RoundContext):
+def training_attention(model: torch.nn.Module, method: LocalMethod, clients: int, context: RoundContext):
     """The attention a cohort trains with: eager (:func:`eager_attention`), which ``vmap``
     batches, except for a cohort of one (not vmapped: ``loop.run_cohort``), which keeps the
     model's own kernel (SDPA: faster, and without the ``(heads, L, L)`` weights eager

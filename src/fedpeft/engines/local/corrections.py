@@ -12,10 +12,10 @@ from fedpeft.engines.local.jobs import CONTROL, Job, Tensors
 
 if TYPE_CHECKING:
     from fedpeft.config import TrainConfig
-    from fedpeft.methods.base import FitResult, Method
+    from fedpeft.engines.local.hooks import LocalMethod, LocalResult
 
 
-def proximal_anchor(method: Method, train: TrainConfig, params: Tensors) -> Tensors:
+def proximal_anchor(method: LocalMethod, train: TrainConfig, params: Tensors) -> Tensors:
     """FedProx's anchor (``train.prox_mu`` > 0): the shared tensors as the round starts
     (what the client received), which the local step is pulled back to; else nothing."""
     if train.prox_mu == 0:
@@ -31,7 +31,7 @@ def client_control(job: Job) -> Tensors:
 
 
 def settle_control(
-    result: FitResult, job: Job, own: Tensors, trained: Tensors, steps: int, lr: float
+    result: LocalResult, job: Job, own: Tensors, trained: Tensors, steps: int, lr: float
 ) -> None:
     """SCAFFOLD after a client's round (Karimireddy et al. 2020, option II): its new control
     ``c_i+ = c_i - c + (x - y) / (K lr)`` (``x`` the shared tensors it received, ``y`` the

@@ -45,7 +45,7 @@ from fedpeft.engines.local.step import apply_gradients
 from fedpeft.models.causal import SCORED
 
 if TYPE_CHECKING:
-    from fedpeft.methods.base import Method
+    from fedpeft.engines.local.hooks import LocalMethod
 
 F = nn.functional
 #: The number of clients of the folded forward pass under way (None: none).
@@ -104,7 +104,7 @@ class ClientAxis(TorchFunctionMode):
         return out.reshape(x.shape)
 
 
-def fold_refusal(method: Method, model: nn.Module) -> str:
+def fold_refusal(method: LocalMethod, model: nn.Module) -> str:
     """Why ``method`` (prepared on ``model``) cannot train in folded cohorts; "" when it can."""
     own = f"method {method.name} takes its own gradients"
     try:
@@ -198,7 +198,7 @@ def compiled_gradients():
     return gradients
 
 
-def folded_step(method: Method, model: nn.Module, context: RoundContext):
+def folded_step(method: LocalMethod, model: nn.Module, context: RoundContext):
     """A cohort's local step (:func:`~fedpeft.engines.local.step.local_step`'s signature, every
     input stacked ``(C, ...)``) by folding: the gradients of all clients in one forward and
     backward pass of the model (compiled with ``train.compile``), then each client's

@@ -48,10 +48,10 @@ from fedpeft.engines.local.modes import cohort_mode
 from fedpeft.engines.local.step import local_step, with_client_axis, without_client_axis
 
 if TYPE_CHECKING:
-    from fedpeft.methods.base import FitResult, Method
+    from fedpeft.engines.local.hooks import LocalMethod, R
 
 
-def run_cohort(model: torch.nn.Module, method: Method, jobs: list[Job]) -> list[FitResult]:
+def run_cohort(model: torch.nn.Module, method: LocalMethod[R], jobs: list[Job]) -> list[R]:
     """Every job's local round, trained together (see the module docstring)."""
     context, how = round_context(jobs), "alone"
     if len(jobs) > 1:  # train.cohort_mode: vmapped, folded or one client at a time

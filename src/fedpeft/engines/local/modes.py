@@ -28,7 +28,7 @@ from fedpeft.engines.local.folding import fold_refusal
 from fedpeft.engines.local.gradients import plain_autograd_reason
 
 if TYPE_CHECKING:
-    from fedpeft.methods.base import Method
+    from fedpeft.engines.local.hooks import LocalMethod
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class CohortMode:
 
 
 def cohort_mode(
-    method: Method, model: torch.nn.Module, requested: str, dp_sgd: bool, compiled: bool = False
+    method: LocalMethod, model: torch.nn.Module, requested: str, dp_sgd: bool, compiled: bool = False
 ) -> CohortMode:
     """How a cohort of ``method`` (prepared on ``model``) trains under ``train.cohort_mode``
     ``requested``, with or without DP-SGD (``privacy.mode: sample``, which vmaps over each

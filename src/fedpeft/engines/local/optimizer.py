@@ -13,7 +13,7 @@ from fedpeft.engines.local.jobs import OPT, Job, Tensors
 
 if TYPE_CHECKING:
     from fedpeft.config import TrainConfig
-    from fedpeft.methods.base import FitResult
+    from fedpeft.engines.local.hooks import R
 
 BETAS, EPS = (0.9, 0.999), 1e-8  # torch.optim.AdamW's defaults, which fedpeft has always used
 
@@ -41,7 +41,7 @@ def optimizer_state(personal: Tensors, params: Tensors, cfg: TrainConfig) -> Ten
     return {k: kept.get(k, v) for k, v in fresh.items()}
 
 
-def carry_kept_state(job: Job, result: FitResult) -> FitResult:
+def carry_kept_state(job: Job, result: R) -> R:
     """``result`` with the kept optimizer state (``opt.*``) of tensors its round did not
     train carried over from the client's personal state (the round's own wins)."""
     kept = {k: t for k, t in job.personal.items() if k.startswith(OPT)}

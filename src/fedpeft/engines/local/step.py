@@ -17,10 +17,10 @@ from fedpeft.engines.local.jobs import RoundContext, StepInput, Tensors
 from fedpeft.engines.local.optimizer import clip_gradients, optimizer_step
 
 if TYPE_CHECKING:
-    from fedpeft.methods.base import Method
+    from fedpeft.engines.local.hooks import LocalMethod
 
 
-def local_step(method: Method, model: torch.nn.Module, context: RoundContext):
+def local_step(method: LocalMethod, model: torch.nn.Module, context: RoundContext):
     """One client's local step in round ``context`` as a pure function (what
     ``loop.run_cohort`` vmaps): the method's gradients (DP-SGD's, under ``privacy.mode:
     sample``), then :func:`apply_gradients`."""
@@ -45,7 +45,7 @@ def local_step(method: Method, model: torch.nn.Module, context: RoundContext):
     return step
 
 
-def apply_gradients(method: Method, model: torch.nn.Module, context: RoundContext):
+def apply_gradients(method: LocalMethod, model: torch.nn.Module, context: RoundContext):
     """``apply(params, opt, loss, grads, anchor, correction) -> (params, opt, loss)``:
     what one client's local step does with its gradients, as a pure function. With FedProx
     (Li et al. 2020; ``train.prox_mu``), the gradient of ``mu/2 ||w - anchor||^2`` over the
@@ -86,7 +86,7 @@ def apply_gradients(method: Method, model: torch.nn.Module, context: RoundContex
     return apply
 
 
-def clip_groups(method: Method, grads: Tensors) -> list[Tensors]:
+def clip_groups(method: LocalMethod, grads: Tensors) -> list[Tensors]:
     """``grads`` split by :meth:`Method.clip_group`: the gradients clipped together (as
     one ``clip_grad_norm_`` call would), in a fixed order."""
     groups: dict[str, Tensors] = {}
