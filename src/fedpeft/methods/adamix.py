@@ -65,6 +65,7 @@ from fedpeft.engines.local import (
 )
 from fedpeft.methods.base import Method, Tensors
 from fedpeft.methods.capabilities import OWN_BATCHES
+from fedpeft.methods.registry import register_method
 from fedpeft.peft.adamix import AdaMixAdapter, add_adamix, routed_mixes
 
 ROUTE = "route"  # a step batch's routing: (passes, sites, 2) expert indices, down and up
@@ -102,10 +103,9 @@ def consistency_loss(model, a: torch.Tensor, b: torch.Tensor, batch: dict) -> to
     return ((to_b + to_a) / 2 * weight).sum() / weight.sum().clamp_min(1.0)
 
 
+@register_method(AdaMixConfig)
 class AdaMix(Method):
-    name = "adamix"
     paper = "C2A baselines (Wang et al., 2022)"
-    config_cls = AdaMixConfig
     refuses = {"sample_dp": OWN_BATCHES}  # each batch with its routing
 
     def prepare(self, model) -> None:

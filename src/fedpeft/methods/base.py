@@ -166,7 +166,10 @@ def trainable_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 class Method:
     """Base class: FedAvg over ``shared_names``; subclasses choose what is trainable."""
 
+    #: ``method.name`` and the class of its options: given by the registration
+    #: (:func:`fedpeft.methods.registry.register_method`), written in the config's leaf alone
     name: ClassVar[str]
+    config_cls: ClassVar[type[MethodConfig]]
     paper: ClassVar[str] = ""
     #: Train on all clients' data pooled as one client (the Centralized reference): nothing
     #: crosses a network, so its bytes are recorded as 0.

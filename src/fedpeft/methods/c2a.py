@@ -27,13 +27,13 @@ from torch.func import functional_call
 from fedpeft.config.methods.c2a import C2AConfig
 from fedpeft.engines.local import GradientFn, backprop, model_scale
 from fedpeft.methods.base import Method, Tensors
+from fedpeft.methods.registry import register_method
 from fedpeft.peft.hyper import add_hyper_adapters
 
 
+@register_method(C2AConfig)
 class C2A(Method):
-    name = "c2a"
     paper = "C2A"
-    config_cls = C2AConfig
     refuses = {
         "causal_lm": "its label embedding is a batch's class distribution, which a language model has not",
         "token_classification": "its label embedding is a distribution over one class per example; a "

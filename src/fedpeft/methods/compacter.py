@@ -24,13 +24,13 @@ from __future__ import annotations
 
 from fedpeft.config.methods.compacter import CompacterConfig
 from fedpeft.methods.base import Method
+from fedpeft.methods.registry import register_method
 from fedpeft.peft.compacter import add_compacter
 
 
+@register_method(CompacterConfig)
 class Compacter(Method):
-    name = "compacter"
     paper = "C2A baselines (Karimi Mahabadi et al., 2021)"
-    config_cls = CompacterConfig
 
     def prepare(self, model) -> None:
         add_compacter(model.backbone, self.cfg.adapter, getattr(model.backbone.config, "model_type", ""))

@@ -70,6 +70,7 @@ from fedpeft.engines.local import (
 )
 from fedpeft.methods.base import ClientData, FitResult, Job, Tensors, local_steps
 from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.methods.registry import register_method
 
 ANCHOR = "anchor."  # step constants: the global model w^t received this round
 
@@ -79,9 +80,8 @@ def proximal(v: Tensors, anchor: Tensors) -> torch.Tensor:
     return sum(((t - anchor[n]) ** 2).sum() for n, t in v.items())
 
 
+@register_method(DittoConfig)
 class Ditto(FedAvgPeft):
-    name = "ditto"
-    config_cls = DittoConfig
     paper = (
         "Li, Hu, Beirami, Smith: Ditto: Fair and Robust Federated Learning Through Personalization "
         "(ICML 2021)"

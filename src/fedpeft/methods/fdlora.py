@@ -75,6 +75,7 @@ from fedpeft.methods.base import (
     weighted_mean,
 )
 from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.methods.registry import register_method
 
 MOMENTUM = "momentum."  # server extras: the outer optimiser's momentum buffers
 READY = "global_ready"  # server extras: 1 once theta_s^0 exists
@@ -108,10 +109,9 @@ def fuse(personal: Tensors, global_: Tensors, w1: float, w2: float) -> Tensors:
     return {n: w1 * personal[n] + w2 * global_[n] for n in global_}
 
 
+@register_method(FDLoRAConfig)
 class FDLoRA(FedAvgPeft):
-    name = "fdlora"
     paper = "FDLoRA"
-    config_cls = FDLoRAConfig
     kind = "lora"
     refuses = {
         "server_step": "its server takes an outer optimiser step of its own (method.outer_lr, "

@@ -68,6 +68,7 @@ from fedpeft.config.methods.fedamp import FedAMPConfig
 from fedpeft.engines.local import OWN, GradientFn, Start, backprop, model_loss, model_scale, optimizer_state
 from fedpeft.methods.base import ClientData, FitResult, Job, ServerState, Tensors, local_steps
 from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.methods.registry import register_method
 
 UPLOAD = "w."  # server extras: the latest upload of client c, flattened, as w.<c>
 
@@ -119,9 +120,8 @@ def unflatten(vector: torch.Tensor, like: Tensors) -> Tensors:
     return out
 
 
+@register_method(FedAMPConfig)
 class FedAMP(FedAvgPeft):
-    name = "fedamp"
-    config_cls = FedAMPConfig
     refuses = {
         "server_step": "its server sends each client a personalised cloud model, not one global model to "
         "step",

@@ -2,9 +2,9 @@
 
 from fedpeft.config.methods.fedap import FedAPConfig
 from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.methods.registry import register_method
 
 
+@register_method(FedAPConfig)
 class FedAP(FedAvgPeft):
-    name = "fedap"
-    config_cls = FedAPConfig
     kind = "adapter"

@@ -2,9 +2,9 @@
 
 from fedpeft.config.methods.fedbf import FedBFConfig
 from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.methods.registry import register_method
 
 
+@register_method(FedBFConfig)
 class FedBF(FedAvgPeft):
-    name = "fedbf"
-    config_cls = FedBFConfig
     kind = "bitfit"

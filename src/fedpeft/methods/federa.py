@@ -30,6 +30,7 @@ from fedpeft.config.methods.federa import FeDeRAConfig
 from fedpeft.methods.base import ServerState, Tensors, read_tensors
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.methods.messages import Messages
+from fedpeft.methods.registry import register_method
 from fedpeft.peft.lora import LoraTerm, lora_layers
 from fedpeft.peft.svd_init import residual, svd_factors
 
@@ -52,9 +53,8 @@ class PrincipalFactors(Messages):
                 base.weight.copy_(residual(pretrained_weight(layer), a, b, layer.scaling["default"]))
 
 
+@register_method(FeDeRAConfig)
 class FeDeRA(FedAvgPeft):
-    name = "federa"
-    config_cls = FeDeRAConfig
     kind = "lora"
     refuses = {"dora": ""}
 

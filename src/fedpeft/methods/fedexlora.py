@@ -29,6 +29,7 @@ from fedpeft.engines.local import GradientFn, group_backprop
 from fedpeft.methods.base import FitResult, ServerState, Tensors, read_tensors
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.methods.messages import Messages
+from fedpeft.methods.registry import register_method
 from fedpeft.peft.lora import LoraTerm, full_rank_terms, lora_layers
 
 
@@ -40,9 +41,8 @@ class FoldedWeights(Messages):
         return [w for w, _ in self.method.modules.values()]
 
 
+@register_method(FedExLoRAConfig)
 class FedExLoRA(FedAvgPeft):
-    name = "fedexlora"
-    config_cls = FedExLoRAConfig
     kind = "lora"
     refuses = {
         "dora": "its exactness folds mean(B_k A_k) - mean(B_k) mean(A_k) into the frozen weight; under DoRA "

@@ -2,9 +2,9 @@
 
 from fedpeft.config.methods.fedft import FedFTConfig
 from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.methods.registry import register_method
 
 
+@register_method(FedFTConfig)
 class FedFT(FedAvgPeft):
-    name = "fedft"
-    config_cls = FedFTConfig
     kind = "full"

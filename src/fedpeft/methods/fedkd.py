@@ -124,6 +124,7 @@ from fedpeft.methods.base import (
 )
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.methods.messages import Messages
+from fedpeft.methods.registry import register_method
 from fedpeft.peft.svd import DELTA, FACTORS, SVD_U, compress, decompress, reconstruct
 
 MENTOR = "mentor"  # the PEFT adapter name of the mentor
@@ -262,9 +263,8 @@ class CompressedUpdates(Messages):
         return uplink if out is None else out
 
 
+@register_method(FedKDConfig)
 class FedKD(FedAvgPeft):
-    name = "fedkd"
-    config_cls = FedKDConfig
     kind = "lora"
     paper = (
         "Wu, Wu, Lyu, Huang, Xie: Communication-efficient federated learning via knowledge distillation "

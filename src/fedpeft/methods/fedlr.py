@@ -2,10 +2,10 @@
 
 from fedpeft.config.methods.fedlr import FedLRConfig
 from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.methods.registry import register_method
 
 
+@register_method(FedLRConfig)
 class FedLR(FedAvgPeft):
-    name = "fedlr"
-    config_cls = FedLRConfig
     kind = "lora"
     refuses = {"dora": ""}

@@ -41,16 +41,16 @@ from fedpeft.engines.local import (
 )
 from fedpeft.methods.base import FitResult, ServerState, Tensors
 from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.methods.registry import register_method
 from fedpeft.metrics.cka import linear_cka
 from fedpeft.peft.adapters import AdapterPair, adapter_mode, add_adapters
 
 GLOBAL_HEAD = "global_head."  # g2, the global path's classifier
 
 
+@register_method(FedMCPConfig)
 class FedMCP(FedAvgPeft):
-    name = "fedmcp"
     paper = "FedMCP"
-    config_cls = FedMCPConfig
     kind = "adapter"
     refuses = {
         **{

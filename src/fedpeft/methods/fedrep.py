@@ -56,6 +56,7 @@ from fedpeft.engines.local import (
 )
 from fedpeft.methods.base import FitResult, Job, Tensors, local_steps
 from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.methods.registry import register_method
 
 if TYPE_CHECKING:
     from fedpeft.config import TrainConfig
@@ -70,9 +71,8 @@ HEAD_NEEDED = {
 }
 
 
+@register_method(FedRepConfig)
 class FedRep(FedAvgPeft):
-    name = "fedrep"
-    config_cls = FedRepConfig
     paper = (
         "Collins, Hassani, Mokhtari, Shakkottai: Exploiting Shared Representations for Personalized "
         "Federated Learning (ICML 2021)"

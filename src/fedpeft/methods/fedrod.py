@@ -62,6 +62,7 @@ from fedpeft.engines.local import (
 )
 from fedpeft.methods.base import ClientData, Job, ServerState, Tensors, local_steps
 from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.methods.registry import register_method
 
 PERSONAL = "personal_head."  # parameter prefix of the personal head
 LOG_PRIOR = "log_prior"  # step constant: the client's log label prior (C,)
@@ -89,9 +90,8 @@ def balanced_softmax_loss(logits: torch.Tensor, log_prior: torch.Tensor, batch: 
     return row_mean(losses, batch)
 
 
+@register_method(FedRoDConfig)
 class FedRoD(FedAvgPeft):
-    name = "fedrod"
-    config_cls = FedRoDConfig
     paper = (
         "Chen & Chao: On Bridging Generic and Personalized Federated Learning for Image Classification "
         "(ICLR 2022)"

@@ -20,11 +20,11 @@ from pathlib import Path
 from fedpeft.config.methods.fedsalora import FedSALoRAConfig
 from fedpeft.methods.base import Method, Tensors
 from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.methods.registry import register_method
 
 
+@register_method(FedSALoRAConfig)
 class FedSALoRA(FedAvgPeft):
-    name = "fedsalora"
-    config_cls = FedSALoRAConfig
     kind = "lora"
     refuses = {"dora": ""}  # DoRA's magnitudes: shared and averaged, as A is
 

@@ -56,6 +56,7 @@ from fedpeft.methods.base import (
 )
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.methods.messages import Messages
+from fedpeft.methods.registry import register_method
 from fedpeft.peft.lora import LoraTerm, lora_layers
 
 #: the downlink's mark of the setup round: the examples each client sums gradients over
@@ -117,9 +118,8 @@ class SetupRound(Messages):
         return ServerState(tensors, server.extras)
 
 
+@register_method(FedSBConfig)
 class FedSB(FedAvgPeft):
-    name = "fedsb"
-    config_cls = FedSBConfig
     kind = "lora"
     refuses = {
         "dora": "LoRA-SB's start (B, A from the SVD of the full-weight gradient) approximates a full "

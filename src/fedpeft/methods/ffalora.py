@@ -19,6 +19,7 @@ from fedpeft.config.methods.ffalora import FFALoRAConfig
 from fedpeft.methods.base import ServerState, Tensors, read_tensors
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.methods.messages import Messages
+from fedpeft.methods.registry import register_method
 from fedpeft.peft.lora import LoraTerm, lora_layers
 
 _JOIN = "join."
@@ -46,9 +47,8 @@ class FixedA(Messages):
                 params[name].copy_(a)
 
 
+@register_method(FFALoRAConfig)
 class FFALoRA(FedAvgPeft):
-    name = "ffalora"
-    config_cls = FFALoRAConfig
     kind = "lora"
     refuses = {"dora": ""}
 

@@ -38,6 +38,7 @@ from fedpeft.methods.ranks import (
     rank_of,
     truncate,
 )
+from fedpeft.methods.registry import register_method
 from fedpeft.peft.lora import lora_layers
 
 
@@ -53,9 +54,8 @@ def best_factors(update: torch.Tensor, rank: int, scale: float) -> tuple[torch.T
     return a, b
 
 
+@register_method(FlexLoRAConfig)
 class FlexLoRA(FedAvgPeft):
-    name = "flexlora"
-    config_cls = FlexLoRAConfig
     kind = "lora"
     refuses = {
         "dora": "",  # DoRA's magnitudes: trained and averaged, as the head is

@@ -49,6 +49,7 @@ from fedpeft.methods.base import (
 )
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.methods.ranks import PaddedRanks, client_rank, is_a, is_b, pad, truncate
+from fedpeft.methods.registry import register_method
 from fedpeft.peft.lora import LoraTerm, full_rank_terms, lora_layers
 
 STACK, MERGED = "stack.", "merged."
@@ -79,9 +80,8 @@ class MergedWeights(PaddedRanks):
         return [w for w, *_ in self.method.modules.values()]
 
 
+@register_method(FLoRAConfig)
 class FLoRA(FedAvgPeft):
-    name = "flora"
-    config_cls = FLoRAConfig
     kind = "lora"
     refuses = {
         "dora": "each round merges the clients' stacked LoRA into the frozen weight and starts a fresh one; "

@@ -87,6 +87,7 @@ from fedpeft.methods.ranks import (
     rank_of,
     truncate,
 )
+from fedpeft.methods.registry import register_method
 
 
 def update_norm(tensors: Tensors) -> float:
@@ -138,9 +139,8 @@ def sparsity_weighted_mean(padded: list[Tensors], norms: list[float]) -> Tensors
     return weighted_mean(padded, norms)
 
 
+@register_method(HETLoRAConfig)
 class HETLoRA(FedAvgPeft):
-    name = "hetlora"
-    config_cls = HETLoRAConfig
     kind = "lora"
     refuses = {
         "dora": "",  # DoRA's magnitudes: trained and averaged, as the head is

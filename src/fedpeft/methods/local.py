@@ -7,11 +7,11 @@ test set are the mean over clients of each client's own model.
 from fedpeft.config.methods.local import LocalConfig
 from fedpeft.methods.base import FitResult, ServerState, Tensors
 from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.methods.registry import register_method
 
 
+@register_method(LocalConfig)
 class LocalOnly(FedAvgPeft):
-    name = "local"
-    config_cls = LocalConfig
     refuses = {"dora": "", "secure_aggregation": "nothing is aggregated: every client trains alone"}
 
     def split_trainable(self, model) -> None:

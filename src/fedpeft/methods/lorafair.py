@@ -26,6 +26,7 @@ import torch
 from fedpeft.config.methods.lorafair import LoRAFAIRConfig
 from fedpeft.methods.base import FitResult, ServerState
 from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.methods.registry import register_method
 from fedpeft.peft.lora import lora_layers
 
 
@@ -74,9 +75,8 @@ def cosine_correction(
     return delta.detach()
 
 
+@register_method(LoRAFAIRConfig)
 class LoRAFAIR(FedAvgPeft):
-    name = "lorafair"
-    config_cls = LoRAFAIRConfig
     kind = "lora"
     refuses = {
         "dora": "",  # DoRA's magnitudes: trained and averaged, as the head is

@@ -63,6 +63,7 @@ from fedpeft.engines.local import (
 )
 from fedpeft.methods.base import ClientData, FitResult, Job, Tensors, local_steps
 from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.methods.registry import register_method
 
 GLOB, PREV = "glob.", "prev."  # step constants: the received global and the previous local model
 
@@ -85,9 +86,8 @@ def contrastive_loss(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor
     return torch.nn.functional.softplus((s_prev - s_glob) / tau)
 
 
+@register_method(MOONConfig)
 class MOON(FedAvgPeft):
-    name = "moon"
-    config_cls = MOONConfig
     paper = "Li, He, Song: Model-Contrastive Federated Learning (CVPR 2021)"
     refuses = CLASSIFICATION_ONLY
 

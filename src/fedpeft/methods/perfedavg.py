@@ -29,6 +29,7 @@ from fedpeft.engines.local import GradientFn, Job, model_inputs, model_loss, pre
 from fedpeft.methods.base import ClientData, Tensors, load_tensors
 from fedpeft.methods.capabilities import OWN_BATCHES, OWN_GRADIENTS
 from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.methods.registry import register_method
 
 
 def maml_grads(
@@ -55,11 +56,10 @@ def maml_grads(
     return value, grads
 
 
+@register_method(PerFedAvgConfig)
 class PerFedAvg(FedAvgPeft):
-    name = "perfedavg"
     refuses = {"fp16": OWN_GRADIENTS, "sample_dp": OWN_BATCHES}  # no loss scaling; (D1, D2) a step
     higher_order = True  # a gradient of a gradient
-    config_cls = PerFedAvgConfig
     kind = "lora"
 
     def _trainable(self, model) -> dict[str, torch.nn.Parameter]:

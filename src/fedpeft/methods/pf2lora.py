@@ -43,6 +43,7 @@ from fedpeft.engines.local import GradientFn, model_loss
 from fedpeft.methods.base import FitResult, ServerState, Tensors
 from fedpeft.methods.capabilities import OWN_GRADIENTS
 from fedpeft.methods.fedavg import FedAvgPeft
+from fedpeft.methods.registry import register_method
 from fedpeft.peft.lora import lora_layers
 
 CLIENT = "client"  # the PEFT adapter name of the personal adapter
@@ -76,11 +77,10 @@ def bilevel_step(
     return value, hyper, g_low
 
 
+@register_method(PF2LoRAConfig)
 class PF2LoRA(FedAvgPeft):
-    name = "pf2lora"
     refuses = {"fp16": OWN_GRADIENTS}  # no loss scaling
     higher_order = True  # a gradient of a gradient
-    config_cls = PF2LoRAConfig
     kind = "lora"
 
     def prepare(self, model) -> None:

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 from fedpeft.config.methods.prompt_tuning import PromptTuningConfig
 from fedpeft.methods.base import Method
+from fedpeft.methods.registry import register_method
 from fedpeft.peft.prompt import PromptedBackbone
 
 
+@register_method(PromptTuningConfig)
 class PromptTuning(Method):
-    name = "prompt_tuning"
     paper = "C2A baselines (Lester et al., 2021)"
-    config_cls = PromptTuningConfig
     refuses = {
         "causal_lm": "generation (Hugging Face generate with its KV cache) runs on the bare decoder, "
         "which does not carry the soft prompt"

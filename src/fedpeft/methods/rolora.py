@@ -19,6 +19,7 @@ from fedpeft.engines.local import GradientFn, carry_kept_state, group_backprop, 
 from fedpeft.methods.base import FitResult, Job, ServerState, Start, Tensors
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.methods.messages import Messages
+from fedpeft.methods.registry import register_method
 
 
 def half_of_round(rnd: int) -> str:
@@ -40,9 +41,8 @@ class HalfAdapters(Messages):
         return {n: shared[n] for n in sent_names(self.method.shared_names, rnd)}
 
 
+@register_method(RoLoRAConfig)
 class RoLoRA(FedAvgPeft):
-    name = "rolora"
-    config_cls = RoLoRAConfig
     kind = "lora"
     refuses = {
         "dora": "",  # DoRA's magnitudes: trained and averaged every round, as the head is

@@ -15,7 +15,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import AdaMixSpec
 
 
-@register_method_config("adamix")
+@register_method_config("adamix", order=70)
 class AdaMixConfig(MethodConfig):
     """AdaMix adapters under FedAvg. Paper: Wang et al. (2022), a C2A baseline."""
 

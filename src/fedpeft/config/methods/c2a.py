@@ -14,7 +14,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import AdapterSpec, HyperSpec
 
 
-@register_method_config("c2a")
+@register_method_config("c2a", order=140)
 class C2AConfig(MethodConfig):
     """Hypernetwork-generated Houlsby adapters under FedAvg. Paper: C2A (Kim et al., 2023)."""
 

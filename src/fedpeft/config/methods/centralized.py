@@ -14,7 +14,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import AdapterSpec, LoraSpec, Trainable
 
 
-@register_method_config("centralized")
+@register_method_config("centralized", order=220)
 class CentralizedConfig(MethodConfig):
     """One model trained on the pooled data."""
 

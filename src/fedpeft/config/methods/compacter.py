@@ -14,7 +14,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import CompacterSpec
 
 
-@register_method_config("compacter")
+@register_method_config("compacter", order=60)
 class CompacterConfig(MethodConfig):
     """Compacter adapters under FedAvg. Paper: Karimi Mahabadi et al. (2021), a C2A baseline."""
 

@@ -14,7 +14,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import AdapterSpec, LoraSpec, Trainable
 
 
-@register_method_config("ditto")
+@register_method_config("ditto", order=150)
 class DittoConfig(MethodConfig):
     """Global model by FedAvg + a personal model regularised towards it. Paper: Ditto (Li et al., 2021)."""
 

@@ -14,7 +14,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import LoraSpec
 
 
-@register_method_config("fdlora")
+@register_method_config("fdlora", order=130)
 class FDLoRAConfig(MethodConfig):
     """Personal + global LoRA, outer Nesterov SGD, AdaFusion. Paper: FDLoRA, Algorithm 1."""
 

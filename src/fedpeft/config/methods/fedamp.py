@@ -14,7 +14,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import AdapterSpec, LoraSpec, Trainable
 
 
-@register_method_config("fedamp")
+@register_method_config("fedamp", order=190)
 class FedAMPConfig(MethodConfig):
     """Personalised cloud models by attentive message passing. Paper: FedAMP (Huang et al., 2021)."""
 

@@ -14,7 +14,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import AdapterSpec
 
 
-@register_method_config("fedap")
+@register_method_config("fedap", order=30)
 class FedAPConfig(MethodConfig):
     """Houlsby adapters under FedAvg. Paper: FeDeRA (Yan et al., 2024), sec. 5.1 baselines."""
 

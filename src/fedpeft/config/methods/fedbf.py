@@ -11,7 +11,7 @@ from fedpeft.config.methods.base import MethodConfig
 from fedpeft.config.methods.registry import register_method_config
 
 
-@register_method_config("fedbf")
+@register_method_config("fedbf", order=20)
 class FedBFConfig(MethodConfig):
     """BitFit under FedAvg. Paper: FeDeRA (Yan et al., 2024), sec. 5.1 baselines."""
 

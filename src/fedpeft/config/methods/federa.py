@@ -14,7 +14,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import LoraSpec
 
 
-@register_method_config("federa")
+@register_method_config("federa", order=80)
 class FeDeRAConfig(MethodConfig):
     """LoRA with SVD initialisation under FedAvg. Paper: FeDeRA (Yan et al., 2024)."""
 

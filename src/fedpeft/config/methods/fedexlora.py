@@ -15,7 +15,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import LoraSpec
 
 
-@register_method_config("fedexlora")
+@register_method_config("fedexlora", order=260)
 class FedExLoRAConfig(MethodConfig):
     """FedAvg of LoRA plus the residual folded into the frozen weights. Paper: FedEx-LoRA
     (Singhal et al., ACL 2025)."""

@@ -11,7 +11,7 @@ from fedpeft.config.methods.base import MethodConfig
 from fedpeft.config.methods.registry import register_method_config
 
 
-@register_method_config("fedft")
+@register_method_config("fedft", order=10)
 class FedFTConfig(MethodConfig):
     """Full fine-tuning under FedAvg. Paper: FeDeRA (Yan et al., 2024), sec. 5.1 baselines."""
 

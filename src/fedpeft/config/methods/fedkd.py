@@ -14,7 +14,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import LoraSpec
 
 
-@register_method_config("fedkd")
+@register_method_config("fedkd", order=200)
 class FedKDConfig(MethodConfig):
     """Local mentor + shared mentee, mutual distillation, SVD-compressed updates.
     Paper: FedKD (Wu et al., 2022)."""

@@ -14,7 +14,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import LoraSpec
 
 
-@register_method_config("fedlr")
+@register_method_config("fedlr", order=40)
 class FedLRConfig(MethodConfig):
     """LoRA under FedAvg. Paper: FeDeRA (Yan et al., 2024), sec. 5.1; HOMLoRA in PF2LoRA."""
 

@@ -14,7 +14,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import AdapterSpec
 
 
-@register_method_config("fedmcp")
+@register_method_config("fedmcp", order=120)
 class FedMCPConfig(MethodConfig):
     """Global + private Houlsby adapters, two heads, CKA contrast. Paper: FedMCP, sec. 3."""
 

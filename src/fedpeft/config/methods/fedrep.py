@@ -14,7 +14,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import AdapterSpec, LoraSpec, Trainable
 
 
-@register_method_config("fedrep")
+@register_method_config("fedrep", order=170)
 class FedRepConfig(MethodConfig):
     """Shared body, personal head, trained head first then body. Paper: FedRep (Collins et al., 2021)."""
 

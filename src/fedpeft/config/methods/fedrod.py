@@ -14,7 +14,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import AdapterSpec, LoraSpec, Trainable
 
 
-@register_method_config("fedrod")
+@register_method_config("fedrod", order=180)
 class FedRoDConfig(MethodConfig):
     """Generic model (balanced softmax) + personal head. Paper: FedRoD (Chen & Chao, ICLR 2022)."""
 

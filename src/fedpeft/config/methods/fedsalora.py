@@ -14,7 +14,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import LoraSpec
 
 
-@register_method_config("fedsalora")
+@register_method_config("fedsalora", order=240)
 class FedSALoRAConfig(MethodConfig):
     """``A`` averaged, ``B`` (and by default the head) per client. Paper: FedSA-LoRA (Guo et
     al., ICLR 2025)."""

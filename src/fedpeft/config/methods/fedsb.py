@@ -19,7 +19,7 @@ def lora_sb() -> LoraSpec:
     return LoraSpec(r=64, alpha=64)
 
 
-@register_method_config("fedsb")
+@register_method_config("fedsb", order=300)
 class FedSBConfig(MethodConfig):
     """Only LoRA-SB's ``r x r`` matrix trained and averaged. Paper: Fed-SB (Singhal et al., 2025)."""
 

@@ -14,7 +14,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import LoraSpec
 
 
-@register_method_config("ffalora")
+@register_method_config("ffalora", order=230)
 class FFALoRAConfig(MethodConfig):
     """LoRA with ``A`` frozen, ``B`` trained and averaged. Paper: FFA-LoRA (Sun et al., ICLR 2024)."""
 

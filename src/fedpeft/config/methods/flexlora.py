@@ -12,7 +12,7 @@ from fedpeft.config.methods.ranks import RankedLoraConfig
 from fedpeft.config.methods.registry import register_method_config
 
 
-@register_method_config("flexlora")
+@register_method_config("flexlora", order=270)
 class FlexLoRAConfig(RankedLoraConfig):
     """Clients of any rank, the server's SVD of their mean update. Paper: FlexLoRA (Bai et
     al., NeurIPS 2024)."""

@@ -13,7 +13,7 @@ from fedpeft.config.methods.ranks import RankedLoraConfig
 from fedpeft.config.methods.registry import register_method_config
 
 
-@register_method_config("flora")
+@register_method_config("flora", order=290)
 class FLoRAConfig(RankedLoraConfig):
     """Stacked LoRA factors merged into the frozen weights each round, clients of any rank.
     Paper: FLoRA (Wang et al., NeurIPS 2024)."""

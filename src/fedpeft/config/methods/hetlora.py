@@ -15,7 +15,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import LoraSpec
 
 
-@register_method_config("hetlora")
+@register_method_config("hetlora", order=110)
 class HETLoRAConfig(MethodConfig):
     """Heterogeneous-rank LoRA. Paper: HETLoRA (Cho et al., 2024), PF2LoRA baselines."""
 

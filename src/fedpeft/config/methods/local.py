@@ -14,7 +14,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import AdapterSpec, LoraSpec, Trainable
 
 
-@register_method_config("local")
+@register_method_config("local", order=210)
 class LocalConfig(MethodConfig):
     """Each client fine-tunes its own copy of the trainable tensors."""
 

@@ -15,7 +15,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import LoraSpec
 
 
-@register_method_config("lorafair")
+@register_method_config("lorafair", order=280)
 class LoRAFAIRConfig(MethodConfig):
     """FedAvg of LoRA with the server's correction of ``B``. Paper: LoRA-FAIR (Bian et al.,
     ICCV 2025)."""

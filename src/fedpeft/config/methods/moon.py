@@ -14,7 +14,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import AdapterSpec, LoraSpec, Trainable
 
 
-@register_method_config("moon")
+@register_method_config("moon", order=160)
 class MOONConfig(MethodConfig):
     """FedAvg with a model-contrastive loss. Paper: MOON (Li, He, Song, CVPR 2021)."""
 

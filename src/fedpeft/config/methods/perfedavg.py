@@ -14,7 +14,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import LoraSpec
 
 
-@register_method_config("perfedavg")
+@register_method_config("perfedavg", order=100)
 class PerFedAvgConfig(MethodConfig):
     """MAML over LoRA under FedAvg. Paper: Per-FedAvg (Fallah et al., 2020), PF2LoRA baselines."""
 

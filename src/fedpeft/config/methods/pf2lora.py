@@ -14,7 +14,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import LoraSpec
 
 
-@register_method_config("pf2lora")
+@register_method_config("pf2lora", order=90)
 class PF2LoRAConfig(MethodConfig):
     """Common LoRA (shared) + client LoRA (personal), bilevel. Paper: PF2LoRA, Algorithm 1."""
 

@@ -14,7 +14,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import PromptSpec
 
 
-@register_method_config("prompt_tuning")
+@register_method_config("prompt_tuning", order=50)
 class PromptTuningConfig(MethodConfig):
     """A soft prompt under FedAvg. Paper: Lester et al. (2021), a C2A baseline."""
 

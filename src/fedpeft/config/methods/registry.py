@@ -3,8 +3,9 @@
 Each method's leaf module (``fedpeft.config.methods.<name>``) registers its class with
 :func:`register_method_config`, as HF PEFT's tuners register with ``register_peft_method``.
 Nothing imports those modules up front: the first lookup (:func:`method_configs`, which
-validating an experiment config makes) imports the built-in ones named in
-:data:`BUILTIN`, once; so ``import fedpeft.config`` stays a handful of pydantic classes.
+validating an experiment config makes) imports every module of this package, once; so
+``import fedpeft.config`` stays a handful of pydantic classes. A method's name is written
+in its leaf alone (the decorator and the ``Literal``), with its place in the lists.
 
 A ``method`` key is validated by :data:`MethodOptions`: its ``name`` picks the class, an
 unknown name is refused naming the known ones, and the value dumps as that class does.
@@ -13,6 +14,7 @@ unknown name is refused naming the known ones, and the value dumps as that class
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from collections.abc import Callable
 from functools import cache
 from typing import Annotated, Any, TypeVar, Union
@@ -21,69 +23,52 @@ from pydantic import BeforeValidator, Field, SerializeAsAny, TypeAdapter
 
 from fedpeft.config.methods.base import MethodConfig
 
-#: the built-in methods, each the name of its leaf module, in the order they are listed
-#: (``fedpeft methods``, ``fedpeft.methods.REGISTRY``)
-BUILTIN = (
-    "fedft",
-    "fedbf",
-    "fedap",
-    "fedlr",
-    "prompt_tuning",
-    "compacter",
-    "adamix",
-    "federa",
-    "pf2lora",
-    "perfedavg",
-    "hetlora",
-    "fedmcp",
-    "fdlora",
-    "c2a",
-    "ditto",
-    "moon",
-    "fedrep",
-    "fedrod",
-    "fedamp",
-    "fedkd",
-    "local",
-    "centralized",
-    "ffalora",
-    "fedsalora",
-    "rolora",
-    "fedexlora",
-    "flexlora",
-    "lorafair",
-    "flora",
-    "fedsb",
-)
-
 _registered: dict[str, type[MethodConfig]] = {}
+#: method name -> its place in the lists (``order``), of the methods that give one
+_order: dict[str, int] = {}
 
 Config = TypeVar("Config", bound=type[MethodConfig])
 
 
-def register_method_config(name: str) -> Callable[[Config], Config]:
+def register_method_config(name: str, *, order: int | None = None) -> Callable[[Config], Config]:
     """Class decorator: the class holds the options of ``method.name: <name>`` (its ``name``
-    field is ``Literal[<name>]`` with that default)."""
+    field is ``Literal[<name>]`` with that default). ``order``: its place in the lists of
+    methods (``fedpeft methods``, the JSON schema, ``fedpeft.methods.REGISTRY``), before every
+    method registered without one, which follow in the order they register."""
 
     def register(cls: Config) -> Config:
         if cls.model_fields["name"].default != name:
             raise TypeError(f"{cls.__name__}: registered as {name!r}, but its name field defaults otherwise")
         if _registered.get(name, cls) is not cls:
             raise ValueError(f"method config {name!r}: {_registered[name].__name__} is registered already")
+        taken = [other for other, at in _order.items() if at == order and other != name]
+        if order is not None and taken:
+            raise ValueError(f"method config {name!r}: order {order} is {taken[0]!r}'s already")
         _registered[name] = cls
+        if order is not None:
+            _order[name] = order
         _options.cache_clear()
         return cls
 
     return register
 
 
+@cache
+def _import_leaves() -> None:
+    """Import every module of this package, once: each leaf registers its method's config."""
+    from fedpeft.config import methods
+
+    for module in pkgutil.iter_modules(methods.__path__):
+        importlib.import_module(f"{methods.__name__}.{module.name}")
+
+
 def method_configs() -> dict[str, type[MethodConfig]]:
-    """Every registered config class by method name: the built-in ones (imported on the first
-    call) in :data:`BUILTIN`'s order, then any registered from elsewhere."""
-    for name in BUILTIN:
-        if name not in _registered:
-            importlib.import_module(f"fedpeft.config.methods.{name}")
-    return {**{name: _registered[name] for name in BUILTIN}, **_registered}
+    """Every registered config class by method name: the built-in ones (the leaves of this
+    package, imported on the first call) and any registered from elsewhere, those with an
+    ``order`` by it, then the others as they registered."""
+    _import_leaves()
+    listed = sorted(_registered, key=lambda name: (name not in _order, _order.get(name, 0)))
+    return {name: _registered[name] for name in listed}
 
 
 def method_config_union() -> Any:

@@ -14,7 +14,7 @@ from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import LoraSpec
 
 
-@register_method_config("rolora")
+@register_method_config("rolora", order=250)
 class RoLoRAConfig(MethodConfig):
     """LoRA's ``B`` (odd rounds) and ``A`` (even rounds) trained and averaged in turn.
     Paper: RoLoRA (Chen et al., NeurIPS 2025)."""
