@@ -5,17 +5,16 @@ test set drawn once from the run's seed."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from fedpeft.data.task import Encoded, make_batch
-from fedpeft.methods.base import FitResult, ServerState, Tensors
+from fedpeft.data.types import ClientData
+from fedpeft.methods.base import FitResult, Method, ServerState, Tensors
 from fedpeft.metrics.cka import linear_cka
-
-if TYPE_CHECKING:
-    from fedpeft.engines.inprocess import InProcessEngine
 
 #: The random stream of the drift probe batch (beside ``[seed, rnd]``, the clients sampled in round rnd).
 DRIFT_STREAM = 0x44524946
@@ -28,11 +27,31 @@ def drift_probe_rows(seed: int, available: int, size: int) -> np.ndarray:
     return np.sort(rng.choice(available, size=min(size, available), replace=False))
 
 
+class EvalBatch(Protocol):
+    """How many rows a forward pass takes (the engine's ``schedule``)."""
+
+    eval_batch_size: int
+
+
+class ProbedEngine(Protocol):
+    """What the drift probe reads of the engine whose rounds it measures (the in-process
+    engine): its model, method and clients, and its hold on the model."""
+
+    model: torch.nn.Module
+    method: Method
+    clients: Sequence[ClientData]
+    schedule: EvalBatch  # the experiment's counts: how many rows a forward pass takes
+
+    def load(self, tensors: Tensors) -> None: ...
+
+    def forget_loaded(self) -> None: ...
+
+
 class DriftProbe:
     """Client drift of an engine's rounds on ``probe``, the global test rows of
     :func:`drift_probe_rows`: ``probe(server, results)`` is a round's figure."""
 
-    def __init__(self, engine: InProcessEngine, probe: Encoded):
+    def __init__(self, engine: ProbedEngine, probe: Encoded):
         self.engine, self.probe = engine, probe
 
     @torch.no_grad()

@@ -24,20 +24,21 @@ import ctypes
 import itertools
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from fedpeft.data.split import Clients
 from fedpeft.data.task import Encoded
-from fedpeft.engines.local import RoundContext, cohort_mode, fold_refusal
+from fedpeft.engines.local import RoundContext, SampleDP, cohort_mode, fold_refusal
 from fedpeft.methods.base import ClientData, Job, Method, ServerState
-from fedpeft.metrics.scorers import OneAtATime
+from fedpeft.metrics.scorers import OneAtATime, Scorer
+from fedpeft.tensors import Tensors
 
 if TYPE_CHECKING:
-    from fedpeft.engines.inprocess import InProcessEngine
+    from fedpeft.config import TrainConfig
 
 MIB = 2**20
 GIB = 2**30
@@ -56,6 +57,33 @@ LIMIT_ENV = "FEDPEFT_MEMORY_LIMIT_MB"
 
 class InsufficientMemory(RuntimeError):
     """The run's estimated peak memory exceeds what the machine has (see the message)."""
+
+
+class Counts(Protocol):
+    """What the probes read of the experiment's counts (the engine's ``schedule``)."""
+
+    eval_batch_size: int
+    clients_per_round: int
+
+
+class ProbedEngine(Protocol):
+    """What the probes read of the engine whose run they measure (the in-process engine):
+    its model, method and clients, how it scores and trains, and its hold on the model."""
+
+    model: torch.nn.Module
+    method: Method
+    clients: Sequence[ClientData]
+    scorer: Scorer
+    schedule: Counts
+    cohort_size: int
+    train: TrainConfig
+    sample_dp: SampleDP | None
+
+    def probed_state(self, client: ClientData) -> Tensors: ...
+
+    def load(self, tensors: Tensors) -> None: ...
+
+    def forget_loaded(self) -> None: ...
 
 
 # ---------------------------------------------------------------- CPU readings (Linux)
@@ -183,7 +211,7 @@ class _Probe:
 
     def __init__(
         self,
-        engine: InProcessEngine,
+        engine: ProbedEngine,
         server: ServerState,
         measure: Callable[[Callable[[], object]], int | None] | None = None,
     ):
@@ -342,7 +370,7 @@ def _advice(probe: _Probe, figures: dict[str, float], clients: int) -> str:
 
 
 @contextlib.contextmanager
-def probing(engine: InProcessEngine, device: torch.device) -> Iterator[None]:
+def probing(engine: ProbedEngine, device: torch.device) -> Iterator[None]:
     """Around a probe: the random streams, and which client's tensors the model holds,
     left as they were."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -353,7 +381,7 @@ def probing(engine: InProcessEngine, device: torch.device) -> Iterator[None]:
 
 
 def cohort_peaks(
-    engine: InProcessEngine,
+    engine: ProbedEngine,
     server: ServerState,
     measure: Callable[[Callable[[], object]], int | None] | None = None,
 ) -> tuple[int | None, int | None]:
@@ -371,7 +399,7 @@ def cohort_peaks(
     return max(one), max(four)
 
 
-def check_memory(engine: InProcessEngine, server: ServerState, limit_mb: float | None = None) -> dict:
+def check_memory(engine: ProbedEngine, server: ServerState, limit_mb: float | None = None) -> dict:
     """Whether ``engine``'s run fits in memory, checked before its first round (the
     module docstring): the peak of one local step of its largest client on its longest
     rows (a cohort of ``engine.cohort_size`` clients) and of one scoring batch (as many
@@ -435,7 +463,7 @@ def fitting_cohort(free: int, fixed: float, per_client: float, limit: int, headr
     return max(1, min(limit, int((headroom * free - fixed) // per_client)))
 
 
-def probe_cohort_size(engine: InProcessEngine, server: ServerState) -> int:
+def probe_cohort_size(engine: ProbedEngine, server: ServerState) -> int:
     """``train.cohort_size: auto``. On a GPU: the peak memory of one local step and of
     one scoring batch for cohorts of 1 and 4 clients (:func:`~fedpeft.engines.memory.cohort_peaks`)
     gives the cost per client; the cohort is the most clients that fit 80 % of the free
@@ -458,7 +486,7 @@ def probe_cohort_size(engine: InProcessEngine, server: ServerState) -> int:
 TIMED_MODES_ON = ("cuda",)
 
 
-def choose_cohort_mode(engine: InProcessEngine, server: ServerState) -> dict:
+def choose_cohort_mode(engine: ProbedEngine, server: ServerState) -> dict:
     """``train.cohort_mode: auto`` on a GPU, where the method's cohorts may vmap or fold
     (:func:`~fedpeft.engines.local.cohort_mode` would vmap, and the method folds): one local
     step of a cohort of the run's size in each mode, timed; the faster mode is the run's
