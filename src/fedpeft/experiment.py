@@ -29,11 +29,11 @@ from fedpeft.data.split import Clients, Split, make_split
 from fedpeft.data.task import Encoded
 from fedpeft.engines import compress, privacy, scaffold
 from fedpeft.engines.checkpoint import STORE_DIR, Checkpoints, ResumeError
+from fedpeft.engines.distributed import Ranks, joined
 from fedpeft.engines.faults import faulty_clients, flip_labels
 from fedpeft.engines.guard import DivergedError, nonfinite_tensor
 from fedpeft.engines.inprocess import InProcessEngine, Schedule
 from fedpeft.engines.local import cohort_mode, enable_checkpointing
-from fedpeft.engines.ranks import Ranks, joined
 from fedpeft.engines.robust import combiner
 from fedpeft.engines.server_opt import check_composes
 from fedpeft.engines.store import ClientStore

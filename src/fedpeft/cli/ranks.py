@@ -2,7 +2,7 @@
 
 The launcher starts ``python -m fedpeft run ...`` N times with the rank's place in its
 environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, the rendezvous); each joins the
-process group as it starts (:func:`fedpeft.engines.ranks.joined`). Across machines, run
+process group as it starts (:func:`fedpeft.engines.distributed.joined`). Across machines, run
 ``torchrun`` yourself: ``torchrun --nnodes M --nproc-per-node N --rdzv-backend c10d
 --rdzv-endpoint HOST:PORT -m fedpeft run CONFIG`` on each.
 """

@@ -30,11 +30,11 @@ from fedpeft.data.split import Clients
 from fedpeft.data.task import Encoded
 from fedpeft.engines import compress, guard, privacy, scaffold
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints, load_checkpoint
+from fedpeft.engines.distributed import Ranks, Share, client_cost, summable
 from fedpeft.engines.drift import DriftProbe, drift_probe_rows
 from fedpeft.engines.faults import corrupt
 from fedpeft.engines.local import RoundContext, SampleDP, derive_seed
 from fedpeft.engines.memory import check_memory, choose_cohort_mode, probe_cohort_size
-from fedpeft.engines.ranks import Ranks, Share, client_cost, summable
 from fedpeft.engines.round import Returned, Round, ServerRound, close_record, receive, sample_clients, send
 from fedpeft.engines.store import ClientStore, StoreError
 from fedpeft.methods.base import (
@@ -124,7 +124,7 @@ class InProcessEngine:
         ranks: Ranks | None = None,
     ):
         self.model, self.method, self.clients = model, method, clients
-        # several processes share the rounds (fedpeft.engines.ranks); None: this one alone
+        # several processes share the rounds (fedpeft.engines.distributed); None: this one alone
         self.ranks = ranks
         self.eval_clients = eval_clients if eval_clients is not None else clients
         self.global_test, self.schedule = global_test, schedule
@@ -346,7 +346,7 @@ class InProcessEngine:
     def summed_weight(self) -> Callable[[FitResult], float] | None:
         """Over ranks, a client's weight in the mean its server takes of the uplinks, where
         it takes that and nothing else: the ranks then sum their updates, not gather each
-        (:meth:`~fedpeft.engines.ranks.Ranks.combine`); None where the server needs each."""
+        (:meth:`~fedpeft.engines.distributed.Ranks.combine`); None where the server needs each."""
         if self.ranks is None or summable(self.method, self.server_cfg, self.privacy.mode):
             return None
         uniform = self.server_cfg.weighting == "uniform"

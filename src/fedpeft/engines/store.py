@@ -235,7 +235,7 @@ class ClientStore(MutableMapping[int, Tensors]):
         for name in gone if delete else ():
             (self.directory / name).unlink(missing_ok=True)
 
-    # ----- several stores on one directory (ranks: fedpeft.engines.ranks)
+    # ----- several stores on one directory (ranks: fedpeft.engines.distributed)
     def publish(self, cids: Iterable[int]) -> dict[int, Entry]:
         """The entries of clients ``cids``, their states written first: what another store
         on this directory needs to read them (:meth:`adopt`)."""

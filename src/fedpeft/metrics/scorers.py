@@ -11,7 +11,7 @@ and never look at what a task's scores are.
   (:mod:`fedpeft.metrics.generation`) of the responses generated for the first
   ``samples`` examples. Generation runs one client's model at a time.
 
-Every scorer's score splits over ranks (``fedpeft.engines.ranks``): ``predictions(model,
+Every scorer's score splits over ranks (``fedpeft.engines.distributed``): ``predictions(model,
 data, part)`` is what part ``r`` of ``n`` of the work yields (classification's and NER's
 rows, QA's features, generation's likelihood rows and generated batches), and
 ``from_predictions`` scores the parts, gathered in order, as one pass scores the whole.

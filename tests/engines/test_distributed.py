@@ -1,6 +1,6 @@
 """Rounds over torch.distributed ranks (``fedpeft run --nproc``; gloo on the CPU): the
 records of a run over 2 ranks are one process's, and a run resumes with another number
-of ranks (fedpeft.engines.ranks)."""
+of ranks (fedpeft.engines.distributed)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fedpeft.config import dump_config
-from fedpeft.engines.ranks import backend, shares, summable
+from fedpeft.engines.distributed import backend, shares, summable
 from fedpeft.engines.store import ClientStore
 from fedpeft.experiment import run
 from fedpeft.methods import REGISTRY, build_method
