@@ -13,8 +13,8 @@ import torch
 from fedpeft.config import CodecConfig, PrivacyConfig, ServerConfig, TrainConfig
 from fedpeft.engines.checkpoint import load_checkpoint
 from fedpeft.engines.guard import DivergedError
+from fedpeft.engines.lr_schedule import round_lr
 from fedpeft.engines.round import Returned, ServerRound, receive, send
-from fedpeft.engines.schedule import round_lr
 from fedpeft.experiment import fingerprint
 from fedpeft.methods.base import FitResult, ServerState
 from fedpeft.methods.messages import Messages

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedpeft.config import CodecConfig, PrivacyConfig, ServerConfig, TrainConfig
-from fedpeft.engines import compress, guard, privacy, scaffold, schedule
+from fedpeft.engines import compress, guard, lr_schedule, privacy, scaffold
 from fedpeft.engines.local import derive_seed
 from fedpeft.engines.server_opt import as_weighted, server_step
 from fedpeft.methods.base import FitResult, Method, ServerState, Tensors
@@ -158,7 +158,7 @@ class ServerRound:
         if self.accountant is not None and self.privacy.mode in CLIPPED_MODES:
             spent = privacy.check_budget(self.privacy, self.accountant, rnd)
         clip = privacy.current_clip(self.privacy, server)
-        return Round(rnd, schedule.for_round(self.train, rnd), clip, spent)
+        return Round(rnd, lr_schedule.for_round(self.train, rnd), clip, spent)
 
     def finish(
         self,
@@ -176,7 +176,7 @@ class ServerRound:
         round's figures into ``record`` (``done``: the records before it); ``count``: the
         clients behind ``returned`` when they outnumber its results (SecAgg+ returns their
         mean as one result)."""
-        if schedule.scheduled(self.train):
+        if lr_schedule.scheduled(self.train):
             record["lr"] = step.lr
         if self.sample_accountant is not None:  # what the clients' own DP-SGD steps spent
             record["privacy"] = privacy.sample_record(self.privacy, self.sample_accountant, done, record)

@@ -42,7 +42,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedpeft.config import DeployConfig
-from fedpeft.engines import compress, guard, privacy, scaffold, schedule
+from fedpeft.engines import compress, guard, lr_schedule, privacy, scaffold
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
 from fedpeft.engines.local import derive_seed
 from fedpeft.engines.round import Returned, Round, ServerRound, close_record, receive, sample_clients
@@ -467,7 +467,7 @@ class FlowerServer:
         return codec.Orders(
             step.number,
             clip=step.clip if self.rounds.accountant is not None else None,
-            lr=step.lr if schedule.scheduled(self.cfg.train) else None,  # train.lr_schedule
+            lr=step.lr if lr_schedule.scheduled(self.cfg.train) else None,  # train.lr_schedule
             sigma=dp_sgd.sigma if dp_sgd is not None else None,  # DP-SGD
         )
 

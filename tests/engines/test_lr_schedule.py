@@ -8,7 +8,7 @@ import math
 import pytest
 
 from fedpeft.config import TrainConfig
-from fedpeft.engines.schedule import round_lr
+from fedpeft.engines.lr_schedule import round_lr
 from fedpeft.experiment import build, run
 from fedpeft.report.results import read_records
 from tests.helpers.flower import deploy, serve
