@@ -183,7 +183,8 @@ def load_backbone(
 
 def checkpointed_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer layers of ``model`` that recompute their activations in the backward
-    pass (``model.gradient_checkpointing``: ``fedpeft.engines.local.checkpoints.enable_checkpointing``)."""
+    pass (``model.gradient_checkpointing``:
+    ``fedpeft.engines.local.gradient_checkpointing.enable_checkpointing``)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return [

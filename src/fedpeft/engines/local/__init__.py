@@ -14,7 +14,8 @@ A method writes its round as ``cohort_start``, ``step_gradients`` and ``cohort_f
 - ``optimizer``: AdamW and SGD as pure functions, and the state a client keeps;
 - ``corrections``: FedProx's anchor and SCAFFOLD's controls;
 - ``step``: one client's local step (gradients -> corrections -> clip -> optimizer);
-- ``attention``, ``checkpoints``: the kernels and checkpoints a cohort trains with;
+- ``attention``, ``gradient_checkpointing``: the kernels a cohort trains with, and the layers
+  it recomputes in the backward pass (``model.gradient_checkpointing``);
 - ``folding``: a cohort folded into one batch where ``vmap`` cannot batch the model;
 - ``modes``: whether a cohort vmaps, folds or trains one client at a time (:func:`cohort_mode`);
 - ``loop``: the cohort loop (:func:`run_cohort`);
@@ -24,9 +25,9 @@ Nothing here imports a method, not even for its annotations: the loop is handed 
 method object and calls the hooks :class:`LocalMethod` names.
 """
 
-from fedpeft.engines.local.checkpoints import enable_checkpointing
 from fedpeft.engines.local.dp import clip_factor, noise_generator, norm
 from fedpeft.engines.local.folding import fold_refusal
+from fedpeft.engines.local.gradient_checkpointing import enable_checkpointing
 from fedpeft.engines.local.gradients import (
     ModelLossGradients,
     backprop,

@@ -38,10 +38,10 @@ from torch.func import vmap
 
 from fedpeft.engines.local.attention import training_attention
 from fedpeft.engines.local.batches import CohortBatches, stack, unstack
-from fedpeft.engines.local.checkpoints import checkpointing
 from fedpeft.engines.local.corrections import client_control, proximal_anchor, settle_control
 from fedpeft.engines.local.dp import dp_noise
 from fedpeft.engines.local.folding import folded_step
+from fedpeft.engines.local.gradient_checkpointing import checkpointing
 from fedpeft.engines.local.gradients import needs_plain_autograd, plain_autograd, prepare_step
 from fedpeft.engines.local.jobs import Job, RoundContext
 from fedpeft.engines.local.modes import cohort_mode
