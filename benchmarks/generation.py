@@ -186,7 +186,7 @@ def print_throughput(
         setup = build(config(name, 0, args.out / "throughput", args, tuned[name]))
         method, client = setup.method, setup.clients[0]
         server = method.init_server(setup.model)
-        method.messages.join(setup.model, method.messages.join_message(server))
+        method.join(setup.model, method.join_message(server))
         personal = method.init_client(setup.model, setup.initial, client)
         setups[name] = setup
         seed, context = derive_seed(0, 1, client.cid), RoundContext(method.train)

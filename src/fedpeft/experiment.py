@@ -386,7 +386,7 @@ def export(
         info.update(pooling=cfg.model.pooling, id2label=dict(enumerate(setup.corpus.class_names)))
     config = {"config": public_config(cfg)}  # its secrets redacted
     if method.shared_names:
-        shared = {n: server_tensors[n] for n in method.messages.global_export_names()}
+        shared = {n: server_tensors[n] for n in method.global_export_names()}
         refuse_nonfinite(shared, target)
         exported["global"] = str(method.export(setup.model, shared, target))
         R.write_json(target / "fedpeft_model.json", {**info, "part": "global", **config})

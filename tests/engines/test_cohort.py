@@ -388,7 +388,7 @@ def test_the_cohort_probe_runs_every_vectorised_method_from_its_first_state(tiny
     setup = build(tiny_config(method={"name": name, **MIXED_RANKS.get(name, {})}))
     engine = make_engine(setup, None)
     server = engine.method.init_server(engine.model)
-    engine.method.messages.join(engine.model, engine.method.messages.join_message(server))
+    engine.method.join(engine.model, engine.method.join_message(server))
     train, before = engine.method.train, {n: t.clone() for n, t in engine.model.state_dict().items()}
     outputs = []
 

@@ -423,5 +423,5 @@ def test_the_memory_check_measures_fedsbs_setup_round_and_a_round_that_trains(ti
     assert check_memory(engine, server)["step_mb"] >= 0
     assert probed == [False, True]
     probed.clear()
-    check_memory(engine, engine.method.messages.training_server(server))
+    check_memory(engine, engine.method.training_server(server))
     assert probed == [True]

@@ -16,8 +16,7 @@ from fedpeft.engines.guard import DivergedError
 from fedpeft.engines.lr_schedule import round_lr
 from fedpeft.engines.round import Returned, ServerRound, receive, send
 from fedpeft.experiment import fingerprint
-from fedpeft.methods.base import FitResult, ServerState
-from fedpeft.methods.messages import Messages
+from fedpeft.methods.base import FitResult, Method, ServerState
 from tests.helpers.configs import SCAFFOLD, USER_DP
 from tests.helpers.flower import in_process_and_deployed
 
@@ -75,8 +74,8 @@ class Mean:
         mean = sum(r.uplink["w"].double() * r.num_examples for r in results) / total
         return ServerState({"w": mean.float()}, dict(server.extras))
 
-    def __init__(self):
-        self.messages = Messages(self)  # none of its own
+    # no messages of its own: Method's defaults
+    uplink_messages, uplink_as_shared = Method.uplink_messages, Method.uplink_as_shared
 
 
 def returned(value: float, cid: int, examples: int = 1) -> Returned:

@@ -1,58 +1,40 @@
-"""Conformance suite: every registered method, 2 rounds x a few clients on a tiny model.
+"""Conformance suite: every registered method, 2 rounds x a few clients on a tiny model
+(the checks: tests/helpers/conformance.py).
 
-Shared invariants: the frozen backbone stays bit-identical; the method trains exactly
-the parameters it claims; bytes accounted equal the tensors exchanged; personal state
-never appears in an uplink; the checkpoint round-trips. A new method joins by being
-registered (and, if it trains something new, one line in CLAIMS).
+A new method joins by being registered; if what it trains is not its kind's tensors and
+the head (or it has no kind), by one line in CLAIMS. Its interface is Method's hooks, each
+written down in docs/architecture.md ("Adding a method").
 """
 
+import re
 import typing
+from pathlib import Path
 
 import pytest
 import torch
 
 from fedpeft.engines.checkpoint import load_checkpoint
 from fedpeft.experiment import build, fingerprint, run
-from fedpeft.flower import replies
 from fedpeft.methods import REGISTRY
-from fedpeft.methods.base import Method, load_tensors, tensor_bytes
+from fedpeft.methods.base import Method, load_tensors
 from fedpeft.methods.capabilities import DORA_UNDEFINED, FEATURES, SHARES_NOTHING, refusal
+from tests.helpers.conformance import PRIVATE, assert_conforms
 
-PRIVATE = ("opt.", "own.")  # personal-state entries that are not parameters
-
-# What each method may train: a predicate over parameter names.
+#: What a method trains where its kind's tensors and the head do not say it (or it has no
+#: kind): a predicate over parameter names
 CLAIMS = {
-    "fedft": lambda n: True,
-    "fedbf": lambda n: n.endswith("bias") or n.startswith("head."),
-    "fedap": lambda n: ".adapter." in n or n.startswith("head."),
-    "fedlr": lambda n: "lora_" in n or n.startswith("head."),
     "prompt_tuning": lambda n: n == "backbone.prompt.embedding.weight" or n.startswith("head."),
     "compacter": lambda n: ".adapter." in n or n.startswith("head."),
     "adamix": lambda n: ".adapter." in n or n.startswith("head."),
-    "federa": lambda n: "lora_" in n or n.startswith("head."),
-    "pf2lora": lambda n: "lora_" in n or n.startswith("head."),
-    "perfedavg": lambda n: "lora_" in n or n.startswith("head."),
-    "hetlora": lambda n: "lora_" in n or n.startswith("head."),
-    "fdlora": lambda n: "lora_" in n or n.startswith("head."),
     "c2a": lambda n: n.startswith(("hyper.", "head.")),
     "fedmcp": lambda n: ".adapter." in n or n.startswith(("head.", "global_head.")),
-    "ditto": lambda n: "lora_" in n or n.startswith("head."),
-    "moon": lambda n: "lora_" in n or n.startswith("head."),
-    "fedrep": lambda n: "lora_" in n or n.startswith("head."),
     "fedrod": lambda n: "lora_" in n or n.startswith(("head.", "personal_head.")),
-    "fedamp": lambda n: "lora_" in n or n.startswith("head."),
     "fedkd": lambda n: "lora_" in n or n.startswith(("head.", "mentor_head.")),
-    "local": lambda n: "lora_" in n or n.startswith("head."),
-    "centralized": lambda n: "lora_" in n or n.startswith("head."),
     "ffalora": lambda n: "lora_B" in n or n.startswith("head."),  # A frozen
-    "fedsalora": lambda n: "lora_" in n or n.startswith("head."),
-    "rolora": lambda n: "lora_" in n or n.startswith("head."),
-    "fedexlora": lambda n: "lora_" in n or n.startswith("head."),
-    "flexlora": lambda n: "lora_" in n or n.startswith("head."),
-    "lorafair": lambda n: "lora_" in n or n.startswith("head."),
-    "flora": lambda n: "lora_" in n or n.startswith("head."),
     "fedsb": lambda n: n.endswith(".lora_B.default.latent.weight") or n.startswith("head."),  # R only
 }
+
+ARCHITECTURE = Path(__file__).parents[2] / "docs" / "architecture.md"
 
 
 def record_fits(method) -> list:
@@ -68,15 +50,24 @@ def record_fits(method) -> list:
     return results
 
 
-def test_every_registered_method_has_a_claim():
-    assert set(REGISTRY) <= set(CLAIMS)
+def test_every_claim_names_a_registered_method():
+    assert set(CLAIMS) <= set(REGISTRY)
 
 
-def test_the_method_interface_stays_small():
-    """``Method`` (with all it inherits) has at most 25 public members; the rest lives in
-    its parts (``method.messages``) and in data (``refuses``)."""
+def test_every_hook_of_a_method_is_written_down():
+    """``Method``'s public members (with all it inherits) are its one way to be extended:
+    each is named in docs/architecture.md's "Adding a method", and they stay few."""
     public = [n for n in dir(Method) if not n.startswith("_")]
-    assert len(public) <= 25, public
+    assert len(public) <= 40, public
+    section = ARCHITECTURE.read_text().split("## Adding a method", 1)[1].split("\n## ", 1)[0]
+    written = set(re.findall(r"`(\w+)`", section))
+    assert not set(public) - written, sorted(set(public) - written)
+
+
+def test_fit_cohort_is_the_engines_alone():
+    """No method overrides ``fit_cohort`` (the engines' entry); a round of phases overrides
+    ``local_rounds``."""
+    assert not [name for name, cls in REGISTRY.items() if cls.fit_cohort is not Method.fit_cohort]
 
 
 def test_each_method_refuses_only_known_features():
@@ -114,84 +105,7 @@ def method_name(request):
 
 
 def test_conformance(method_name, tiny_config):
-    cfg = tiny_config(**{"method": {"name": method_name}, "train.rounds": 2, "partition.num_clients": 3})
-    setup = build(cfg)
-    model, method = setup.model, setup.method
-    # A method may rewrite frozen weights once, as every client does on joining (FeDeRA's
-    # residual); from then on the backbone must not move, but for the frozen tensors the
-    # server holds and hands down (FedEx-LoRA's frozen weights, which take its residuals)
-    method.messages.join(model, method.messages.join_message(method.init_server(model)))
-    carried = set(method.messages.server_frozen_names())
-    frozen = {
-        n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad and n not in carried
-    }
-    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-
-    # record every message of training: what each client received and what it sent back
-    sent_down, sent_up, reported, readouts = [], [], set(), set()
-    real_fit_cohort = method.fit_cohort
-
-    def fit_cohort(model, jobs):
-        sent_down.extend({n: t.clone() for n, t in job.received.items()} for job in jobs)
-        results = real_fit_cohort(model, jobs)
-        sent_up.extend(result.uplink for result in results)
-        reported.update(name for result in results for name in result.metrics)
-        readouts.update(name for result in results for name in method.readout(result))
-        return results
-
-    method.fit_cohort = fit_cohort
-    summary = run(cfg, setup=setup)
-    # what its clients report is what a deployed server accepts (it refuses unknown names)
-    assert reported <= replies.FIT_METRICS, sorted(reported - replies.FIT_METRICS)
-    assert readouts <= replies.READOUTS, sorted(readouts - replies.READOUTS)
-    assert not list(cfg.output_dir.glob("*.png"))  # log.plots: false (tests/conftest.py) draws none
-
-    # trains exactly what it claims, and something
-    assert trainable and all(CLAIMS[method_name](n) for n in trainable), trainable[:5]
-    if method_name == "fedft":
-        assert len(frozen) == 0
-    else:
-        assert len(frozen) > 0
-    # frozen backbone bit-identical
-    params = dict(model.named_parameters())
-    for n, t in frozen.items():
-        assert torch.equal(params[n], t), n
-    # training changed the trainable tensors of the clients that trained
-    ckpt = load_checkpoint(cfg.output_dir / "checkpoint.pt", fingerprint(cfg))
-    states = [ckpt.server.tensors] + list(ckpt.personal.values())
-    assert any(not torch.equal(s[n], before[n]) for s in states for n in s)
-    # bytes accounted == bytes of the tensors exchanged, plus, down, the one-time join
-    # message at each client's first contact; never more than the shared state (float32)
-    shared_bytes = sum(params[n].numel() * 4 for n in method.shared_names)
-    carried_bytes = sum(params[n].numel() * 4 for n in carried)
-    join_bytes = tensor_bytes(method.messages.join_message(ckpt.server))
-    per_round = 1 if method.pooled else cfg.train.clients_per_round
-    seen: set[int] = set()
-    for i, r in enumerate(ckpt.records):
-        down = sum(tensor_bytes(m) for m in sent_down[i * per_round : (i + 1) * per_round])
-        up = sum(tensor_bytes(m) for m in sent_up[i * per_round : (i + 1) * per_round])
-        first_contacts = len(set(r["clients"]) - seen)
-        seen |= set(r["clients"])
-        if method.pooled:
-            assert r["bytes_down"] == r["bytes_up"] == 0
-            continue
-        assert r["bytes_up"] == up <= per_round * shared_bytes
-        assert r["bytes_down"] == down + first_contacts * join_bytes
-        assert down <= per_round * (shared_bytes + carried_bytes)
-    # personal tensors never sent; shared and personal partition the trainable set
-    assert sent_up and sent_down
-    for message in sent_up + sent_down:
-        assert set(message).isdisjoint(method.personal_names)
-    assert all(set(message).isdisjoint(carried) for message in sent_up)  # handed down, never back
-    assert set(method.shared_names).isdisjoint(method.personal_names)
-    assert set(method.shared_names) | set(method.personal_names) == set(trainable)
-    # the checkpoint holds the final server state and every trained client's personal state:
-    # its personal parameters, plus only private entries (kept optimizer state, HETLoRA's own model)
-    for state in ckpt.personal.values():
-        assert {n for n in state if not n.startswith(PRIVATE)} == set(method.personal_names)
-    assert set(ckpt.server.tensors) == set(method.shared_names) | carried
-    assert summary["params"]["trainable"] == sum(params[n].numel() for n in trainable)
+    assert_conforms(method_name, tiny_config, CLAIMS.get(method_name))
 
 
 def test_local_only_sends_nothing(tiny_config):

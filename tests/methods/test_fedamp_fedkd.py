@@ -280,7 +280,7 @@ def test_fedkd_uplink_is_the_factors_of_the_mentee_update(tiny_config):
     params = {**received, **method.params_of(job.personal)}
     params.update({n: received[n] + d for n, d in delta.items()})
     known = method.cohort_finish(job, params, {}, {"loss": 0.0})
-    update = method.messages.uplink_as_shared(known.uplink)
+    update = method.uplink_as_shared(known.uplink)
     assert set(update) == set(method.shared_names)
     for n, d in delta.items():
         assert update[n].shape == d.shape

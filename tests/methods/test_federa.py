@@ -60,7 +60,7 @@ def test_round0_logits_equal_the_pretrained_model(federa_setup, tiny_backbone):
     plain.head.load_state_dict(model.head.state_dict())
 
     server = method.init_server(model)
-    method.messages.join(model, method.messages.join_message(server))
+    method.join(model, method.join_message(server))
     layers = lora_layers(model)
     assert len(layers) == 4  # query and value of 2 layers
     assert all(layer.lora_B["default"].weight.abs().sum() > 0 for layer in layers.values())  # not LoRA's B=0
@@ -88,7 +88,7 @@ def test_clients_with_flipped_signs_start_identical_after_the_broadcast(federa_s
     # The server decomposes once; both clients join from its broadcast and load the global state.
     server = method.init_server(server_model)
     for client in (client1, client2):
-        method.messages.join(client, method.messages.join_message(server))
+        method.join(client, method.join_message(server))
         from fedpeft.methods.base import load_tensors
 
         load_tensors(client, server.tensors)

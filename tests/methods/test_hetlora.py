@@ -189,7 +189,7 @@ def test_smaller_rank_update_passes_the_server_shape_check(tiny_config):
     like = method.init_server(setup.model).tensors
     update = truncate(like, 2)
     assert rank_of(update) == 2
-    check_tensors(method.messages.uplink_as_shared(update), like, "update")
+    check_tensors(method.uplink_as_shared(update), like, "update")
     with pytest.raises(ReplyError, match="lora_A"):
         check_tensors(update, like, "update")
     # an A of rank 2 with a B of rank 3 is not padded into shape: still refused
@@ -197,4 +197,4 @@ def test_smaller_rank_update_passes_the_server_shape_check(tiny_config):
     b_name = a_name.replace(".lora_A.", ".lora_B.")
     mixed = {**update, b_name: truncate(like, 3)[b_name]}
     with pytest.raises(ReplyError):
-        check_tensors(method.messages.uplink_as_shared(mixed), like, "update")
+        check_tensors(method.uplink_as_shared(mixed), like, "update")

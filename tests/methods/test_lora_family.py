@@ -49,7 +49,7 @@ def test_ffalora_trains_and_sends_b_only_with_one_a_everywhere(tiny_config, tmp_
     assert fixed and not set(fixed) & set(method.shared_names + method.personal_names)
     assert all("lora_B" in n or n.startswith("head.") for n in method.shared_names)
     server = method.init_server(model)
-    assert sorted(method.messages.join_message(server)) == sorted(fixed)
+    assert sorted(method.join_message(server)) == sorted(fixed)
     a_before = read_tensors(model, fixed)
     results = method.fit_cohort(model, round_jobs(setup, [0, 1]))
     assert all(not set(fixed) & set(r.uplink) for r in results)
@@ -212,7 +212,7 @@ def test_dora_trains_its_magnitudes_cohorts_and_exports_for_peft(tiny_config, na
     magnitudes = [n for n in setup.method.shared_names if "lora_magnitude_vector" in n]
     assert magnitudes
     shared = dict.fromkeys(setup.method.shared_names)
-    assert all(set(magnitudes) <= set(setup.method.messages.uplink_like(rnd, shared, {})) for rnd in (1, 2))
+    assert all(set(magnitudes) <= set(setup.method.uplink_like(rnd, shared, {})) for rnd in (1, 2))
     assert_cohort_equals_alone(setup, [0, 1, 2], f"{name}+dora")
     run(cfg, setup=setup)
     trained = torch.load(cfg.output_dir / "checkpoint.pt", weights_only=True)["server"]["tensors"]
@@ -656,8 +656,8 @@ def test_fedsb_setup_round_under_user_level_dp_clips_each_gradient_sum_and_noise
     setup = build(tiny_config(method={**FEDSB, "init_lr": 0.01}))
     method, model = setup.method, setup.model
     setup_round = {"setup.samples": torch.ones(1)}
-    assert method.messages.uplink_messages(setup_round) == ["grad." + w for w in method.frozen]
-    assert not method.messages.uplink_messages(method.start)
+    assert method.uplink_messages(setup_round) == ["grad." + w for w in method.frozen]
+    assert not method.uplink_messages(method.start)
     p, clip, sigma = PrivacyConfig(mode="user", noise_multiplier=2.0, clip=0.5), 0.5, 2.0
     jobs = round_jobs(setup, [0, 1])
     sums, sent, origins = method.fit_cohort(model, jobs), [], []

@@ -69,10 +69,10 @@ class DriftProbe:
     def local_model(self, server: ServerState, result: FitResult) -> Tensors:
         """Client ``result.cid``'s model after its local round (``server``: the state the
         round started from), rebuilt from its result alone: what it received with its update
-        (``method.messages.uplink_as_shared``) in place of the shared tensors, and its new personal
+        (``method.uplink_as_shared``) in place of the shared tensors, and its new personal
         state, combined as the method scores a client (:meth:`Method.eval_state`)."""
         engine, method = self.engine, self.engine.method
-        received = {**method.downlink(server, result.cid), **method.messages.uplink_as_shared(result.uplink)}
+        received = {**method.downlink(server, result.cid), **method.uplink_as_shared(result.uplink)}
         engine.forget_loaded()  # eval_state may use the model (Per-FedAvg adapts one step)
         state = method.eval_state(engine.model, received, result.personal, engine.clients[result.cid])
         engine.forget_loaded()

@@ -255,7 +255,7 @@ class InProcessEngine:
         received = compress.decode(message, self.comm.downlink)
         down = tensor_bytes(message)
         if cid not in self.joined:  # first contact: the method's one-time join message too
-            down += tensor_bytes(self.method.messages.join_message(server))
+            down += tensor_bytes(self.method.join_message(server))
             self.joined.add(cid)
         client = self.clients[cid]
         control = scaffold.server_control(server, self.method) if scaffold.enabled(self.method) else {}
@@ -526,7 +526,7 @@ class InProcessEngine:
             server, records = self.method.init_server(self.model), []
             self.setup_info = {"time_init_server": time.perf_counter() - t0, **self.method.setup_info}
         # Every client applies the join message to its backbone copy; here they share one copy.
-        self.method.messages.join(self.model, self.method.messages.join_message(server))
+        self.method.join(self.model, self.method.join_message(server))
         if ranks is not None:
             self.setup_info["ranks"] = float(ranks.world)
             self.setup_info["ranks_summed"] = float(self.summed_weight() is not None)

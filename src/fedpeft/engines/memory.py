@@ -387,10 +387,10 @@ def cohort_peaks(
 ) -> tuple[int | None, int | None]:
     """The peak memory of cohorts of 1 and of 4 clients, each the larger of one local step
     and one scoring batch of the largest client's longest rows, in a round that trains
-    (:meth:`~fedpeft.methods.messages.Messages.training_server`)."""
+    (:meth:`~fedpeft.methods.base.Method.training_server`)."""
     device = next(engine.model.parameters()).device
     with probing(engine, device):
-        probe = _Probe(engine, engine.method.messages.training_server(server), measure)
+        probe = _Probe(engine, engine.method.training_server(server), measure)
         one, four = (
             [probe.step(n, probe.step_size), probe.score(n, probe.score_size)] for n in (1, 4)
         )  # fmt: skip
@@ -422,7 +422,7 @@ def check_memory(engine: ProbedEngine, server: ServerState, limit_mb: float | No
         source = f"limit_mb {limit_mb}" if limit_mb is not None else f"{LIMIT_ENV}={os.environ[LIMIT_ENV]}"
     clients = engine.cohort_size
     # the first round, and the rounds that train where they differ (after Fed-SB's setup)
-    trains = engine.method.messages.training_server(server)
+    trains = engine.method.training_server(server)
     steps, scores = [], []
     with probing(engine, device):
         for state in [server] if trains is server else [server, trains]:
@@ -500,7 +500,7 @@ def choose_cohort_mode(engine: ProbedEngine, server: ServerState) -> dict:
     if how != "vmap" or fold_refusal(method, model) or dp_sgd:
         return {}
     with probing(engine, device):
-        probe = _Probe(engine, engine.method.messages.training_server(server))
+        probe = _Probe(engine, engine.method.training_server(server))
         size = min(engine.cohort_size, engine.schedule.clients_per_round)
         seconds = {mode: probe.seconds(size, mode) for mode in ("vmap", "folded")}
     chosen = min(seconds, key=seconds.get)

@@ -253,9 +253,9 @@ def check_budget(p: PrivacyConfig, accountant: Accountant, rnd: int) -> float:
 
 def reference(method: Method, received: Tensors, like: Tensors) -> Tensors:
     """What the uplink of a client that received ``received`` is an update of: those
-    tensors, and zero for each of the method's messages (:meth:`~fedpeft.methods.messages.
-    Messages.uplink_messages`, shaped as in ``like``), which are clipped whole."""
-    zeros = {n: torch.zeros(like[n].shape) for n in method.messages.uplink_messages(received) if n in like}
+    tensors, and zero for each of the method's messages (:meth:`~fedpeft.methods.base.
+    Method.uplink_messages`, shaped as in ``like``), which are clipped whole."""
+    zeros = {n: torch.zeros(like[n].shape) for n in method.uplink_messages(received) if n in like}
     return {**received, **zeros}
 
 

@@ -174,7 +174,7 @@ class Node:
             if self.global_test is not None:
                 self.global_test = self.global_test.to(device)
             if self._join is not None:
-                method.messages.join(model, self._join)
+                method.join(model, self._join)
             self._learner = model, method, initial
             Node.models_built += 1
         return self._learner
@@ -302,7 +302,7 @@ class Node:
 
     # ---------------------------------------------------------------- protocol
     def join(self, message: Tensors) -> None:
-        self.method.messages.join(self.model, message)
+        self.method.join(self.model, message)
         self._join = message
         self._save("join", message)
 

@@ -258,7 +258,7 @@ class FlowerServer:
         if train:
             sent = compress.encode(sent, self.cfg.comm.downlink)
         records, payload = {"downlink": codec.to_record(sent)}, tensor_bytes(sent)
-        if not peer.joined and (join := self.method.messages.join_message(server)):
+        if not peer.joined and (join := self.method.join_message(server)):
             records["join"] = codec.to_record(join)
             payload += tensor_bytes(join)
         return records, payload, compress.decode(sent, self.cfg.comm.downlink) if train else sent
@@ -325,7 +325,7 @@ class FlowerServer:
                     dropped[cid] = diverged[cid] = f"non-finite: {reason}"
                     continue
                 codec.check_tensors(
-                    self.method.messages.uplink_as_shared(uplink), like, f"client {cid} update"
+                    self.method.uplink_as_shared(uplink), like, f"client {cid} update"
                 )
                 codec.check_tensors(result.control, control, f"client {cid} control update")
             except codec.ReplyError as err:
@@ -373,7 +373,7 @@ class FlowerServer:
         rnd, instructions, payload_down, orders = step.number, {}, 0, self.orders(step)
         for cid in sampled:
             received = self.method.downlink(server, cid)
-            join = None if peers[cid].joined else (self.method.messages.join_message(server) or None)
+            join = None if peers[cid].joined else (self.method.join_message(server) or None)
             instructions[peers[cid].node_id] = (cid, secure.fit_instructions(received, join, orders))
             payload_down += tensor_bytes(received) + (tensor_bytes(join) if join else 0)
         uniform = self.cfg.privacy.mode == "user"  # user-level DP: weights 1
@@ -474,7 +474,7 @@ class FlowerServer:
     def round_uplink_like(self, rnd: int, received: Tensors) -> Tensors:
         """The names, shapes and dtypes of the update in round ``rnd`` of a client that was
         sent ``received``."""
-        return self.method.messages.uplink_like(rnd, self.uplink_like, received)
+        return self.method.uplink_like(rnd, self.uplink_like, received)
 
     def evaluate(self, server: ServerState, rnd: int, peers: dict[int, Peer]) -> dict:
         """Global-test scores of the global model (or the clients' mean when there is
@@ -546,7 +546,7 @@ class FlowerServer:
         server, records = self.start(resume)
         self.server = server
         # the global model is evaluated here, on the server's copy of the joined backbone
-        self.method.messages.join(self.setup.model, self.method.messages.join_message(server))
+        self.method.join(self.setup.model, self.method.join_message(server))
         self.uplink_like = {n: t for n, t in self.setup.initial.items() if n in set(self.method.shared_names)}
         self.ids.resume(server)  # a resumed run keeps who holds which client id
         self.on_start(records)

@@ -21,11 +21,14 @@ and are never loaded into the model as parameters (:meth:`Method.params_of`).
 A client's local round is written as pure functions (:meth:`Method.cohort_start`,
 :meth:`Method.step_draws`, :meth:`Method.step_gradients`, :meth:`Method.cohort_finish`)
 that the engine runs for a whole cohort of clients at once (``fedpeft.engines.local``);
-a method overrides the ones its paper changes.
+a method overrides the ones its paper changes. A round of phases (FedRep's head then body)
+overrides :meth:`Method.local_rounds`; :meth:`Method.fit_cohort` is the engines' entry,
+never overridden.
 
-Two parts sit beside the hooks: what crosses between server and clients besides the
-shared tensors (``method.messages``, :mod:`fedpeft.methods.messages`), and what the method
-does not compose with, as data (``refuses``, read by :mod:`fedpeft.methods.capabilities`).
+A method is extended one way: by overriding these hooks, those of what crosses between
+server and clients beside the shared tensors (:meth:`Method.join_message`, ...) included
+(docs/architecture.md, "Adding a method"). Beside them, as data, is what the method does
+not compose with (``refuses``, read by :mod:`fedpeft.methods.capabilities`).
 
 The defaults below implement FedAvg over the shared tensors (FeDeRA paper, sec. 3.1):
 the server sends its state, clients train ``E`` epochs or ``K`` steps, and the new
@@ -55,7 +58,6 @@ from fedpeft.engines.local import (
     optimizer_state,
     run_cohort,
 )
-from fedpeft.methods.messages import Messages
 from fedpeft.tensors import Tensors
 
 if TYPE_CHECKING:
@@ -196,8 +198,6 @@ class Method:
         #: uplinks where it takes their mean: ``server.aggregation``'s rule, given to
         #: ``fedpeft.methods.build_method`` (``fedpeft.engines.robust``)
         self.mean: Callable[[list[Tensors], list[float]], Tensors] = weighted_mean
-        #: what crosses beside the shared tensors (:class:`~fedpeft.methods.messages.Messages`)
-        self.messages = Messages(self)
 
     # ----- structure
     def prepare(self, model: TaskModel) -> None:
@@ -236,6 +236,52 @@ class Method:
         """The tensors of the one global model, or None when there is none."""
         return server.tensors if not self.personal_names else None
 
+    # ----- messages: what crosses beside the shared tensors, and the shapes a networked
+    # server checks a client's update against (defaults: nothing beside the shared
+    # tensors, every update of all of them)
+    def join_message(self, server: ServerState) -> Tensors:
+        """Tensors each client receives once, at first contact (FeDeRA's initial ``A, B``)."""
+        return {}
+
+    def join(self, model: TaskModel, message: Tensors) -> None:
+        """Apply the join message to a client's (frozen) model; idempotent. Default: nothing."""
+
+    def uplink_like(self, rnd: int, shared: Tensors, received: Tensors) -> Tensors:
+        """The names, shapes and dtypes of the update of round ``rnd`` of a client that was
+        sent ``received`` (what a networked server checks it against), given the shared
+        tensors' (``shared``). Default: all of ``shared``; RoLoRA's rounds send half of
+        them, Fed-SB's setup round (whichever round it falls in) sends others."""
+        return {n: shared[n] for n in self.shared_names}
+
+    def uplink_messages(self, received: Tensors) -> list[str]:
+        """Tensors of the uplink of a client that received ``received`` that are messages of
+        their own, not updates of a tensor it received (Fed-SB's setup round: its gradient
+        sums); ``privacy.mode`` clips and noises each as an update from zero. Default: none."""
+        return []
+
+    def uplink_as_shared(self, uplink: Tensors) -> Tensors:
+        """A client's update in the names and shapes of the shared state, which a networked
+        server checks every update against (HETLoRA zero-pads a smaller rank); default: as is."""
+        return uplink
+
+    def server_frozen_names(self) -> list[str]:
+        """Frozen tensors of the model that the server holds and hands to clients with the
+        shared ones, and that change over a run (FedEx-LoRA's frozen weights, into which it
+        folds residuals); they enter a client's step as constants and are never sent back.
+        Default: none (the backbone never moves)."""
+        return []
+
+    def global_export_names(self) -> list[str]:
+        """The server's tensors the global export is written from: the shared ones and
+        :meth:`server_frozen_names`."""
+        return [*self.shared_names, *self.server_frozen_names()]
+
+    def training_server(self, server: ServerState) -> ServerState:
+        """A server state of the rounds that train, for the memory probes to measure a
+        round from: ``server`` itself (default), or, before a first round unlike the
+        others (Fed-SB's setup round, which trains nothing), a state as after it."""
+        return server
+
     # ----- client side
     def params_of(self, personal: Tensors) -> Tensors:
         """The personal *parameters* of a personal state (without ``opt.*`` and other
@@ -247,9 +293,20 @@ class Method:
         return {n: initial[n].clone() for n in self.personal_names}
 
     def fit_cohort(self, model: TaskModel, jobs: list[Job]) -> list[FitResult]:
-        """The local rounds of a cohort of clients (one client's: a cohort of one), trained
-        at once by the local engine (``fedpeft.engines.local.run_cohort``) from the pure
-        functions below."""
+        """The engines' entry, never overridden: the local rounds of a cohort of clients (one
+        client's: a cohort of one), one result per job, each marked with its client."""
+        results = self.local_rounds(model, jobs)
+        if len(results) != len(jobs):
+            raise RuntimeError(f"method {self.name}: {len(results)} result(s) of {len(jobs)} local round(s)")
+        for job, result in zip(jobs, results, strict=True):
+            result.cid = job.client.cid
+        return results
+
+    def local_rounds(self, model: TaskModel, jobs: list[Job]) -> list[FitResult]:
+        """A cohort's local rounds, in the order of ``jobs``: by default one run of the local
+        engine's cohort loop (``fedpeft.engines.local.run_cohort``) over the pure functions
+        below; a round of phases or stages runs it once for each (FedRep's head, then its
+        body), or computes its results itself (Fed-SB's setup round)."""
         return run_cohort(model, self, jobs)
 
     # ----- the local round as pure functions (the engine vmaps them over a cohort)

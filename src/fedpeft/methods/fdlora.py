@@ -197,7 +197,7 @@ class FDLoRA(FedAvgPeft):
         run: an upper bound)."""
         return local_steps(n, self.train), self.cfg.personal_steps or local_steps(n, self.train)
 
-    def fit_cohort(self, model, jobs: list[Job]) -> list[FitResult]:
+    def local_rounds(self, model, jobs: list[Job]) -> list[FitResult]:
         """Stage 1 for the clients that have no personal module yet, then stage 2 for all
         that received the global one (both in a client's first round after round 1)."""
         jobs = list(jobs)

@@ -29,7 +29,6 @@ import torch
 from fedpeft.config.methods.federa import FeDeRAConfig
 from fedpeft.methods.base import ServerState, Tensors, read_tensors
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.methods.messages import Messages
 from fedpeft.methods.registry import register_method
 from fedpeft.peft.lora import LoraTerm, lora_layers
 from fedpeft.peft.svd_init import residual, svd_factors
@@ -37,30 +36,23 @@ from fedpeft.peft.svd_init import residual, svd_factors
 _JOIN = "join."
 
 
-class PrincipalFactors(Messages):
-    """The initial ``A0, B0`` sent once; a client derives its residual weights from them."""
+@register_method(FeDeRAConfig)
+class FeDeRA(FedAvgPeft):
+    kind = "lora"
+    refuses = {"dora": ""}
 
+    # ----- messages: the initial A0, B0 sent once; a client derives its residual weights from them
     def join_message(self, server: ServerState) -> Tensors:
         return {k.removeprefix(_JOIN): v for k, v in server.extras.items() if k.startswith(_JOIN)}
 
     def join(self, model, message: Tensors) -> None:
-        self.method.principal = message  # the initial A0, B0, which the export folds back in
+        self.principal = message  # the initial A0, B0, which the export folds back in
         with torch.no_grad():
             for name, layer in lora_layers(model).items():
                 base = layer.get_base_layer()
                 a = message[f"{name}.lora_A.default.weight"].to(base.weight.device)
                 b = message[f"{name}.lora_B.default.weight"].to(base.weight.device)
                 base.weight.copy_(residual(pretrained_weight(layer), a, b, layer.scaling["default"]))
-
-
-@register_method(FeDeRAConfig)
-class FeDeRA(FedAvgPeft):
-    kind = "lora"
-    refuses = {"dora": ""}
-
-    def __init__(self, cfg, train, seed: int = 0):
-        super().__init__(cfg, train, seed)
-        self.messages = PrincipalFactors(self)
 
     # ----- server: decompose once
     def init_server(self, model) -> ServerState:

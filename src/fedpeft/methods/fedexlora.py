@@ -28,17 +28,8 @@ from fedpeft.config.methods.fedexlora import FedExLoRAConfig
 from fedpeft.engines.local import GradientFn, group_backprop
 from fedpeft.methods.base import FitResult, ServerState, Tensors, read_tensors
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.methods.messages import Messages
 from fedpeft.methods.registry import register_method
 from fedpeft.peft.lora import LoraTerm, full_rank_terms, lora_layers
-
-
-class FoldedWeights(Messages):
-    """The frozen weights the residuals are folded into, handed to clients with the shared
-    tensors."""
-
-    def server_frozen_names(self) -> list[str]:
-        return [w for w, _ in self.method.modules.values()]
 
 
 @register_method(FedExLoRAConfig)
@@ -54,9 +45,10 @@ class FedExLoRA(FedAvgPeft):
         "factors does not give",
     }
 
-    def __init__(self, cfg, train, seed: int = 0):
-        super().__init__(cfg, train, seed)
-        self.messages = FoldedWeights(self)
+    # ----- messages: the frozen weights the residuals are folded into, handed to clients with the
+    # shared tensors
+    def server_frozen_names(self) -> list[str]:
+        return [w for w, _ in self.modules.values()]
 
     def prepare(self, model) -> None:
         if any(not p.is_floating_point() for p in model.parameters()):

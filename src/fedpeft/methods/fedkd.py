@@ -123,7 +123,6 @@ from fedpeft.methods.base import (
     tensor_bytes,
 )
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.methods.messages import Messages
 from fedpeft.methods.registry import register_method
 from fedpeft.peft.svd import DELTA, FACTORS, SVD_U, compress, decompress, reconstruct
 
@@ -253,16 +252,6 @@ def hidden_states(layers: list[nn.Module] | None) -> Iterator[list[torch.Tensor]
             handle.remove()
 
 
-class CompressedUpdates(Messages):
-    """A client's update as SVD factors, which the server's checks read reconstructed."""
-
-    def uplink_as_shared(self, uplink: Tensors) -> Tensors:
-        """A client's update reconstructed from its factors, by parameter name (a malformed
-        one comes back as it is, for the server's check to refuse)."""
-        out = decompress(uplink)
-        return uplink if out is None else out
-
-
 @register_method(FedKDConfig)
 class FedKD(FedAvgPeft):
     kind = "lora"
@@ -276,9 +265,12 @@ class FedKD(FedAvgPeft):
         "secure_aggregation": "its server reconstructs each client's update from its SVD factors",
     }
 
-    def __init__(self, cfg, train, seed: int = 0):
-        super().__init__(cfg, train, seed)
-        self.messages = CompressedUpdates(self)
+    # ----- messages: a client's update as SVD factors, which the server's checks read reconstructed
+    def uplink_as_shared(self, uplink: Tensors) -> Tensors:
+        """A client's update reconstructed from its factors, by parameter name (a malformed
+        one comes back as it is, for the server's check to refuse)."""
+        out = decompress(uplink)
+        return uplink if out is None else out
 
     # ----- structure
     def prepare(self, model) -> None:
@@ -382,7 +374,7 @@ class FedKD(FedAvgPeft):
         """The clients' updates reconstructed and averaged by ``|D_i|``; the mean
         compressed with ``T_rnd`` (``compress_downlink``) and added to the global mentee,
         a version on; each client recorded as having trained from the version before."""
-        updates = [self.messages.uplink_as_shared(r.uplink) for r in results]
+        updates = [self.uplink_as_shared(r.uplink) for r in results]
         mean = self.mean(updates, [r.num_examples for r in results])
         if self.cfg.compress_downlink:
             sent = compress(mean, self.energy_at(rnd))

@@ -16,7 +16,7 @@ client). A client's local round has two phases:
 Each phase differentiates only its own group and has its own optimizer state, so the
 other group's tensors do not move at all (AdamW's decoupled weight decay moves only the
 tensors a phase steps). The round is two calls of the vectorised cohort loop
-(:meth:`FedRep.fit_cohort`): the second phase's jobs carry the first phase's results.
+(:meth:`FedRep.local_rounds`): the second phase's jobs carry the first phase's results.
 Batches of the two phases come from two seeded streams (the body phase's seed derived
 from the round's). A client is scored with the received body and its own head; there is
 no global model.
@@ -96,7 +96,7 @@ class FedRep(FedAvgPeft):
         return self.head_steps(n, self.train) + local_steps(n, self.train), 0
 
     # ----- the local round: two phases of the vectorised cohort loop
-    def fit_cohort(self, model, jobs: list[Job]) -> list[FitResult]:
+    def local_rounds(self, model, jobs: list[Job]) -> list[FitResult]:
         """Head phase, then body phase, each a :func:`run_cohort` over the whole cohort."""
         try:
             self.phase = "head"
@@ -127,7 +127,7 @@ class FedRep(FedAvgPeft):
             return list(self.personal_names)
         if self.phase == "body":
             return list(self.shared_names)
-        raise RuntimeError("fedrep: a local round runs through FedRep.fit_cohort (head phase, then body)")
+        raise RuntimeError("fedrep: a local round runs through FedRep.local_rounds (head phase, then body)")
 
     def cohort_start(self, model, job: Job) -> Start:
         """The received body and the client's head; the optimizer state of the phase's

@@ -55,7 +55,6 @@ from fedpeft.methods.base import (
     read_tensors,
 )
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.methods.messages import Messages
 from fedpeft.methods.registry import register_method
 from fedpeft.peft.lora import LoraTerm, lora_layers
 
@@ -86,38 +85,6 @@ class LatentB(nn.Module):
         return self.base(self.latent(x))
 
 
-class SetupRound(Messages):
-    """The setup round's messages: gradient sums up (clipped and noised whole under
-    ``privacy.mode``), the fixed ``B``, ``A`` down once to each client."""
-
-    def uplink_messages(self, received: Tensors) -> list[str]:
-        return [GRAD + w for w in self.method.frozen] if SETUP in received else []
-
-    def server_frozen_names(self) -> list[str]:
-        return list(self.method.fixed)
-
-    def uplink_like(self, rnd: int, shared: Tensors, received: Tensors) -> Tensors:
-        if SETUP in received:  # the setup round: round 1, or the first that drew any client
-            return {GRAD + w: torch.empty(shape) for w, shape in self.method.frozen.items()}
-        return super().uplink_like(rnd, shared, received)
-
-    def training_server(self, server: ServerState) -> ServerState:
-        """Before the setup, a state of its shapes as after it (``B``, ``A`` and ``R``
-        zero): the rounds that train ``R``, vmapped, not the setup's gradient sums."""
-        method = self.method
-        if method.is_set_up(server):
-            return server
-        tensors, r = dict(server.tensors), method.cfg.lora.r
-        for w, a, b, latent, _ in method.modules.values():
-            d_out, d_in = method.frozen[w]
-            tensors[b], tensors[a], tensors[latent] = (
-                torch.zeros(d_out, r),
-                torch.zeros(r, d_in),
-                torch.zeros(r, r),
-            )
-        return ServerState(tensors, server.extras)
-
-
 @register_method(FedSBConfig)
 class FedSB(FedAvgPeft):
     kind = "lora"
@@ -136,9 +103,33 @@ class FedSB(FedAvgPeft):
         "gradient sums",
     }
 
-    def __init__(self, cfg, train, seed: int = 0):
-        super().__init__(cfg, train, seed)
-        self.messages = SetupRound(self)
+    # ----- messages: gradient sums up in the setup round (clipped and noised whole under
+    # privacy.mode), the fixed B, A down once to each client
+    def uplink_messages(self, received: Tensors) -> list[str]:
+        return [GRAD + w for w in self.frozen] if SETUP in received else []
+
+    def server_frozen_names(self) -> list[str]:
+        return list(self.fixed)
+
+    def uplink_like(self, rnd: int, shared: Tensors, received: Tensors) -> Tensors:
+        if SETUP in received:  # the setup round: round 1, or the first that drew any client
+            return {GRAD + w: torch.empty(shape) for w, shape in self.frozen.items()}
+        return super().uplink_like(rnd, shared, received)
+
+    def training_server(self, server: ServerState) -> ServerState:
+        """Before the setup, a state of its shapes as after it (``B``, ``A`` and ``R``
+        zero): the rounds that train ``R``, vmapped, not the setup's gradient sums."""
+        if self.is_set_up(server):
+            return server
+        tensors, r = dict(server.tensors), self.cfg.lora.r
+        for w, a, b, latent, _ in self.modules.values():
+            d_out, d_in = self.frozen[w]
+            tensors[b], tensors[a], tensors[latent] = (
+                torch.zeros(d_out, r),
+                torch.zeros(r, d_in),
+                torch.zeros(r, r),
+            )
+        return ServerState(tensors, server.extras)
 
     def prepare(self, model) -> None:
         if any(not p.is_floating_point() for p in model.parameters()):
@@ -217,10 +208,10 @@ class FedSB(FedAvgPeft):
         return ServerState(tensors, server.extras)
 
     # ----- client
-    def fit_cohort(self, model, jobs: list[Job]) -> list[FitResult]:
+    def local_rounds(self, model, jobs: list[Job]) -> list[FitResult]:
         if any(SETUP in job.received for job in jobs):
             return [self.gradient_sums(model, job) for job in jobs]
-        return super().fit_cohort(model, jobs)
+        return super().local_rounds(model, jobs)
 
     def gradient_sums(self, model, job: Job) -> FitResult:
         """The setup round of one client: the sum of its per-example gradients of the loss

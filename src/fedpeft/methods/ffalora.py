@@ -18,7 +18,6 @@ import torch
 from fedpeft.config.methods.ffalora import FFALoRAConfig
 from fedpeft.methods.base import ServerState, Tensors, read_tensors
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.methods.messages import Messages
 from fedpeft.methods.registry import register_method
 from fedpeft.peft.lora import LoraTerm, lora_layers
 
@@ -34,9 +33,12 @@ def frozen_a_names(model) -> list[str]:
     ]
 
 
-class FixedA(Messages):
-    """The one ``A``, drawn by the server, sent once and copied into each client's model."""
+@register_method(FFALoRAConfig)
+class FFALoRA(FedAvgPeft):
+    kind = "lora"
+    refuses = {"dora": ""}
 
+    # ----- messages: the one A, drawn by the server, sent once and copied into each client's model
     def join_message(self, server: ServerState) -> Tensors:
         return {k.removeprefix(_JOIN): v for k, v in server.extras.items() if k.startswith(_JOIN)}
 
@@ -45,16 +47,6 @@ class FixedA(Messages):
         with torch.no_grad():
             for name, a in message.items():
                 params[name].copy_(a)
-
-
-@register_method(FFALoRAConfig)
-class FFALoRA(FedAvgPeft):
-    kind = "lora"
-    refuses = {"dora": ""}
-
-    def __init__(self, cfg, train, seed: int = 0):
-        super().__init__(cfg, train, seed)
-        self.messages = FixedA(self)
 
     def prepare(self, model) -> None:
         super().prepare(model)

@@ -29,12 +29,12 @@ from fedpeft.engines.local import OPT, Start, optimizer_state
 from fedpeft.methods.base import FitResult, Job, ServerState, Tensors, local_steps
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.methods.ranks import (
-    PaddedRanks,
     client_rank,
     is_a,
     is_b,
     mask_components,
     pad,
+    padded_uplink,
     rank_of,
     truncate,
 )
@@ -67,9 +67,9 @@ class FlexLoRA(FedAvgPeft):
         "what they send",
     }
 
-    def __init__(self, cfg, train, seed: int = 0):
-        super().__init__(cfg, train, seed)
-        self.messages = PaddedRanks(self)
+    # ----- messages: an update of a client's own rank reaches the server's checks zero-padded
+    def uplink_as_shared(self, uplink: Tensors) -> Tensors:
+        return padded_uplink(uplink, self.cfg.lora.r)
 
     def prepare(self, model) -> None:
         super().prepare(model)

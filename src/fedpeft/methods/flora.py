@@ -48,7 +48,7 @@ from fedpeft.methods.base import (
     read_tensors,
 )
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.methods.ranks import PaddedRanks, client_rank, is_a, is_b, pad, truncate
+from fedpeft.methods.ranks import client_rank, is_a, is_b, pad, padded_uplink, truncate
 from fedpeft.methods.registry import register_method
 from fedpeft.peft.lora import LoraTerm, full_rank_terms, lora_layers
 
@@ -72,14 +72,6 @@ def stack(
     return torch.cat(rows), torch.cat([r.uplink[b].double() for r in results], dim=1)
 
 
-class MergedWeights(PaddedRanks):
-    """The merged frozen weights, handed to clients with the shared tensors; an update
-    of a client's own rank zero-padded to the largest."""
-
-    def server_frozen_names(self) -> list[str]:
-        return [w for w, *_ in self.method.modules.values()]
-
-
 @register_method(FLoRAConfig)
 class FLoRA(FedAvgPeft):
     kind = "lora"
@@ -99,9 +91,13 @@ class FLoRA(FedAvgPeft):
         "of them",
     }
 
-    def __init__(self, cfg, train, seed: int = 0):
-        super().__init__(cfg, train, seed)
-        self.messages = MergedWeights(self)
+    # ----- messages: the merged frozen weights, handed to clients with the shared tensors; an
+    # update of a client's own rank zero-padded to the largest
+    def server_frozen_names(self) -> list[str]:
+        return [w for w, *_ in self.modules.values()]
+
+    def uplink_as_shared(self, uplink: Tensors) -> Tensors:
+        return padded_uplink(uplink, self.cfg.lora.r)
 
     def prepare(self, model) -> None:
         if any(not p.is_floating_point() for p in model.parameters()):

@@ -77,12 +77,12 @@ from fedpeft.methods.base import (
 )
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.methods.ranks import (
-    PaddedRanks,
     client_rank,
     is_a,
     is_b,
     mask_components,
     pad,
+    padded_uplink,
     pairs,
     rank_of,
     truncate,
@@ -150,9 +150,9 @@ class HETLoRA(FedAvgPeft):
         "secure_aggregation": "its server weighs the clients' adapters by their update norms (its own rule)",
     }
 
-    def __init__(self, cfg, train, seed: int = 0):
-        super().__init__(cfg, train, seed)
-        self.messages = PaddedRanks(self)
+    # ----- messages: an update of a client's own rank reaches the server's checks zero-padded
+    def uplink_as_shared(self, uplink: Tensors) -> Tensors:
+        return padded_uplink(uplink, self.cfg.lora.r)
 
     def initial_rank(self, cid: int) -> int:
         return client_rank(self.cfg.rank_draw(), cid, self.seed, self.cfg.lora.r)

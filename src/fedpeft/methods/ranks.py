@@ -26,7 +26,6 @@ import torch
 from fedpeft.config.methods.ranks import RankDraw, RankedLoraConfig, Ranks, check_ranks  # noqa: F401
 from fedpeft.engines.local import OPT
 from fedpeft.methods.base import Tensors
-from fedpeft.methods.messages import Messages
 
 
 def client_rank(ranks: Ranks, cid: int, seed: int, r_max: int) -> int:
@@ -104,11 +103,3 @@ def padded_uplink(uplink: Tensors, r_max: int) -> Tensors:
     if len(ranks) != 1 or ranks.pop() > r_max:  # one rank for all, at most r_max
         return uplink
     return pad(uplink, r_max)
-
-
-class PaddedRanks(Messages):
-    """Clients of their own ranks: an update reaches the server's checks zero-padded to
-    ``method.lora.r`` (:func:`padded_uplink`)."""
-
-    def uplink_as_shared(self, uplink: Tensors) -> Tensors:
-        return padded_uplink(uplink, self.method.cfg.lora.r)

@@ -18,7 +18,6 @@ from fedpeft.config.methods.rolora import RoLoRAConfig
 from fedpeft.engines.local import GradientFn, carry_kept_state, group_backprop, optimizer_state
 from fedpeft.methods.base import FitResult, Job, ServerState, Start, Tensors
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.methods.messages import Messages
 from fedpeft.methods.registry import register_method
 
 
@@ -34,13 +33,6 @@ def sent_names(shared_names: list[str], rnd: int) -> list[str]:
     return [n for n in shared_names if other not in n]
 
 
-class HalfAdapters(Messages):
-    """An update of the round's half of the adapter (and the head)."""
-
-    def uplink_like(self, rnd: int, shared: Tensors, received: Tensors) -> Tensors:
-        return {n: shared[n] for n in sent_names(self.method.shared_names, rnd)}
-
-
 @register_method(RoLoRAConfig)
 class RoLoRA(FedAvgPeft):
     kind = "lora"
@@ -54,21 +46,24 @@ class RoLoRA(FedAvgPeft):
 
     def __init__(self, cfg, train, seed: int = 0):
         super().__init__(cfg, train, seed)
-        self.messages = HalfAdapters(self)
         self.half: str | None = None  # the factor the cohort loop is training
 
+    # ----- messages: an update of the round's half of the adapter (and the head)
+    def uplink_like(self, rnd: int, shared: Tensors, received: Tensors) -> Tensors:
+        return {n: shared[n] for n in sent_names(self.shared_names, rnd)}
+
     # ----- the local round: the round's half (and the head)
-    def fit_cohort(self, model, jobs: list[Job]) -> list[FitResult]:
+    def local_rounds(self, model, jobs: list[Job]) -> list[FitResult]:
         try:
             self.half = half_of_round(jobs[0].rnd)
-            return super().fit_cohort(model, jobs)
+            return super().local_rounds(model, jobs)
         finally:
             self.half = None
 
     def optimised_names(self) -> list[str]:
         if self.half is None:
             raise RuntimeError(
-                "rolora: a local round runs through RoLoRA.fit_cohort (it picks the round's half)"
+                "rolora: a local round runs through RoLoRA.local_rounds (it picks the round's half)"
             )
         other = ".lora_A." if self.half == "B" else ".lora_B."
         return [n for n in [*self.shared_names, *self.personal_names] if other not in n]
