@@ -61,7 +61,7 @@ from plain_loop import plain_steps  # noqa: E402
 
 from fedpeft.config import load_config  # noqa: E402
 from fedpeft.data.task import Encoded, take_steps  # noqa: E402
-from fedpeft.engines.inprocess import InProcessEngine, Schedule  # noqa: E402
+from fedpeft.engines.inprocess import InProcessEngine, RunPlan  # noqa: E402
 from fedpeft.engines.local import RoundContext  # noqa: E402
 from fedpeft.experiment import place  # noqa: E402
 from fedpeft.methods import build_method  # noqa: E402
@@ -203,9 +203,9 @@ def timed(mode: str):
 def engine_round(model, method, initial, clients, size: int, device, mode: str) -> float:
     """Seconds for one engine round over all ``clients`` in cohorts of ``size`` (sampling,
     downlink, training, aggregation; no evaluation)."""
-    schedule = Schedule(rounds=1, clients_per_round=len(clients), seed=0, eval_every=10**9, cohort_size=size)
+    plan = RunPlan(rounds=1, clients_per_round=len(clients), seed=0, eval_every=10**9, cohort_size=size)
     train = in_mode(method.train, mode)
-    engine = InProcessEngine(model, method, clients, clients[0].test, schedule, train=train)
+    engine = InProcessEngine(model, method, clients, clients[0].test, plan, train=train)
     server = method.init_server(model)
     sync(device)
     start = time.perf_counter()

@@ -21,7 +21,7 @@ from plain_loop import plain_optimizer, plain_steps
 
 from fedpeft.config import load_config
 from fedpeft.data.task import take_steps
-from fedpeft.engines.inprocess import InProcessEngine, Schedule, derive_seed, sample_clients
+from fedpeft.engines.inprocess import InProcessEngine, RunPlan, derive_seed, sample_clients
 from fedpeft.experiment import build
 
 
@@ -58,8 +58,8 @@ def main() -> None:
         },
     )
     setup = build(cfg)
-    schedule = Schedule(rounds=1, clients_per_round=args.clients, seed=cfg.seed)
-    engine = InProcessEngine(setup.model, setup.method, setup.clients, setup.global_test, schedule)
+    plan = RunPlan(rounds=1, clients_per_round=args.clients, seed=cfg.seed)
+    engine = InProcessEngine(setup.model, setup.method, setup.clients, setup.global_test, plan)
     server = setup.method.init_server(setup.model)
     sampled = sample_clients(cfg.seed, 1, len(setup.clients), args.clients)
 

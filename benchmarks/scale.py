@@ -44,7 +44,7 @@ from fedpeft.config import load_config
 from fedpeft.data.split import Clients, Shards, Split
 from fedpeft.data.task import Encoded
 from fedpeft.engines.checkpoint import STORE_DIR, Checkpoint, Checkpoints
-from fedpeft.engines.inprocess import InProcessEngine, Schedule
+from fedpeft.engines.inprocess import InProcessEngine, RunPlan
 from fedpeft.engines.store import ClientStore
 from fedpeft.experiment import attach_method, place
 from fedpeft.models.backbone import build_model
@@ -82,16 +82,16 @@ def measure(args: argparse.Namespace, count: int) -> dict:
         torch.randint(0, 45, (POOL,)),
     )
     budget = int(args.budget_mb * 2**20)
-    schedule = Schedule(rounds=args.rounds, clients_per_round=args.per_round, seed=0, eval_every=10**9)
+    plan = RunPlan(rounds=args.rounds, clients_per_round=args.per_round, seed=0, eval_every=10**9)
     # Warm-up: one round on a small population, so that training's own buffers are in the baseline.
-    warm = InProcessEngine(model, method, population(args.per_round, pool), pool.subset(range(8)), schedule)
+    warm = InProcessEngine(model, method, population(args.per_round, pool), pool.subset(range(8)), plan)
     warm.train_round(method.init_server(model), 1)
     directory = Path(args.workdir) / f"{count}" / STORE_DIR
     shutil.rmtree(directory.parent, ignore_errors=True)
     clients = population(count, pool)
     arrays = sum(a.nbytes for s in (clients.split.train, clients.split.test) for a in (s.rows, s.offsets))
     store = ClientStore(directory, budget)
-    engine = InProcessEngine(model, method, clients, pool.subset(range(8)), schedule, store=store)
+    engine = InProcessEngine(model, method, clients, pool.subset(range(8)), plan, store=store)
     checkpoints = Checkpoints(directory.parent / "checkpoint.pt", keep=2)
     server, rounds, saves, rows = method.init_server(model), [], [], []
     with PeakMemory(torch.device("cpu")) as mem:

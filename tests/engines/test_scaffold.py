@@ -8,7 +8,7 @@ import torch
 
 from fedpeft.config import ConfigError, TrainConfig
 from fedpeft.data.task import Encoded
-from fedpeft.engines.inprocess import InProcessEngine, Schedule
+from fedpeft.engines.inprocess import InProcessEngine, RunPlan
 from fedpeft.engines.local import CONTROL, Job, RoundContext, row_mean
 from fedpeft.engines.scaffold import PREFIX
 from fedpeft.experiment import build
@@ -54,9 +54,9 @@ def _engine(correction: str = "scaffold") -> InProcessEngine:
     method = Plain(MethodConfig(name="plain"), train)
     method.prepare(model)
     clients = [_client(0, 1), _client(1, 3)]
-    schedule = Schedule(rounds=2, clients_per_round=2, seed=0, eval_local=False)
+    plan = RunPlan(rounds=2, clients_per_round=2, seed=0, eval_local=False)
     return InProcessEngine(
-        model, method, clients, clients[0].test, schedule, scorer=NoScores(), memory_check=False
+        model, method, clients, clients[0].test, plan, scorer=NoScores(), memory_check=False
     )
 
 

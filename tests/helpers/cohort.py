@@ -95,7 +95,7 @@ def jobs_after_round_one(cfg):
     setup = build(cfg)  # a run of 2 rounds, stopped after round 1
     cfg.output_dir.mkdir(parents=True)
     engine = make_engine(setup, None)
-    engine.schedule = dataclasses.replace(engine.schedule, rounds=1)
+    engine.plan = dataclasses.replace(engine.plan, rounds=1)
     engine.run()
     cids = list(range(len(setup.clients)))
     trained = set(read_records(cfg.output_dir)[0]["clients"])

@@ -101,8 +101,9 @@ def wrapped_handler(kind: str, wrapper):
         funcs[f"{kind}.default"] = real
 
 
-def serve(grid: FakeGrid, resume: bool = False) -> None:
-    apps.server_app(grid, Context(7, 0, {}, RecordDict(), {**grid.run_config, "resume": resume}))
+def serve(grid: FakeGrid, resume: bool = False, resume_from: int | None = None) -> None:
+    at = {"resume_from": resume_from} if resume_from is not None else {}
+    apps.server_app(grid, Context(7, 0, {}, RecordDict(), {**grid.run_config, "resume": resume, **at}))
 
 
 def in_process_and_deployed(tiny_config, tmp_path, **over):

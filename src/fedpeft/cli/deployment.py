@@ -113,6 +113,16 @@ def serve(
     config: ConfigArg = None,
     set_: SetOpt = None,
     resume: Annotated[bool, typer.Option(help="Continue from the last completed round.")] = False,
+    resume_from: Annotated[
+        int | None,  # noqa: UP007
+        typer.Option(
+            "--resume-from",
+            metavar="ROUND",
+            min=1,
+            help="Continue from round ROUND's kept checkpoint (checkpoint.keep says how many are kept); "
+            "the later ones are deleted. Nodes keep their state of as many rounds.",
+        ),
+    ] = None,
     superlink: Annotated[
         str | None,  # noqa: UP007
         typer.Option(
@@ -201,8 +211,9 @@ def serve(
                     wait_for_superlink(superlink, tls, max_wait=max_wait, say=_say("fedpeft serve"))
                 # its own SuperLink, stopped, ends the run; a long-lived one is asked to
                 status = deploy.submit(
-                    cfg, superlink, workdir=work, tls=tls, resume=resume, stop_if_interrupted=link is None
-                )
+                    cfg, superlink, workdir=work, tls=tls, resume=resume, resume_from=resume_from,
+                    stop_if_interrupted=link is None,
+                )  # fmt: skip
             except deploy.DeployError as err:
                 fail(err)
             finally:

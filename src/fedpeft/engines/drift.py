@@ -28,7 +28,7 @@ def drift_probe_rows(seed: int, available: int, size: int) -> np.ndarray:
 
 
 class EvalBatch(Protocol):
-    """How many rows a forward pass takes (the engine's ``schedule``)."""
+    """How many rows a forward pass takes (the engine's ``plan``)."""
 
     eval_batch_size: int
 
@@ -40,7 +40,7 @@ class ProbedEngine(Protocol):
     model: torch.nn.Module
     method: Method
     clients: Sequence[ClientData]
-    schedule: EvalBatch  # the experiment's counts: how many rows a forward pass takes
+    plan: EvalBatch  # the experiment's counts: how many rows a forward pass takes
 
     def load(self, tensors: Tensors) -> None: ...
 
@@ -57,7 +57,7 @@ class DriftProbe:
     @torch.no_grad()
     def logits(self, tensors: Tensors) -> torch.Tensor:
         """``(P, C)`` float64 logits of the model holding ``tensors`` on the probe batch."""
-        engine, size = self.engine, self.engine.schedule.eval_batch_size
+        engine, size = self.engine, self.engine.plan.eval_batch_size
         engine.load(tensors)
         engine.model.eval()
         out = []

@@ -35,7 +35,8 @@ from fedpeft.engines.drift import DriftProbe, drift_probe_rows
 from fedpeft.engines.faults import corrupt
 from fedpeft.engines.local import RoundContext, SampleDP, derive_seed
 from fedpeft.engines.memory import check_memory, choose_cohort_mode, probe_cohort_size
-from fedpeft.engines.round import Returned, Round, ServerRound, close_record, receive, sample_clients, send
+from fedpeft.engines.round import Returned, Round, ServerRound, receive, sample_clients, send
+from fedpeft.engines.run_loop import NOBODY_DRAWN, Fitted, RunLoop
 from fedpeft.engines.store import ClientStore, StoreError
 from fedpeft.methods.base import (
     ClientData,
@@ -79,7 +80,7 @@ class ClientScores:
 
 
 @dataclass
-class Schedule:
+class RunPlan:
     """What the engine needs to know of the experiment: counts and seeds, nothing else."""
 
     rounds: int
@@ -92,6 +93,8 @@ class Schedule:
     per_client_scores: bool = False  # record each client's local-test scores (the cross-silo table)
     drift_probe: int = 0  # eval.drift: examples in the client-drift probe batch (0: no drift)
     poisson: bool = False  # train.client_sampling: poisson (each client with probability S / M)
+    min_results: int = 1  # deploy.min_results: fewer updates skip the round
+    max_skipped_rounds: int = 3  # deploy.max_skipped_rounds: so many skipped in a row stop the run
 
 
 class InProcessEngine:
@@ -103,7 +106,7 @@ class InProcessEngine:
         method: Method,
         clients: list[ClientData],
         global_test: Encoded,
-        schedule: Schedule,
+        plan: RunPlan,
         *,
         eval_clients: list[ClientData] | None = None,
         checkpoints: Checkpoints | None = None,
@@ -127,7 +130,7 @@ class InProcessEngine:
         # several processes share the rounds (fedpeft.engines.distributed); None: this one alone
         self.ranks = ranks
         self.eval_clients = eval_clients if eval_clients is not None else clients
-        self.global_test, self.schedule = global_test, schedule
+        self.global_test, self.plan = global_test, plan
         self.checkpoints, self.fingerprint = checkpoints, fingerprint
         # train.on_corrupt_state: a stored personal state that cannot be read stops the run
         # (StoreError) or is reset to the method's initial one ("reset"), recorded per round
@@ -148,10 +151,10 @@ class InProcessEngine:
             self.train,
             self.server_cfg,
             self.privacy,
-            seed=schedule.seed,
+            seed=plan.seed,
             clients=len(clients),
             accountant=privacy.user_accountant(
-                self.privacy, len(clients), schedule.clients_per_round, schedule.rounds, schedule.poisson
+                self.privacy, len(clients), plan.clients_per_round, plan.rounds, plan.poisson
             ),
             analyzers=analyzers,  # name -> f(previous global tensors, new global tensors)
         )
@@ -159,7 +162,7 @@ class InProcessEngine:
         if self.privacy.mode == "sample":
             sizes = {c.cid: len(c.train) for c in clients}
             batch = self.train.batch_size
-            accountant = privacy.dp_sgd_accountant(self.privacy, sizes, method, batch, schedule.rounds)
+            accountant = privacy.dp_sgd_accountant(self.privacy, sizes, method, batch, plan.rounds)
             self.rounds.sample_accountant = accountant
             self.sample_dp = SampleDP(self.privacy.clip, accountant.sigma, batch)
         self.on_round = on_round or (lambda record: None)
@@ -179,11 +182,11 @@ class InProcessEngine:
         self.setup_info: dict[str, float] = {}
         self.server: ServerState | None = None  # the final state, once run() returns
         self._loaded: tuple[torch.Tensor, ...] = ()
-        self.cohort_size = schedule.cohort_size or 1  # with None, probed when the run starts
-        self.scorer = scorer or ClassificationScorer(schedule.eval_batch_size)
+        self.cohort_size = plan.cohort_size or 1  # with None, probed when the run starts
+        self.scorer = scorer or ClassificationScorer(plan.eval_batch_size)
         self.drift: DriftProbe | None = None  # eval.drift: on a probe batch, the same every round
-        if schedule.drift_probe:
-            rows = drift_probe_rows(schedule.seed, len(global_test), schedule.drift_probe)
+        if plan.drift_probe:
+            rows = drift_probe_rows(plan.seed, len(global_test), plan.drift_probe)
             self.drift = DriftProbe(self, global_test.subset(rows))
 
     # ------------------------------------------------------------ state helpers
@@ -259,7 +262,7 @@ class InProcessEngine:
             self.joined.add(cid)
         client = self.clients[cid]
         control = scaffold.server_control(server, self.method) if scaffold.enabled(self.method) else {}
-        seed = derive_seed(self.schedule.seed, step.number, cid)
+        seed = derive_seed(self.plan.seed, step.number, cid)
         personal, residual = self.stored(client)
         job = Job(received, personal, client, seed, step.number, control, context=self.context(step))
         return job, residual, down + tensor_bytes(control)
@@ -282,7 +285,7 @@ class InProcessEngine:
         """The sampled clients' local rounds, in cohorts of up to ``cohort_size`` clients
         trained at once (a client's round does not depend on its cohort), and their
         updates as the server receives them."""
-        s, rnd = self.schedule, step.number
+        s, rnd = self.plan, step.number
         rate = s.clients_per_round / len(self.clients) if s.poisson else None
         sampled = sample_clients(s.seed, rnd, len(self.clients), s.clients_per_round, rate)
         if not sampled:  # Poisson sampling may draw no client
@@ -387,7 +390,7 @@ class InProcessEngine:
         state, the results as aggregated and the round's record so far."""
         step = self.rounds.begin(rnd, server)
         returned, record = self.fit_round(server, step)
-        skip = None if returned else "no client drawn (train.client_sampling: poisson)"
+        skip = None if returned else NOBODY_DRAWN
         new = self.rounds.finish(step, server, returned, record, [], skip=skip)
         self.forget_loaded()
         return new, [r.result for r in returned], record
@@ -396,7 +399,7 @@ class InProcessEngine:
         """``result`` as a faulty client sends it (``faults.attack``, a model attack), else as it is."""
         if result.cid not in self.faulty or self.faults.attack == "label_flip":
             return result
-        return corrupt(self.faults, result, job.received, self.schedule.seed, rnd, self.method.name)
+        return corrupt(self.faults, result, job.received, self.plan.seed, rnd, self.method.name)
 
     def client_model(self, server: ServerState, client: ClientData) -> tuple[Tensors, dict[str, Tensors]]:
         """The tensors client ``client`` is scored with (:meth:`Method.eval_state`: the
@@ -408,7 +411,7 @@ class InProcessEngine:
         self.forget_loaded()
         return self.method.eval_state(self.model, received, personal, client), extra
 
-    def evaluate(self, server: ServerState, final: bool = False) -> dict:
+    def evaluate(self, server: ServerState, rnd: int | None = None, final: bool = False) -> dict:
         """Global-test scores of the global model (or the clients' mean when there is none)
         and every client's scores on its local test split: all clients, so that every
         method is scored on the same ones (a client that never trained holds the global
@@ -416,7 +419,8 @@ class InProcessEngine:
         of ``cohort_size``, their forward passes vmapped; over ranks, each rank scores a
         contiguous slice of the clients and of the global test set. Each client's own
         scores are kept (``local_by_client``, clients with a test split in order) in the
-        ``final`` round, and in every round when the schedule asks."""
+        ``final`` round, and in every round when the plan asks (``rnd``: the round)."""
+        self.forget_loaded()  # the round's aggregate may have used the model
         out, ranks = {}, self.ranks
         global_tensors = self.method.global_state(server)
         if global_tensors is not None and len(self.global_test):
@@ -440,7 +444,7 @@ class InProcessEngine:
             out["global"] = mean_scores(scores.global_)
         if scores.local:
             out["local"] = spread(scores.local)
-            if self.schedule.per_client_scores or final:
+            if self.plan.per_client_scores or final:
                 out["local_by_client"] = scores.local
         if scores.val:
             out["val"] = {**spread(scores.val), **pooled(scores.val, scores.val_sizes)}
@@ -471,7 +475,7 @@ class InProcessEngine:
             self.forget_loaded()  # the scorer may load clients' tensors
             if on_global_test and len(self.global_test):  # no global model: each client's own
                 out.global_ += score_all([m for m, _ in models], self.global_test)
-            if not self.schedule.eval_local:
+            if not self.plan.eval_local:
                 continue
             validated = [i for i, c in enumerate(cohort) if c.val is not None and len(c.val)]
             if validated:
@@ -487,59 +491,89 @@ class InProcessEngine:
         self.forget_loaded()
         return out
 
-    # ------------------------------------------------------------ the run
+    # ------------------------------------------------------------ the run (a backend of RunLoop)
+    def loop(self) -> RunLoop:
+        """The run loop over this engine (:mod:`fedpeft.engines.run_loop`)."""
+        s = self.plan
+        return RunLoop(
+            self, s.rounds, s.eval_every, s.min_results, s.max_skipped_rounds, self.checkpoints,
+            self.fingerprint, self.on_start, self.on_round,
+            hint="Rerun with --resume to go on, or lower deploy.min_results.",
+        )  # fmt: skip
+
+    def run(self, resume: bool = False, resume_from: int | None = None) -> list[dict]:
+        """Every round still to run, from the start or (``resume``) from the newest readable
+        checkpoint or round ``resume_from``'s (:meth:`RunLoop.run`); the records of all rounds."""
+        return self.loop().run(resume, resume_from)
+
     def start(self, resume: bool, resume_from: int | None = None) -> tuple[ServerState, list[dict]]:
-        """The server state and records to continue from (the newest readable checkpoint, or
-        round ``resume_from``'s); the client join applied to the model."""
-        store, ranks = self.personal, self.ranks
-        store.close()  # what the run starts from is opened below
-        leader = ranks is None or ranks.leader
-        if ranks is not None and store.directory is not None:
-            ranks.check_shared(store.directory.parent)
-        if resume:
-            if self.checkpoints is None:
-                raise RuntimeError("resume needs checkpoints, and this engine keeps none")
-            fingerprint, on_corrupt = self.fingerprint, self.on_corrupt_state
-            load = lambda: self.checkpoints.load(fingerprint, store.budget, resume_from, on_corrupt)  # noqa: E731
-            if ranks is None:
-                ckpt = load()
-            else:  # rank 0 picks the checkpoint (and tidies); the others read the one it picked
-                path = self.checkpoints.path
-                read = lambda: load_checkpoint(path, fingerprint, store.budget, on_corrupt, owner=False)  # noqa: E731
-                ckpt = ranks.leader_first(load, read)
-            server, records = ckpt.server, ckpt.records
-            self.resets.update(ckpt.resets or {})
-            self.joined = set(ckpt.joined)
-            if isinstance(ckpt.personal, ClientStore):
-                self.personal = ckpt.personal
-            else:  # a checkpoint that holds the states themselves
-                self.personal = self.fresh_store(leader)
-                for cid, state in ckpt.personal.items():
-                    self.personal[cid] = state
+        """The server state and records the run goes on from (:meth:`RunLoop.start`)."""
+        return self.loop().start(resume, resume_from)
+
+    def open_store(self) -> None:
+        """Close the store before the run's own is opened (checked to be shared, over ranks)."""
+        self.personal.close()
+        if self.ranks is not None and self.personal.directory is not None:
+            self.ranks.check_shared(self.personal.directory.parent)
+
+    def load_checkpoint(self, checkpoints: Checkpoints, resume_from: int | None) -> Checkpoint:
+        """The checkpoint to go on from, its clients' states, join messages and state resets
+        taken back. Over ranks rank 0 picks it (and tidies); the others read the one it picked."""
+        self.open_store()
+        ranks, budget = self.ranks, self.personal.budget
+        fingerprint, on_corrupt = self.fingerprint, self.on_corrupt_state
+        load = lambda: checkpoints.load(fingerprint, budget, resume_from, on_corrupt)  # noqa: E731
+        if ranks is None:
+            ckpt = load()
         else:
-            self.personal = self.fresh_store(leader)  # no state of an earlier run
-            if self.checkpoints is not None and leader:
-                self.checkpoints.clear()
-            if ranks is not None:
-                ranks.barrier()  # nothing of this run is written before every rank has started
-            t0 = time.perf_counter()
-            server, records = self.method.init_server(self.model), []
-            self.setup_info = {"time_init_server": time.perf_counter() - t0, **self.method.setup_info}
-        # Every client applies the join message to its backbone copy; here they share one copy.
-        self.method.join(self.model, self.method.join_message(server))
-        if ranks is not None:
-            self.setup_info["ranks"] = float(ranks.world)
+            path = checkpoints.path
+            read = lambda: load_checkpoint(path, fingerprint, budget, on_corrupt, owner=False)  # noqa: E731
+            ckpt = ranks.leader_first(load, read)
+        self.resets.update(ckpt.resets or {})
+        self.joined = set(ckpt.joined)
+        if isinstance(ckpt.personal, ClientStore):
+            self.personal = ckpt.personal
+        else:  # a checkpoint that holds the states themselves
+            self.personal = self.fresh_store(self.leader)
+            for cid, state in ckpt.personal.items():
+                self.personal[cid] = state
+        return ckpt
+
+    def fresh(self) -> None:
+        self.open_store()
+        self.personal = self.fresh_store(self.leader)  # no state of an earlier run
+
+    @property
+    def leader(self) -> bool:
+        return self.ranks is None or self.ranks.leader
+
+    def prepare(self, server: ServerState) -> None:
+        """The cohort size and mode, probed where asked, and the memory check, on ``server``."""
+        if self.ranks is not None:
+            self.setup_info["ranks"] = float(self.ranks.world)
             self.setup_info["ranks_summed"] = float(self.summed_weight() is not None)
-        if self.schedule.cohort_size is None:
+        if self.plan.cohort_size is None:
             self.cohort_size = probe_cohort_size(self, server)
             self.setup_info["cohort_size"] = float(self.cohort_size)
         self.setup_info.update(choose_cohort_mode(self, server))  # cohort_mode auto on a GPU: the faster
         if self.memory_check:  # refuses (InsufficientMemory) a run that would not fit
             figures = check_memory(self, server)
             self.setup_info.update({f"memory_{k}": v for k, v in figures.items() if isinstance(v, float)})
-        return server, records
 
-    def settle(self, leader: bool) -> None:
+    def fit(self, server: ServerState, step: Round) -> Fitted:
+        returned, record = self.fit_round(server, step)
+        return Fitted(server, returned, record)
+
+    def amend(self, record: dict) -> None:
+        """Clients whose stored state could not be read, started afresh this round."""
+        if self.resets:
+            record["state_resets"] = {str(c): why for c, why in sorted(self.resets.items())}
+            self.resets = {}
+
+    def held(self) -> tuple[ClientStore, list[int]]:
+        return self.personal, sorted(self.joined)
+
+    def settle(self) -> None:
         """The store at the end of a round without a checkpoint of this process's: its
         entries committed (where it keeps the index), the files no kept checkpoint names
         deleted, a rank's entries of other ranks' clients forgotten."""
@@ -547,7 +581,7 @@ class InProcessEngine:
         if store.index is not None and self.checkpoints is None:
             store.commit()
         store.collect(self.checkpoints.keep if self.checkpoints else 1)
-        if not leader:
+        if not self.leader:
             store.forget()
 
     def fresh_store(self, leader: bool) -> ClientStore:
@@ -556,39 +590,3 @@ class InProcessEngine:
         if store.directory is None:
             return store
         return ClientStore.open(store.directory, 0, store.budget, durable=leader)[0]
-
-    def run(self, resume: bool = False, resume_from: int | None = None) -> list[dict]:
-        """Every round still to run, from the start or (``resume``) from the newest readable
-        checkpoint or round ``resume_from``'s; returns the records of all rounds. A round in
-        which every client diverges, or whose aggregate is not finite, stops the run with
-        :class:`~fedpeft.engines.guard.DivergedError` (the engine's ``server`` is then the
-        last good state)."""
-        s = self.schedule
-        server, records = self.start(resume, resume_from)
-        self.server = server
-        self.on_start(records)
-        for rnd in range(len(records) + 1, s.rounds + 1):
-            step = self.rounds.begin(rnd, server)
-            t0 = time.perf_counter()
-            returned, record = self.fit_round(server, step)
-            t1 = time.perf_counter()
-            skip = None if returned else "no client drawn (train.client_sampling: poisson)"
-            server = self.rounds.finish(step, server, returned, record, records, skip=skip)
-            self.forget_loaded()
-            t2 = time.perf_counter()
-            leader = self.ranks is None or self.ranks.leader
-            if rnd % s.eval_every == 0 or rnd == s.rounds:
-                record.update(self.evaluate(server, final=rnd == s.rounds))
-            if self.resets:  # clients whose stored state could not be read, started afresh
-                record["state_resets"] = {str(c): why for c, why in sorted(self.resets.items())}
-                self.resets = {}
-            record = close_record(rnd, record, records, (t0, t1, t2, time.perf_counter()), self.setup_info)
-            records.append(record)
-            if self.checkpoints is not None and leader:
-                ckpt = Checkpoint(rnd, self.fingerprint, server, self.personal, records, sorted(self.joined))
-                self.checkpoints.save(ckpt)
-            else:
-                self.settle(leader)
-            self.server = server
-            self.on_round(record)
-        return records

@@ -60,7 +60,7 @@ class InsufficientMemory(RuntimeError):
 
 
 class Counts(Protocol):
-    """What the probes read of the experiment's counts (the engine's ``schedule``)."""
+    """What the probes read of the experiment's counts (the engine's ``plan``)."""
 
     eval_batch_size: int
     clients_per_round: int
@@ -74,7 +74,7 @@ class ProbedEngine(Protocol):
     method: Method
     clients: Sequence[ClientData]
     scorer: Scorer
-    schedule: Counts
+    plan: Counts
     cohort_size: int
     train: TrainConfig
     sample_dp: SampleDP | None
@@ -229,7 +229,7 @@ class _Probe:
         self.state = self.method.eval_state(engine.model, self.received, self.personal, self.client)
         self.longest = int(self.client.train.lengths.max())
         scorer = engine.scorer
-        self.score_size = getattr(scorer, "batch_size", engine.schedule.eval_batch_size)
+        self.score_size = getattr(scorer, "batch_size", engine.plan.eval_batch_size)
         tokens = getattr(scorer, "batch_tokens", None)
         if tokens is not None:
             self.score_size = max(1, min(self.score_size, tokens // self.longest))
@@ -469,7 +469,7 @@ def probe_cohort_size(engine: ProbedEngine, server: ServerState) -> int:
     gives the cost per client; the cohort is the most clients that fit 80 % of the free
     memory (at most the clients per round). Elsewhere: 1 (on a CPU, batching clients
     gains nothing)."""
-    s = engine.schedule
+    s = engine.plan
     device = next(engine.model.parameters()).device
     if device.type != "cuda" or s.clients_per_round == 1:
         return 1
@@ -501,7 +501,7 @@ def choose_cohort_mode(engine: ProbedEngine, server: ServerState) -> dict:
         return {}
     with probing(engine, device):
         probe = _Probe(engine, engine.method.training_server(server))
-        size = min(engine.cohort_size, engine.schedule.clients_per_round)
+        size = min(engine.cohort_size, engine.plan.clients_per_round)
         seconds = {mode: probe.seconds(size, mode) for mode in ("vmap", "folded")}
     chosen = min(seconds, key=seconds.get)
     engine.train = engine.rounds.train = engine.train.model_copy(update={"cohort_mode": chosen})

@@ -58,7 +58,10 @@ def experiment_of(context: Context) -> ExperimentConfig:
 @server_app.main()
 def serve(grid: Grid, context: Context) -> None:
     cfg = experiment_of(context)
-    resume = bool(context.run_config.get("resume", False))
+    resume_from = context.run_config.get("resume_from")  # a kept checkpoint's round (--resume-from)
+    if resume_from is not None and (not isinstance(resume_from, int) or resume_from < 1):
+        raise ValueError(f"run config: 'resume_from' must be a round (an integer >= 1), not {resume_from!r}")
+    resume = bool(context.run_config.get("resume", False)) or resume_from is not None
     t0 = time.perf_counter()
     tracking = Tracking(cfg, resume)
     setup = build(cfg)
@@ -96,7 +99,7 @@ def serve(grid: Grid, context: Context) -> None:
     t1 = time.perf_counter()
     with tracking:
         try:
-            records = server.run(resume=resume)
+            records = server.run(resume=resume, resume_from=resume_from)
         except DivergedError as err:
             if err.round > 1:  # the last good global model (none was trained before round 1)
                 export(setup, err.last_good.tensors, out)

@@ -7,10 +7,12 @@ simulation, e.g. the integration tests) or a file of its own (``data-file``: a r
 deployment), whose labels are mapped onto the federation's class list.
 
 Personal state never leaves the node. After each local round it is saved per round
-(``state_dir/client-<cid>-personal.pt``, written atomically, the last two rounds kept), so a
-restarted node rejoins with its state and a resumed server that repeats round ``t``
-gets exactly what an uninterrupted run would: a fit for round ``t`` starts from the
-newest snapshot older than ``t``.
+(``state_dir/client-<cid>-personal.pt``, written atomically, the states of its last
+``checkpoint.keep`` rounds kept, and at least two), so a restarted node rejoins with its
+state and a resumed server that repeats round ``t`` (``--resume``, or ``--resume-from``
+any kept checkpoint) gets exactly what an uninterrupted run would: a fit for round ``t``
+starts from the newest snapshot older than ``t``. A round whose state the node no longer
+keeps is refused, never trained from another.
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ class Node:
         self._join = self._load("join")  # the method's join message, once received
         self._learner: tuple[TaskModel, Method, Tensors] | None = None  # built on first use
         self.snapshots: dict[int, Tensors] = self._load("personal") or {}
+        self.forgotten: int = self._load("forgotten") or 0  # the newest round whose state was dropped
 
     def accountant(self) -> privacy.Accountant | None:
         """The run's privacy accountant, as the server computes it (None without privacy)."""
@@ -292,9 +295,20 @@ class Node:
         """What the client kept after its newest local round before ``rnd``: its personal
         state (None before its first round) and its compressed uplink's residual."""
         done = [r for r in self.snapshots if r < rnd]
+        if not done and 0 < self.forgotten < rnd:  # its state before rnd was dropped: do not guess
+            raise ValueError(
+                f"client {self.cid}: round {rnd} would start from its state after round {self.forgotten} "
+                f"or earlier, which this node no longer keeps (it keeps its last {self.keep} rounds' "
+                "states: checkpoint.keep); resume from a later round"
+            )
         if not done:
             return None, {}
         return compress.residual_of(self.snapshots[max(done)])
+
+    @property
+    def keep(self) -> int:
+        """How many of its rounds' states the node keeps: as many as the server keeps checkpoints."""
+        return max(KEEP_SNAPSHOTS, self.cfg.checkpoint.keep)
 
     @property
     def last_round(self) -> int:
@@ -351,7 +365,11 @@ class Node:
             result.metrics["fitted"] = float(sent.fitted)
         self.snapshots = {r: t for r, t in self.snapshots.items() if r < rnd}
         self.snapshots[rnd] = compress.with_residual(kept, sent.residual)
-        self.snapshots = dict(sorted(self.snapshots.items())[-KEEP_SNAPSHOTS:])
+        dropped = sorted(self.snapshots)[: -self.keep]
+        if dropped:
+            self.forgotten = max(dropped[-1], self.forgotten)
+            self._save("forgotten", self.forgotten)
+        self.snapshots = {r: t for r, t in self.snapshots.items() if r not in dropped}
         self._save("personal", self.snapshots)
         return result, sent.message
 
