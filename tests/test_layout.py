@@ -142,3 +142,64 @@ def test_every_document_a_source_file_cites_is_in_the_repository():
                 if not name.endswith(".md") or not any((root / d / name).is_file() for d in (".", "docs")):
                     missing.append(f"{path.relative_to(root)}:{number}: {name}")
     assert not missing, missing
+
+
+ARCHITECTURE = SRC.parent / "docs" / "architecture.md"
+#: a row's folder (``engines/local/``) or module (``tensors.py``), written in backquotes
+ROW_NAME = re.compile(r"`([\w/]+/|[\w/]+\.py)`")
+
+
+def layer_table() -> dict[str, set[str]]:
+    """docs/architecture.md's table "The layers, and what each may import": each row's
+    folders or modules -> the rows named in its last column (what it may import from)."""
+    section = ARCHITECTURE.read_text().split("## The layers, and what each may import", 1)[1]
+    table = {}
+    for line in section.split("\n## ", 1)[0].splitlines():
+        cells = line.strip().strip("|").split("|")
+        if len(cells) == 3 and ROW_NAME.search(cells[0]):
+            for name in ROW_NAME.findall(cells[0]):
+                table[name] = set(ROW_NAME.findall(cells[2]))
+    return table
+
+
+def row_of(module: str, table: dict[str, set[str]]) -> str | None:
+    """The row of ``table`` a module of ``src/fedpeft`` is in: the module's own, or the
+    innermost folder holding it."""
+    path = MODULES[module].relative_to(SRC / "fedpeft").as_posix()
+    rows = [row for row in table if path == row or (row.endswith("/") and path.startswith(row))]
+    return max(rows, key=len, default=None)
+
+
+def test_the_layer_table_places_every_module():
+    """Every module of ``src/fedpeft`` is in a row; each row holds a module, and its last
+    column names rows."""
+    table = layer_table()
+    assert {"config/", "engines/", "engines/local/", "tensors.py", "cli/"} <= set(table)  # it was read
+    unplaced = sorted(m for m in MODULES if row_of(m, table) is None)
+    assert not unplaced, f"modules in no row of docs/architecture.md's layer table: {unplaced}"
+    empty = sorted(row for row in table if not any(row_of(m, table) == row for m in MODULES))
+    assert not empty, f"rows of docs/architecture.md's layer table that hold no module: {empty}"
+    unknown = {row: sorted(names - set(table)) for row, names in table.items() if names - set(table)}
+    assert not unknown, f"the layer table names rows it does not have: {unknown}"
+
+
+def test_each_layer_imports_only_what_the_layer_table_says():
+    """docs/architecture.md's layer table against the code: every import (in functions and
+    for annotations too) stays in its row or reaches a row the table lets it."""
+    table = layer_table()
+    wrong = []
+    for name, path in MODULES.items():
+        row = row_of(name, table)
+        for imported in sorted(imports_of(path)):
+            target = row_of(imported, table)
+            if row is not None and target not in table[row] | {row}:
+                wrong.append(f"{name} imports {imported} ({row} -> {target})")
+    assert not wrong, f"imports docs/architecture.md's layer table does not allow: {wrong}"
+
+
+def test_the_layer_table_reader_sees_a_wrong_import():
+    table = {"config/": set(), "data/": {"config/"}, "engines/local/": set(), "engines/": {"data/"}}
+    assert row_of("fedpeft.engines.local.loop", table) == "engines/local/"
+    assert row_of("fedpeft.engines.round", table) == "engines/"
+    assert row_of("fedpeft.data.split", table) == "data/"
+    assert row_of("fedpeft.experiment", table) is None

@@ -27,8 +27,7 @@ import torch
 
 from fedpeft.config import ServerConfig
 from fedpeft.methods.base import Tensors, weighted_mean
-
-Combine = Callable[[list[Tensors], list[float]], Tensors]
+from fedpeft.tensors import Combine
 
 
 def combiner(cfg: ServerConfig) -> Combine:

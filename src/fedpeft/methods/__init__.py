@@ -15,7 +15,7 @@ from fedpeft.methods.registry import REGISTRY, order_registry, register_method
 
 if TYPE_CHECKING:
     from fedpeft.config import TrainConfig
-    from fedpeft.engines.robust import Combine
+    from fedpeft.tensors import Combine
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")

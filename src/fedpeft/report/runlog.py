@@ -12,11 +12,10 @@ import logging
 import traceback
 from pathlib import Path
 
-import fedpeft
 from fedpeft.config.secrets import scrub
 
 LOG_FILE = "fedpeft.log"
-PACKAGE = Path(fedpeft.__file__).resolve().parent
+PACKAGE = Path(__file__).resolve().parents[1]  # src/fedpeft
 
 
 class Scrubbed(logging.Formatter):
