@@ -203,3 +203,88 @@ def test_the_layer_table_reader_sees_a_wrong_import():
     assert row_of("fedpeft.engines.round", table) == "engines/"
     assert row_of("fedpeft.data.split", table) == "data/"
     assert row_of("fedpeft.experiment", table) is None
+
+
+@pytest.mark.parametrize(
+    "step",
+    [
+        r"\bclose_record\(",  # the round's record completed
+        r"checkpoints\.save\(",  # the run's checkpoint written
+        r"checkpoints\.clear\(",  # a fresh start
+        r"\binit_server\(",  # the method's initial state
+        r"%\s*[\w.]*every\b",  # the evaluation cadence
+        r">=\s*[\w.]*max_skipped_rounds",  # stopping after skipped rounds
+    ],
+)
+def test_each_step_of_the_run_loop_is_taken_in_one_module(step):
+    """The run loop (``engines/run_loop.py``) takes every step around the round pipeline;
+    the in-process engine, its ranks and Flower's ServerApp are its backends."""
+    pattern = re.compile(step)
+    callers = sorted(
+        name
+        for name, path in MODULES.items()
+        if any(pattern.search(line) and "def " not in line for line in path.read_text().splitlines())
+    )
+    assert callers == ["fedpeft.engines.run_loop"]
+
+
+READERS = {
+    "fedpeft.methods.capabilities": {"refusal", "shares_nothing"},
+    "fedpeft.composition": {"declined", "shares_nothing"},
+}
+
+
+def reader_names(tree: ast.AST) -> set[str]:
+    """The names a module binds to the reader of a method's declared refusals."""
+    return {
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module in READERS
+        for alias in node.names
+        if alias.name in READERS[node.module]
+    }
+
+
+def string_literals(tree: ast.AST) -> str:
+    """Every string a module writes, an f-string's fields as NUL, one a line."""
+    parts = lambda node: "".join(v.value if isinstance(v, ast.Constant) else "\0" for v in node.values)  # noqa: E731
+    return "\n".join(
+        node.value if isinstance(node, ast.Constant) else parts(node)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.JoinedStr) or (isinstance(node, ast.Constant) and isinstance(node.value, str))
+    )
+
+
+def decides_composition(function: ast.AST, readers: set[str]) -> bool:
+    """Whether ``function`` both reads a method's declared refusals and raises."""
+    calls = {ast.unparse(node.func) for node in ast.walk(function) if isinstance(node, ast.Call)}
+    reads = any(c in readers or c in ("capabilities.refusal", "capabilities.shares_nothing") for c in calls)
+    return reads and any(isinstance(node, ast.Raise) for node in ast.walk(function))
+
+
+def test_what_composes_with_what_is_decided_in_one_module():
+    """``fedpeft.composition`` alone decides it (docs/composition.md): no other module
+    defines a ``check_composes``, writes the words of one of its refusals, or has a
+    function that reads a method's declared refusals (``capabilities.refusal``,
+    ``shares_nothing``) and raises; the others call ``composition.refusal`` and raise
+    what it returns, or read a declaration to describe a method (``fedpeft methods``)."""
+    from fedpeft.composition import RULES, template_words
+
+    # a refusal's longest literal run: its own words, where that is more than a key's name
+    words = {rule.name: w for rule in RULES if len(w := template_words(rule)) >= 24}
+    assert len(words) >= len(RULES) - 5, sorted(words)
+    found = []
+    for name, path in MODULES.items():
+        if name == "fedpeft.composition":
+            continue
+        text = path.read_text()
+        tree = ast.parse(text)
+        readers = reader_names(tree)
+        found += [f"{name}: {node.name}" for node in ast.walk(tree)
+                  if isinstance(node, ast.FunctionDef)
+                  and (node.name == "check_composes" or decides_composition(node, readers))]  # fmt: skip
+        written = string_literals(tree)
+        found += [f"{name}: the words of rule {rule}" for rule, w in words.items() if w in written]
+    assert not found, found
+    decides = ast.parse("def f(m):\n    if refusal(m, 'fp16'):\n        raise ValueError\n").body[0]
+    assert decides_composition(decides, {"refusal"})  # what it looks for

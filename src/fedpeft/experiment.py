@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fedpeft.composition import refusal
 from fedpeft.config import ConfigError, ExperimentConfig, TrainConfig, dump_config, public_config
 from fedpeft.config.secrets import identity_dump
 from fedpeft.data import partition as P
@@ -27,7 +28,7 @@ from fedpeft.data.silos import load_silos
 from fedpeft.data.sources import Corpus, load_corpus
 from fedpeft.data.split import Clients, Split, make_split
 from fedpeft.data.task import Encoded
-from fedpeft.engines import compress, privacy, scaffold
+from fedpeft.engines import privacy
 from fedpeft.engines.checkpoint import STORE_DIR, Checkpoints, ResumeError
 from fedpeft.engines.distributed import Ranks, joined
 from fedpeft.engines.faults import faulty_clients, flip_labels
@@ -35,11 +36,9 @@ from fedpeft.engines.guard import DivergedError, nonfinite_tensor
 from fedpeft.engines.inprocess import InProcessEngine, Schedule
 from fedpeft.engines.local import cohort_mode, enable_checkpointing
 from fedpeft.engines.robust import combiner
-from fedpeft.engines.server_opt import check_composes
 from fedpeft.engines.store import ClientStore
 from fedpeft.methods import build_method
 from fedpeft.methods.base import ClientData, Method, ServerState, Tensors, load_tensors, read_tensors
-from fedpeft.methods.capabilities import refusal
 from fedpeft.metrics.scorers import scorer_for
 from fedpeft.metrics.variation import lora_variations
 from fedpeft.models.backbone import TaskModel, build_model, resolve_backbone
@@ -123,20 +122,13 @@ def _build(cfg: ExperimentConfig, model: TaskModel | None, tokenizer) -> Setup:
         model, tokenizer = build_model(cfg.model, outputs, cfg.seed, cfg.data.task, device)
     pool, global_test = encode_corpus(corpus, tokenizer, cfg.data)
     method, initial = attach_method(cfg, model)
-    check_composes(cfg, method)
-    scaffold.check_composes(cfg, method)
-    privacy.check_composes(cfg, method)
-    compress.check_composes(cfg, method)
+    if why := refusal(cfg, method):  # what the prepared method composes with, for every engine
+        raise ConfigError(why)
     device = place(model, cfg.train)
     if cfg.model.gradient_checkpointing:
         enable_checkpointing(model)
     pool, global_test = pool.to(device), global_test.to(device)
     clients = Clients(pool, split, corpus.label_spaces)
-    if corpus.label_spaces is not None and (heads := [n for n in method.shared_names if "head." in n]):
-        raise ConfigError(
-            f"data.silos: method {method.name} would aggregate classifiers across tasks ({heads[0]}, ...); "
-            "each silo has its own label space: set method.head: personal"
-        )
     return Setup(cfg, corpus, split, model, method, clients, global_test, initial, tokenizer)
 
 
@@ -146,14 +138,11 @@ def attach_method(cfg: ExperimentConfig, model: TaskModel) -> tuple[Method, Tens
     the trainable tensors right after preparation. Its server combines uplinks by
     ``server.aggregation``'s rule where it takes their mean."""
     method = build_method(cfg.method, cfg.train, cfg.seed, mean=combiner(cfg.server))
-    if why := refusal(method, cfg.data.task):
-        raise ConfigError(f"method.name {method.name}: not defined for data.task {cfg.data.task}; {why}")
-    if cfg.train.precision == "fp16" and (why := refusal(method, "fp16")):
-        raise ConfigError(
-            f"train.precision: fp16 needs loss scaling, which method {method.name} ({why}) does not have; "
-            "use bf16 (float32's range, no scaling needed) or fp32"
-        )
-    check_dora(cfg, method)
+    from fedpeft.methods import REGISTRY  # the methods a refusal names as those that compose
+
+    if why := refusal(cfg, method, stage="method", methods=REGISTRY):  # before it prepares the model
+        raise ConfigError(why)
+    check_dora_caching(cfg)
     torch.manual_seed(cfg.seed + 1)  # adapter / LoRA initialisation
     method.prepare(model)
     half = {id(p) for p in half_precision_tensors(model)}
@@ -164,21 +153,12 @@ def attach_method(cfg: ExperimentConfig, model: TaskModel) -> tuple[Method, Tens
     return method, initial
 
 
-def check_dora(cfg: ExperimentConfig, method: Method) -> None:
-    """A :class:`ConfigError` when ``method.lora.use_dora`` is set for a method it does not
-    compose with, or while HF PEFT caches DoRA's norms (the cache would hand one client's
-    norm to the next, in the one shared model)."""
+def check_dora_caching(cfg: ExperimentConfig) -> None:
+    """A :class:`ConfigError` when ``method.lora.use_dora`` is set while HF PEFT caches
+    DoRA's norms (the cache would hand one client's norm to the next, in the one shared model)."""
     lora = getattr(cfg.method, "lora", None)
     if lora is None or not lora.use_dora:
         return
-    if why := refusal(method, "dora"):
-        from fedpeft.methods import REGISTRY
-
-        composes = ", ".join(name for name, cls in REGISTRY.items() if not refusal(cls, "dora"))
-        raise ConfigError(
-            f"method.lora.use_dora: not for method {method.name}: {why} (DoRA composes "
-            f"with {composes}: its magnitudes are trained tensors beside the factors)"
-        )
     from peft.tuners.lora import dora
 
     if dora.ENABLE_DORA_CACHING:
@@ -268,10 +248,8 @@ def make_engine(
     leader = ranks is None or ranks.leader
     clients, per_round = setup.clients, cfg.train.clients_per_round
     faulty = faulty_clients(cfg.faults, cfg.seed, len(clients))
-    if faulty and setup.method.pooled:
-        raise ConfigError(
-            f"faults.byzantine_clients: method {setup.method.name} pools the data; no client sends"
-        )
+    if why := refusal(cfg, setup.method, engine="simulation" if ranks is None else "ranks"):
+        raise ConfigError(why)
     if cfg.faults.attack == "label_flip":  # the faulty clients train on flipped labels from the start
         flip = lambda c: replace(c, train=flip_labels(c.train, setup.corpus.num_classes))  # noqa: E731
         clients = clients.altering(dict.fromkeys(faulty, flip))  # the setup's own stay as they are

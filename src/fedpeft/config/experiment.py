@@ -1,5 +1,6 @@
 """The whole experiment config, :class:`ExperimentConfig`: one section per layer, and the
-checks that read more than one section.
+checks of counts and names that read more than one section; what composes with what is
+decided by :mod:`fedpeft.composition`, whose rules of the config alone it refuses.
 
 The ``method`` key is validated by the method config registry
 (:mod:`fedpeft.config.methods.registry`) when a config is validated: its ``name`` picks
@@ -13,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from fedpeft import composition
 from fedpeft.config.comm import CommConfig
 from fedpeft.config.common import Strict
 from fedpeft.config.data import DataConfig, PartitionConfig
@@ -77,36 +79,8 @@ class ExperimentConfig(BaseModel):
                 "data.group_column is required when partition.scheme is 'groups' (the column whose values "
                 "bind the groups of clients, e.g. a language column)"
             )
-        if self.eval.drift:
-            self._check_drift()
-        if self.train.correction == "scaffold":
-            self._check_scaffold()
-        if self.deploy.secure_aggregation and self.comm.uplink.codec != "none":
-            raise ValueError(
-                f"comm.uplink {self.comm.uplink.codec}: deploy.secure_aggregation quantises and masks "
-                "the update itself (SecAgg+ sums integers); a compressed update's codes cannot be summed. "
-                "Use one or the other"
-            )
-        if self.privacy.mode == "sample" and self.model.quantization != "none":
-            raise ValueError(
-                f"privacy.mode sample: per-example gradients are a vmap over the rows, which "
-                f"model.quantization {self.model.quantization}'s kernels cannot run under; use user or local"
-            )
-        if self.privacy.mode == "sample" and self.model.gradient_checkpointing:
-            raise ValueError(
-                "privacy.mode sample: per-example gradients are a vmap over the rows, which "
-                "model.gradient_checkpointing cannot run under; turn one off"
-            )
-        if self.privacy.mode == "sample" and self.data.task == "causal_lm":
-            raise ValueError(
-                "privacy.mode sample: not for data.task causal_lm yet (a batch's scored positions are "
-                "counted over the batch, not per example); use privacy.mode user or local"
-            )
-        if self.deploy.secure_aggregation and self.server.aggregation != "mean":
-            raise ValueError(
-                f"server.aggregation {self.server.aggregation}: deploy.secure_aggregation hides the "
-                "individual updates a robust rule reads; use one or the other"
-            )
+        if why := composition.refusal(self):  # what composes with what: fedpeft.composition
+            raise ValueError(why)
         per_round = min(self.train.clients_per_round, self.partition.num_clients)
         if self.server.aggregation in ("krum", "multi_krum") and per_round <= 2 * self.server.byzantine + 2:
             raise ValueError(
@@ -134,30 +108,6 @@ class ExperimentConfig(BaseModel):
         train = dict(data.get("train") or {})
         train.setdefault("clients_per_round", len(silos))
         return {**data, "partition": partition, "train": train}
-
-    def _check_scaffold(self) -> None:
-        if self.train.optimizer != "sgd":
-            raise ValueError(
-                f"train.correction scaffold: train.optimizer is {self.train.optimizer}; SCAFFOLD's client "
-                "control (x - y) / (K lr) is the mean of the local gradients only under plain SGD steps "
-                "(Karimireddy et al. 2020, option II): set train.optimizer: sgd"
-            )
-        if self.deploy.secure_aggregation:
-            raise ValueError(
-                "train.correction scaffold: deploy.secure_aggregation sums the model updates alone, not "
-                "the clients' control updates SCAFFOLD's server needs; use one or the other"
-            )
-
-    def _check_drift(self) -> None:
-        if self.data.task != "classification":
-            raise ValueError(
-                f"eval.drift: client drift compares the logits of the classification head, and data.task "
-                f"{self.data.task} has none (use data.task classification)"
-            )
-        if self.data.silos is not None:
-            raise ValueError(
-                "eval.drift: the probe batch comes from the global test set, which data.silos has not"
-            )
 
     def _check_silos(self) -> None:
         p, silos = self.partition, self.data.silos

@@ -44,10 +44,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fedpeft.config import CodecConfig, ConfigError, ExperimentConfig
+from fedpeft.config import CodecConfig
 from fedpeft.engines.local import derive_seed
-from fedpeft.methods.base import Method, Tensors
-from fedpeft.methods.capabilities import refusal
+from fedpeft.methods.base import Tensors
 
 SEP = "#"
 RESIDUAL = "comm.residual."  # a client's error-feedback residual in its personal state
@@ -71,13 +70,6 @@ def message_seed(round_seed: int) -> int:
 
 def lossless(cfg: CodecConfig) -> bool:
     return cfg.codec == "none"
-
-
-def check_composes(cfg: ExperimentConfig, method: Method) -> None:
-    """A :class:`ConfigError` naming why, when ``method`` cannot take the configured lossy
-    downlink (:func:`~fedpeft.methods.capabilities.refusal` of ``lossy_downlink``)."""
-    if not lossless(cfg.comm.downlink) and (why := refusal(method, "lossy_downlink")):
-        raise ConfigError(f"comm.downlink {cfg.comm.downlink.codec}: method {method.name}: {why}")
 
 
 def error_feedback(cfg: CodecConfig) -> bool:

@@ -51,7 +51,6 @@ import torch
 from fedpeft.config import ConfigError, ExperimentConfig, PrivacyConfig
 from fedpeft.engines.local import clip_factor, norm
 from fedpeft.methods.base import FitResult, Method, ServerState, Tensors
-from fedpeft.methods.capabilities import refusal
 
 CLIP = "privacy.clip"  # the server's extras: the adaptive clipping bound of the next round
 SIGMA = "privacy.sigma"  # the server's extras (deployed DP-SGD): the noise multiplier, calibrated once
@@ -79,44 +78,6 @@ class PrivacyBudgetExceeded(RuntimeError):
 
 
 # ---------------------------------------------------------------- configuration
-
-
-def check_composes(cfg: ExperimentConfig, method: Method) -> None:
-    """A :class:`ConfigError` naming what cannot go with ``privacy.mode``."""
-    p = cfg.privacy
-    if p.mode == "none":
-        return
-    if p.mode == "sample":  # the records are protected inside training: the server may do anything
-        if why := refusal(method, "sample_dp"):
-            raise ConfigError(
-                f"privacy.mode sample: method {method.name} {why}, and DP-SGD's accountant needs one batch "
-                "a step drawn without replacement"
-            )
-        return
-    if p.mode == "user" and (why := refusal(method, "user_dp")):  # its server reads each uplink
-        raise ConfigError(
-            f"privacy.mode user: method {method.name}: {why}; user-level DP noises only the sum of the "
-            "updates, which this server does not take (privacy.mode local noises each update before it "
-            "leaves)"
-        )
-    if p.mode == "local" and (why := refusal(method, "local_dp")):
-        raise ConfigError(f"privacy.mode local: method {method.name}: {why}")
-    if p.mode == "user" and cfg.server.aggregation != "mean":
-        raise ConfigError(
-            f"privacy.mode user: server.aggregation {cfg.server.aggregation} reads the individual "
-            "updates, and user-level DP adds its noise to their sum only; use aggregation mean (or "
-            "privacy.mode local, whose updates leave the clients noised)"
-        )
-    if cfg.train.correction == "scaffold":
-        raise ConfigError(
-            "privacy.mode: train.correction scaffold sends each client's control update beside its "
-            "model update, and only the model update is clipped and noised; use one or the other"
-        )
-    if cfg.deploy.secure_aggregation and p.adaptive_clip:
-        raise ConfigError(
-            "privacy.adaptive_clip: each client's report (within the bound or not) would reach the server in "
-            "the clear beside SecAgg+'s masked sum; use a fixed privacy.clip with deploy.secure_aggregation"
-        )
 
 
 def noise_multiplier(

@@ -38,10 +38,8 @@ from __future__ import annotations
 
 import torch
 
-from fedpeft.config import ConfigError, ExperimentConfig
 from fedpeft.engines.local import CONTROL
 from fedpeft.methods.base import Method, ServerState, Tensors
-from fedpeft.methods.capabilities import refusal
 
 PREFIX = "scaffold.c."  # the server's control in its extras: scaffold.c.<shared tensor name>
 APPLIED = "scaffold.applied."  # the server's extras: per client, the last round whose dc_i it applied
@@ -51,12 +49,6 @@ PENDING_ROUND = "control_pending_round"
 
 def enabled(method: Method) -> bool:
     return method.train.correction == "scaffold"
-
-
-def check_composes(cfg: ExperimentConfig, method: Method) -> None:
-    """A :class:`ConfigError` naming the method when SCAFFOLD does not fit its local round."""
-    if cfg.train.correction == "scaffold" and (why := refusal(method, "correction")):
-        raise ConfigError(f"train.correction scaffold: method {method.name}: {why}")
 
 
 def server_control(server: ServerState, method: Method) -> Tensors:

@@ -27,9 +27,8 @@ import dataclasses
 
 import torch
 
-from fedpeft.config import ConfigError, ExperimentConfig, ServerConfig
-from fedpeft.methods.base import FitResult, Method, ServerState, Tensors
-from fedpeft.methods.capabilities import refusal, shares_nothing
+from fedpeft.config import ServerConfig
+from fedpeft.methods.base import FitResult, ServerState, Tensors
 
 PREFIX = "server_opt."
 ADAPTIVE = ("fedadam", "fedyogi", "fedadagrad")
@@ -38,22 +37,6 @@ ADAPTIVE = ("fedadam", "fedyogi", "fedadagrad")
 def is_plain(cfg: ServerConfig) -> bool:
     """Whether the server takes the method's aggregate as it is (FedAvg at rate 1)."""
     return cfg.optimizer == "fedavg" and cfg.rate == 1.0
-
-
-def check_composes(cfg: ExperimentConfig, method: Method) -> None:
-    """A :class:`ConfigError` naming both when ``method`` cannot take the configured server
-    optimiser, or FedProx's proximal term (``train.prox_mu``: it needs shared tensors)."""
-    server = cfg.server
-    if not is_plain(server) and (why := refusal(method, "server_step")):
-        raise ConfigError(
-            f"server.optimizer {server.optimizer} (server.lr {server.rate:g}): method {method.name}: {why}"
-        )
-    if server.aggregation != "mean" and (why := refusal(method, "robust")):
-        raise ConfigError(f"server.aggregation {server.aggregation}: method {method.name}: {why}")
-    if cfg.train.prox_mu > 0 and shares_nothing(method):
-        raise ConfigError(
-            f"train.prox_mu {cfg.train.prox_mu:g}: method {method.name} shares no tensors to anchor"
-        )
 
 
 def as_weighted(cfg: ServerConfig, results: list[FitResult]) -> list[FitResult]:

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import tomli_w
 
+from fedpeft.composition import refusal
 from fedpeft.config import ConfigError, ExperimentConfig, dump_config
 from fedpeft.flower import control, processes
 from fedpeft.flower.connect import local_address, probe
@@ -254,17 +255,10 @@ def write_app(app_dir: Path, cfg: ExperimentConfig, resume: bool, operator: Oper
 
 def check_deployable(cfg: ExperimentConfig) -> None:
     """A :class:`ConfigError` naming the key when ``cfg`` asks for what a deployed run
-    cannot do (simulated faults; client drift)."""
-    if cfg.faults.byzantine_clients:
-        raise ConfigError(
-            "faults.byzantine_clients: faulty clients are simulated by the in-process engine "
-            "(`fedpeft run`); a deployed node runs its own code"
-        )
-    if cfg.eval.drift:
-        raise ConfigError(
-            "eval.drift: client drift is measured by the in-process engine (`fedpeft run`); a deployed "
-            "server never holds a client's model after its round. Set eval.drift: false to deploy"
-        )
+    cannot do (simulated faults; client drift): the deployment's rules of the config
+    alone (:func:`fedpeft.composition.refusal`), before anything starts."""
+    if why := refusal(cfg, engine="deployment"):
+        raise ConfigError(why)
 
 
 def submit(

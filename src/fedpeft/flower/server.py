@@ -84,29 +84,10 @@ class FlowerServer:
         log: Callable[[str], None] = print,
         context: Context | None = None,
     ):
-        if setup.method.pooled:
-            raise DeploymentError(
-                f"method {setup.method.name!r} trains on all clients' data pooled in one place; "
-                "it is a reference for simulations and cannot run across machines"
-            )
-        if setup.cfg.export.personal:
-            raise DeploymentError(
-                "export.personal: in a deployment each client's personal state stays on its node, "
-                "so the server cannot export clients' models; export them in a simulation (fedpeft run)"
-            )
-        if setup.cfg.deploy.secure_aggregation and not secure.supports_secure_aggregation(setup.method):
-            raise DeploymentError(
-                f"deploy.secure_aggregation: method {setup.method.name!r} does not aggregate by the "
-                "example-weighted mean of the updates, which is all SecAgg+ can compute"
-            )
-        if setup.cfg.deploy.secure_aggregation and setup.cfg.train.clients_per_round < 2:
-            raise DeploymentError("deploy.secure_aggregation needs train.clients_per_round >= 2")
-        if setup.cfg.deploy.secure_aggregation and setup.cfg.deploy.max_weight_share < 1:
-            raise DeploymentError(
-                f"deploy.max_weight_share {setup.cfg.deploy.max_weight_share:g}: under "
-                "deploy.secure_aggregation each client weighs its own masked update, which the server "
-                "cannot reweigh; use deploy.max_weight_share 1 (a weight is still bounded by its roll call)"
-            )
+        from fedpeft.composition import refusal  # what a deployment composes with: its rules
+
+        if why := refusal(setup.cfg, setup.method, engine="deployment"):
+            raise DeploymentError(why)
         self.setup, self.grid, self.method, self.context = setup, grid, setup.method, context
         # differential privacy (privacy.*): the nodes clip (and, local mode, noise); the server
         # adds its noise to the sum (user mode) and keeps the accountant; under DP-SGD

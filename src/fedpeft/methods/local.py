@@ -6,13 +6,18 @@ test set are the mean over clients of each client's own model.
 
 from fedpeft.config.methods.local import LocalConfig
 from fedpeft.methods.base import FitResult, ServerState, Tensors
+from fedpeft.methods.capabilities import SHARES_NOTHING
 from fedpeft.methods.fedavg import FedAvgPeft
 from fedpeft.methods.registry import register_method
 
 
 @register_method(LocalConfig)
 class LocalOnly(FedAvgPeft):
-    refuses = {"dora": "", "secure_aggregation": "nothing is aggregated: every client trains alone"}
+    refuses = {  # nothing shared: no server step, hence no correction, robust rule or user-level DP
+        "dora": "",
+        "secure_aggregation": "nothing is aggregated: every client trains alone",
+        "server_step": SHARES_NOTHING,
+    }
 
     def split_trainable(self, model) -> None:
         self.personal_names = [n for n, p in model.named_parameters() if p.requires_grad]
