@@ -28,7 +28,7 @@ from fedpeft.config.methods.flexlora import FlexLoRAConfig
 from fedpeft.engines.local import OPT, Start, optimizer_state
 from fedpeft.methods.base import FitResult, Job, ServerState, Tensors, local_steps
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.methods.ranks import (
+from fedpeft.methods.lora_ranks import (
     client_rank,
     is_a,
     is_b,

@@ -48,7 +48,7 @@ from fedpeft.methods.base import (
     read_tensors,
 )
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.methods.ranks import client_rank, is_a, is_b, pad, padded_uplink, truncate
+from fedpeft.methods.lora_ranks import client_rank, is_a, is_b, pad, padded_uplink, truncate
 from fedpeft.methods.registry import register_method
 from fedpeft.peft.lora import LoraTerm, full_rank_terms, lora_layers
 

@@ -76,7 +76,7 @@ from fedpeft.methods.base import (
     weighted_mean,
 )
 from fedpeft.methods.fedavg import FedAvgPeft
-from fedpeft.methods.ranks import (
+from fedpeft.methods.lora_ranks import (
     client_rank,
     is_a,
     is_b,

@@ -3,7 +3,7 @@
 One leaf module per method (``fedpeft.config.methods.<name>``) holds its config class and
 registers it (:mod:`~fedpeft.config.methods.registry`), beside ``base``
 (:class:`MethodConfig`, what every method's options share), ``specs`` (the options of the
-trainable modules: LoRA, adapters, prompts, ...) and ``ranks`` (heterogeneous LoRA ranks).
+trainable modules: LoRA, adapters, prompts, ...) and ``lora_ranks`` (heterogeneous LoRA ranks).
 Only pydantic here, no torch: a config is read and checked, and ``fedpeft --help``
 answers, without loading a model library. The methods themselves (:mod:`fedpeft.methods`)
 import their config class from here; ``fedpeft.methods.REGISTRY`` names the same methods

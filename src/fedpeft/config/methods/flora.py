@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from fedpeft.config.methods.ranks import RankedLoraConfig
+from fedpeft.config.methods.lora_ranks import RankedLoraConfig
 from fedpeft.config.methods.registry import register_method_config
 
 

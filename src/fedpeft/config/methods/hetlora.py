@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from fedpeft.config.methods.base import MethodConfig
-from fedpeft.config.methods.ranks import RankDraw, Ranks, check_ranks
+from fedpeft.config.methods.lora_ranks import RankDraw, Ranks, check_ranks
 from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import LoraSpec
 
@@ -25,7 +25,7 @@ class HETLoRAConfig(MethodConfig):
     rank_seed: int = Field(0, ge=0, description="Seed of the per-client rank draw.")
     ranks: Ranks = Field(
         None,
-        description="The clients' ranks (fedpeft.methods.ranks: a list repeated over the clients, or "
+        description="The clients' ranks (fedpeft.methods.lora_ranks: a list repeated over the clients, or "
         "{uniform: [lo, hi]} / {choice: [...]} drawn per client); default: uniform in r_min..lora.r, "
         "seeded by rank_seed.",
     )

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 # the config side of method.ranks, re-exported from here where it was first defined
-from fedpeft.config.methods.ranks import RankDraw, RankedLoraConfig, Ranks, check_ranks  # noqa: F401
+from fedpeft.config.methods.lora_ranks import RankDraw, RankedLoraConfig, Ranks, check_ranks  # noqa: F401
 from fedpeft.engines.local import OPT
 from fedpeft.methods.base import Tensors
 

@@ -1,6 +1,6 @@
 """``method.ranks``, the heterogeneous LoRA ranks of HETLoRA, FlexLoRA and FLoRA, and the
 options FlexLoRA and FLoRA share (:class:`RankedLoraConfig`); what the ranks do:
-:mod:`fedpeft.methods.ranks`.
+:mod:`fedpeft.methods.lora_ranks`.
 """
 
 from __future__ import annotations
