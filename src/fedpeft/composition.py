@@ -32,10 +32,11 @@ from __future__ import annotations
 import string
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from fedpeft.config.experiment import ExperimentConfig
+#: A :class:`fedpeft.config.ExperimentConfig`, read through its attributes: the module
+#: imports nothing of fedpeft, so that the config's validator may call it.
+ExperimentConfig = Any
 
 # ---------------------------------------------------------------- the methods' capabilities
 
