@@ -44,15 +44,7 @@ from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECOR
 from flwr.serverapp import Grid
 
 from fedpeft.flower import codec, replies
-from fedpeft.methods.base import FitResult, Method, Tensors
-from fedpeft.methods.capabilities import refusal
-
-
-def supports_secure_aggregation(method: Method) -> bool:
-    """Whether ``method`` aggregates by the example-weighted mean of the uplinks (it does
-    not refuse ``secure_aggregation``)."""
-    return not refusal(method, "secure_aggregation")
-
+from fedpeft.methods.base import FitResult, Tensors
 
 #: the code of the error that stands for a refused reply (Flower's codes are small numbers)
 REFUSED = 72
