@@ -23,12 +23,12 @@ import numpy as np
 import torch
 
 # the config side of method.ranks, re-exported from here where it was first defined
-from fedpeft.config.methods.lora_ranks import RankDraw, RankedLoraConfig, Ranks, check_ranks  # noqa: F401
+from fedpeft.config.methods.lora_ranks import LoraRanks, RankDraw, RankedLoraConfig, check_ranks  # noqa: F401
 from fedpeft.engines.local import OPT
 from fedpeft.methods.base import Tensors
 
 
-def client_rank(ranks: Ranks, cid: int, seed: int, r_max: int) -> int:
+def client_rank(ranks: LoraRanks, cid: int, seed: int, r_max: int) -> int:
     """Client ``cid``'s rank under ``ranks`` (``seed``: the experiment's)."""
     if ranks is None:
         return r_max

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from fedpeft.config.methods.base import MethodConfig
-from fedpeft.config.methods.lora_ranks import RankDraw, Ranks, check_ranks
+from fedpeft.config.methods.lora_ranks import LoraRanks, RankDraw, check_ranks
 from fedpeft.config.methods.registry import register_method_config
 from fedpeft.config.methods.specs import LoraSpec
 
@@ -23,7 +23,7 @@ class HETLoRAConfig(MethodConfig):
     lora: LoraSpec = Field(default_factory=LoraSpec, description="lora.r is r_max, the server's rank.")
     r_min: int = Field(2, ge=1, description="Smallest client rank (and the floor of self-pruning).")
     rank_seed: int = Field(0, ge=0, description="Seed of the per-client rank draw.")
-    ranks: Ranks = Field(
+    ranks: LoraRanks = Field(
         None,
         description="The clients' ranks (fedpeft.methods.lora_ranks: a list repeated over the clients, or "
         "{uniform: [lo, hi]} / {choice: [...]} drawn per client); default: uniform in r_min..lora.r, "
@@ -50,7 +50,7 @@ class HETLoRAConfig(MethodConfig):
         check_ranks(self.ranks, self.lora.r)
         return self
 
-    def rank_draw(self) -> Ranks:
+    def rank_draw(self) -> LoraRanks:
         """``ranks``, or the paper's uniform draw in ``r_min..r_max`` when not given."""
         return (
             self.ranks

@@ -34,10 +34,10 @@ class RankDraw(BaseModel):
 
 #: ``method.ranks``: per-client ranks as a list (repeated over the clients), a seeded
 #: draw, or None (every client at ``method.lora.r``)
-Ranks = list[int] | RankDraw | None
+LoraRanks = list[int] | RankDraw | None
 
 
-def check_ranks(ranks: Ranks, r_max: int) -> None:
+def check_ranks(ranks: LoraRanks, r_max: int) -> None:
     """Refuse a rank outside ``1..r_max``, naming it (a pydantic validator calls this, so
     the error reaches the user as ``method.ranks...``)."""
     values = ranks.candidates() if isinstance(ranks, RankDraw) else list(ranks or [])
@@ -56,7 +56,7 @@ class RankedLoraConfig(MethodConfig):
     FLoRA): ``lora.r`` is ``r_max`` and ``ranks`` each client's."""
 
     lora: LoraSpec = Field(default_factory=LoraSpec, description="lora.r is r_max, the largest rank.")
-    ranks: Ranks = Field(
+    ranks: LoraRanks = Field(
         None,
         description="The clients' ranks (a list repeated over the clients, or {uniform: [lo, hi]} / "
         "{choice: [...]} drawn per client); default: every client at lora.r.",
