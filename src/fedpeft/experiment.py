@@ -33,7 +33,7 @@ from fedpeft.engines.checkpoint import STORE_DIR, Checkpoints, ResumeError
 from fedpeft.engines.distributed import Ranks, joined
 from fedpeft.engines.faults import faulty_clients, flip_labels
 from fedpeft.engines.guard import DivergedError, nonfinite_tensor
-from fedpeft.engines.inprocess import InProcessEngine, Schedule
+from fedpeft.engines.inprocess import InProcessEngine, RunPlan
 from fedpeft.engines.local import cohort_mode, enable_checkpointing
 from fedpeft.engines.robust import combiner
 from fedpeft.engines.store import ClientStore
@@ -257,7 +257,7 @@ def make_engine(
     if setup.method.pooled:
         clients, steps = pooled_schedule(setup)
         train, per_round = cfg.train.model_copy(update={"local_steps": steps}), 1
-    schedule = Schedule(
+    plan = RunPlan(
         rounds=cfg.train.rounds,
         clients_per_round=per_round,
         seed=cfg.seed,
@@ -268,6 +268,8 @@ def make_engine(
         per_client_scores=cfg.data.silos is not None,
         drift_probe=cfg.eval.drift_probe if cfg.eval.drift else 0,
         poisson=cfg.train.client_sampling == "poisson",
+        min_results=cfg.deploy.min_results,
+        max_skipped_rounds=cfg.deploy.max_skipped_rounds,
     )
     metrics_path = out / "metrics.jsonl"
 
@@ -289,7 +291,7 @@ def make_engine(
         setup.method,
         clients,
         setup.global_test,
-        schedule,
+        plan,
         eval_clients=setup.clients,
         checkpoints=checkpoints(cfg, say),
         fingerprint=fingerprint(cfg),

@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from fedpeft.config import CommConfig, FaultsConfig, PrivacyConfig, ServerConfig, TrainConfig
@@ -35,7 +34,7 @@ from fedpeft.engines.drift import DriftProbe, drift_probe_rows
 from fedpeft.engines.faults import corrupt
 from fedpeft.engines.local import RoundContext, SampleDP, derive_seed
 from fedpeft.engines.memory import check_memory, choose_cohort_mode, probe_cohort_size
-from fedpeft.engines.round import Returned, Round, ServerRound, receive, sample_clients, send
+from fedpeft.engines.round import Returned, Round, ServerRound, fit_record, receive, sample_clients, send
 from fedpeft.engines.run_loop import NOBODY_DRAWN, Fitted, RunLoop
 from fedpeft.engines.store import ClientStore, StoreError
 from fedpeft.methods.base import (
@@ -289,8 +288,7 @@ class InProcessEngine:
         rate = s.clients_per_round / len(self.clients) if s.poisson else None
         sampled = sample_clients(s.seed, rnd, len(self.clients), s.clients_per_round, rate)
         if not sampled:  # Poisson sampling may draw no client
-            nothing = {"loss": float("nan"), "fit": {}, "bytes_down": 0, "bytes_up": 0, "time_fit_max": 0.0}
-            return [], {"clients": [], **nothing}
+            return [], fit_record([], [], [], {}, bytes_down=0, bytes_up=0, time_fit_max=0.0)
         exchange, mine = {}, sampled
         if self.ranks is not None:  # this process's share of the clients
             costs = [client_cost(self.clients[cid], self.train) for cid in sampled]
@@ -312,23 +310,20 @@ class InProcessEngine:
         if self.method.pooled:  # pooled training: nothing crossed a network
             down = up = 0
         fits = share.reported if share.reported is not None else [r.result for r in results]
-        weights = [r.num_examples for r in fits]
-        names = sorted({k for r in fits for k in r.metrics} - {"loss"})
-        return results, {
-            "clients": sampled,
+        return results, fit_record(
+            sampled,
+            [r.metrics for r in fits],
+            [r.num_examples for r in fits],
+            dropped,
             **({"byzantine": sorted(self.faulty & set(sampled))} if self.faulty else {}),
-            **({"dropped": {str(c): why for c, why in sorted(dropped.items())}} if dropped else {}),
-            "loss": float(np.average([r.metrics.get("loss", np.nan) for r in fits], weights=weights)),
-            # any other figure a method reports (steps, time per step, rank), averaged over clients
-            "fit": {k: float(np.mean([r.metrics[k] for r in fits if k in r.metrics])) for k in names},
-            "bytes_down": down,
-            "bytes_up": up,
+            bytes_down=down,
+            bytes_up=up,
             # the slowest cohort: what a round takes when cohorts train in parallel
-            "time_fit_max": max(share.fit_times, default=0.0),
+            time_fit_max=max(share.fit_times, default=0.0),
             **exchange,
             **({"client_readout": share.readouts} if share.readouts else {}),
             **drift,
-        }
+        )
 
     def measure_drift(self, server: ServerState, share: Share, sampled: list[int]) -> dict:
         """With ``eval.drift``, the round's client drift (:mod:`fedpeft.engines.drift`), measured

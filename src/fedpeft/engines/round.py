@@ -26,8 +26,8 @@ server records which rounds' control updates it applied and tells the client
 (:mod:`fedpeft.engines.scaffold`); in one process nothing is lost between a client and
 the server, and clients keep their controls at once.
 
-Every engine also draws a round's clients (:func:`sample_clients`) and completes its
-record (:func:`close_record`) here.
+Every engine also draws a round's clients (:func:`sample_clients`) and writes its
+training record (:func:`fit_record`) here; the run loop completes it (:func:`close_record`).
 """
 
 from __future__ import annotations
@@ -253,6 +253,24 @@ def sample_clients(
         return [int(c) for c in ids[rng.random(len(ids)) < poisson_rate]]  # ids are sorted
     rng = np.random.default_rng([seed, rnd])
     return sorted(int(c) for c in rng.choice(ids, size=min(per_round, len(ids)), replace=False))
+
+
+def fit_record(
+    clients: list[int], metrics: list[dict], weights: list[float], dropped: dict[int, str], **figures
+) -> dict:
+    """A round's training record, as every engine writes it: the ``clients`` drawn, those
+    ``dropped`` and why, the loss of the clients that returned (their ``metrics``, weighted
+    by ``weights``, their examples), the mean of every other figure they report (steps, time
+    per step, rank), then the engine's own ``figures`` (bytes, times, readouts)."""
+    names = sorted({k for m in metrics for k in m} - {"loss"})
+    loss = [m.get("loss", np.nan) for m in metrics]
+    return {
+        "clients": clients,
+        **({"dropped": {str(c): why for c, why in sorted(dropped.items())}} if dropped else {}),
+        "loss": float(np.average(loss, weights=weights)) if metrics else float("nan"),
+        "fit": {k: float(np.mean([m[k] for m in metrics if k in m])) for k in names},
+        **figures,
+    }
 
 
 def close_record(rnd: int, record: dict, done: list[dict], times: Sequence[float], setup_info: dict) -> dict:

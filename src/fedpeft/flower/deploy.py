@@ -226,9 +226,16 @@ def absolute_paths(cfg: ExperimentConfig) -> ExperimentConfig:
 CLIENT_APPS = {True: "fedpeft.flower.relay:client_app", False: "fedpeft.flower.apps:client_app"}
 
 
-def write_app(app_dir: Path, cfg: ExperimentConfig, resume: bool, operator: Operator | None = None) -> Path:
+def write_app(
+    app_dir: Path,
+    cfg: ExperimentConfig,
+    resume: bool,
+    operator: Operator | None = None,
+    resume_from: int | None = None,
+) -> Path:
     """A Flower app directory whose components are fedpeft's and whose run config is
-    the experiment. It holds no code: the components import from the installed package.
+    the experiment (and where it resumes from: the newest checkpoint, ``resume``, or round
+    ``resume_from``'s). It holds no code: the components import from the installed package.
     With the ``operator``'s credential the run is signed: nodes given a CA run only apps
     that CA's operator signed (:func:`fedpeft.flower.operator.check_app`)."""
     app_dir.mkdir(parents=True, exist_ok=True)
@@ -242,7 +249,11 @@ def write_app(app_dir: Path, cfg: ExperimentConfig, resume: bool, operator: Oper
                         "serverapp": "fedpeft.flower.apps:server_app",
                         "clientapp": CLIENT_APPS[cfg.deploy.warm_nodes],
                     },
-                    "config": {"experiment": dump_config(cfg), "resume": resume},
+                    "config": {
+                        "experiment": dump_config(cfg),
+                        "resume": resume,
+                        **({"resume_from": resume_from} if resume_from is not None else {}),
+                    },
                 }
             }
         },
@@ -268,6 +279,7 @@ def submit(
     workdir: Path,
     tls: Tls | None = None,
     resume: bool = False,
+    resume_from: int | None = None,
     timeout: float | None = None,
     echo: bool = True,
     stop_if_interrupted: bool = True,
@@ -277,12 +289,12 @@ def submit(
     Interrupted (Ctrl-C, a stop signal: :class:`~fedpeft.flower.processes.Stopped`), the
     run is stopped on the SuperLink (``flwr stop``) unless ``stop_if_interrupted`` is
     false (a SuperLink about to be stopped ends its runs itself); it continues from its
-    last completed round with ``resume``."""
+    last completed round with ``resume`` (from round ``resume_from``'s kept checkpoint with that)."""
     check_deployable(cfg)
     cfg = absolute_paths(cfg)
     home, follower = workdir / "home-cli", workdir / "home-log"
     write_connection(home, superlink, tls)
-    app = write_app(workdir / "app", cfg, resume, operator_of(tls))
+    app = write_app(workdir / "app", cfg, resume, operator_of(tls), resume_from)
     run_id, logs = None, None
     deadline = None if timeout is None else time.monotonic() + timeout
     try:

@@ -36,7 +36,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid
@@ -45,7 +44,8 @@ from fedpeft.config import DeployConfig
 from fedpeft.engines import compress, guard, lr_schedule, privacy, scaffold
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
 from fedpeft.engines.local import derive_seed
-from fedpeft.engines.round import Returned, Round, ServerRound, close_record, receive, sample_clients
+from fedpeft.engines.round import Returned, Round, ServerRound, fit_record, receive, sample_clients
+from fedpeft.engines.run_loop import Fitted, RunLoop, SkippedRoundsError
 from fedpeft.experiment import Setup
 from fedpeft.flower import codec, members, replies, secure
 from fedpeft.methods.base import FitResult, ServerState, Tensors, load_tensors, tensor_bytes
@@ -110,6 +110,7 @@ class FlowerServer:
         self.checkpoints, self.fingerprint = checkpoints, fingerprint
         self.on_round, self.on_start, self.log = on_round, on_start, log
         self.server: ServerState | None = None
+        self.model, self.ranks = setup.model, None  # the server's backbone; one process
         self.setup_info: dict[str, float] = {}
         self.uplink_like: Tensors = {}
         self.peers: dict[int, Peer] = {}  # client id -> the node that holds it
@@ -326,25 +327,21 @@ class FlowerServer:
             raise guard.all_dropped(rnd, diverged, step.lr, server)
         fits = [r.result for r in results]
         capped = replies.cap_results(fits, self.cfg.server.weighting, self.deploy.max_weight_share)
-        weights = [r.num_examples for r in fits]
-        names = sorted({k for r in fits for k in r.metrics} - {"loss"})
-        return results, {
-            "clients": sampled,
-            "clients_returned": [r.cid for r in fits],
-            **({"dropped": {str(c): why for c, why in sorted(dropped.items())}} if dropped else {}),
+        return results, fit_record(
+            sampled,
+            [r.metrics for r in fits],
+            [r.num_examples for r in fits],
+            dropped,
+            clients_returned=[r.cid for r in fits],
             **({"capped_weights": capped} if capped else {}),
-            "nodes": len(peers),
-            "loss": float(np.average([r.metrics.get("loss", np.nan) for r in fits], weights=weights))
-            if fits
-            else float("nan"),
-            "fit": {k: float(np.mean([r.metrics[k] for r in fits if k in r.metrics])) for k in names},
-            "bytes_down": down,
-            "bytes_up": up,
-            "payload_bytes_down": payload_down,
-            "payload_bytes_up": payload_up,
-            "time_fit_max": max(fit_times, default=float("nan")),
+            nodes=len(peers),
+            bytes_down=down,
+            bytes_up=up,
+            payload_bytes_down=payload_down,
+            payload_bytes_up=payload_up,
+            time_fit_max=max(fit_times, default=float("nan")),
             **({"client_readout": readouts} if readouts else {}),
-        }
+        )
 
     def fit_round_secure(
         self, server: ServerState, step: Round, peers: dict[int, Peer], sampled: list[int]
@@ -384,34 +381,26 @@ class FlowerServer:
             str(cid): {k.removeprefix("readout."): v for k, v in m.items() if k.startswith("readout.")}
             for cid, m in zip(returned, per_client, strict=True)
         }
-        names = sorted({k for m in per_client for k in m} - {"loss", "time_fit", "num_examples"})
-        names = [n for n in names if not n.startswith("readout.")]
-        return results, {
-            "clients": sampled,
-            "clients_returned": returned,
-            **({"dropped": {str(c): why for c, why in sorted(dropped.items())}} if dropped else {}),
-            "nodes": len(peers),
-            "secure_aggregation": True,
-            # weighted by examples, as a plain round and the in-process engine weigh it
-            "loss": float(
-                np.average(
-                    [m.get("loss", np.nan) for m in per_client],
-                    weights=[
-                        m.get("num_examples", w)
-                        for m, w in zip(per_client, outcome.num_examples, strict=True)
-                    ],
-                )
-            )
-            if per_client
-            else float("nan"),
-            "fit": {k: float(np.mean([m[k] for m in per_client if k in m])) for k in names},
-            "bytes_down": counted.down,
-            "bytes_up": counted.up,
-            "payload_bytes_down": payload_down,
-            "payload_bytes_up": len(returned) * tensor_bytes(self.round_uplink_like(rnd, received)),
-            "time_fit_max": max((m["time_fit"] for m in per_client), default=float("nan")),
+        # the figures the clients report, less what the protocol and the readouts carry;
+        # weighted by examples, as a plain round and the in-process engine weigh them
+        kept = lambda k: k not in ("time_fit", "num_examples") and not k.startswith("readout.")  # noqa: E731
+        told = [{k: v for k, v in m.items() if kept(k)} for m in per_client]
+        weights = [m.get("num_examples", w) for m, w in zip(per_client, outcome.num_examples, strict=True)]
+        return results, fit_record(
+            sampled,
+            told,
+            weights,
+            dropped,
+            clients_returned=returned,
+            nodes=len(peers),
+            secure_aggregation=True,
+            bytes_down=counted.down,
+            bytes_up=counted.up,
+            payload_bytes_down=payload_down,
+            payload_bytes_up=len(returned) * tensor_bytes(self.round_uplink_like(rnd, received)),
+            time_fit_max=max((m["time_fit"] for m in per_client), default=float("nan")),
             **({"client_readout": readouts} if any(readouts.values()) else {}),
-        }
+        )
 
     def dp_sgd(self, server: ServerState, peers: dict[int, Peer]) -> ServerState:
         """``privacy.mode sample``: DP-SGD's accountant over the clients known so far (their
@@ -457,10 +446,11 @@ class FlowerServer:
         sent ``received``."""
         return self.method.uplink_like(rnd, self.uplink_like, received)
 
-    def evaluate(self, server: ServerState, rnd: int, peers: dict[int, Peer]) -> dict:
+    def evaluate(self, server: ServerState, rnd: int, final: bool) -> dict:
         """Global-test scores of the global model (or the clients' mean when there is
-        none), and each client's scores on its local test split, computed on its node."""
-        setup, out = self.setup, {}
+        none), and each client's scores on its local test split, computed on its node
+        (each client's own in the ``final`` round, as in-process)."""
+        setup, out, peers = self.setup, {}, self.peers
         global_tensors = self.method.global_state(server)
         if global_tensors is not None:
             load_tensors(setup.model, global_tensors)
@@ -503,74 +493,59 @@ class FlowerServer:
             out["global"] = mean_scores(per_client_global)
         if per_client_local and self.cfg.eval.local:
             out["local"] = spread(per_client_local)
-            if rnd == self.cfg.train.rounds:  # each client's own scores, as in-process
+            if final:  # each client's own scores, as in-process
                 out["local_by_client"] = per_client_local
             out.update({key: spread(values) for key, values in extra_local.items()})
         return out
 
-    # ------------------------------------------------------------ the run
-    def start(self, resume: bool) -> tuple[ServerState, list[dict]]:
-        if resume:
-            if self.checkpoints is None:
-                raise DeploymentError("--resume needs checkpoints, but the config sets checkpoint: false")
-            ckpt = self.checkpoints.load(self.fingerprint)
-            return ckpt.server, ckpt.records
-        if self.checkpoints is not None:
-            self.checkpoints.clear()
-        t0 = time.perf_counter()
-        server = self.method.init_server(self.setup.model)
-        self.setup_info = {"time_init_server": time.perf_counter() - t0, **self.method.setup_info}
-        return server, []
+    # ------------------------------------------------------------ the run (a backend of RunLoop)
+    def run(self, resume: bool = False, resume_from: int | None = None) -> list[dict]:
+        """Every round still to run, from the start or (``resume``) from the newest readable
+        checkpoint or round ``resume_from``'s (:meth:`RunLoop.run`); the records of all rounds."""
+        cfg = self.cfg
+        loop = RunLoop(
+            self, cfg.train.rounds, cfg.eval.every, self.deploy.min_results, self.deploy.max_skipped_rounds,
+            self.checkpoints, self.fingerprint, self.on_start, self.on_round, self.log,
+            hint="Rerun with --resume once enough nodes are up.",
+        )  # fmt: skip
+        try:
+            return loop.run(resume, resume_from)
+        except SkippedRoundsError as err:
+            raise DeploymentError(str(err)) from None
 
-    def run(self, resume: bool = False) -> list[dict]:
-        cfg, deploy = self.cfg, self.deploy
-        server, records = self.start(resume)
-        self.server = server
-        # the global model is evaluated here, on the server's copy of the joined backbone
-        self.method.join(self.setup.model, self.method.join_message(server))
+    def load_checkpoint(self, checkpoints: Checkpoints, resume_from: int | None) -> Checkpoint:
+        return checkpoints.load(self.fingerprint, None, resume_from)  # personal state is on the nodes
+
+    def fresh(self) -> None:
+        pass  # the server keeps nothing of a run but its checkpoints
+
+    def prepare(self, server: ServerState) -> None:
+        """What an update looks like, who holds which client id (a resumed run keeps it),
+        and the nodes the first round needs."""
         self.uplink_like = {n: t for n, t in self.setup.initial.items() if n in set(self.method.shared_names)}
-        self.ids.resume(server)  # a resumed run keeps who holds which client id
-        self.on_start(records)
+        self.ids.resume(server)
         self.wait_for_nodes()
-        skipped = 0
-        for rnd in range(len(records) + 1, cfg.train.rounds + 1):
-            step = self.rounds.begin(rnd, server)
-            t0 = time.perf_counter()
-            peers = self.roll_call(rnd)
-            ignored, self.ignored = self.ignored, {}
-            server = self.ids.kept_in(server)  # node authentication: who holds which client id
-            if cfg.privacy.mode == "sample":
-                server = self.dp_sgd(server, peers)
-            returned, record = self.fit_round(server, step, peers)
-            if ignored:
-                record["ignored_nodes"] = {str(n): why for n, why in sorted(ignored.items())}
-            t1 = time.perf_counter()
-            secure_count = len(record["clients_returned"]) if record.get("secure_aggregation") else None
-            enough = len(returned) >= deploy.min_results
-            skip = None if enough else f"{len(returned)} of deploy.min_results={deploy.min_results} updates"
-            server = self.rounds.finish(
-                step, server, returned, record, records, skip=skip, count=secure_count
-            )
-            skipped = 0 if enough else skipped + 1
-            if not enough:
-                self.log(f"round {rnd}: skipped, {record['skipped']}; the global state is unchanged")
-            t2 = time.perf_counter()
-            if rnd % cfg.eval.every == 0 or rnd == cfg.train.rounds:
-                record.update(self.evaluate(server, rnd, peers))
-            t3 = time.perf_counter()
-            record["bytes_down"] += record.pop("join_bytes_down", 0)
-            record["payload_bytes_down"] += record.pop("join_payload_bytes_down", 0)
-            record = close_record(rnd, record, records, (t0, t1, t2, t3), self.setup_info)
-            records.append(record)
-            if self.checkpoints is not None:
-                self.checkpoints.save(Checkpoint(rnd, self.fingerprint, server, {}, records, []))
-            self.server = server
-            self.on_round(record)
-            if skipped >= deploy.max_skipped_rounds:
-                raise DeploymentError(
-                    f"{skipped} consecutive rounds skipped (deploy.max_skipped_rounds="
-                    f"{deploy.max_skipped_rounds}); last: {record['skipped']}. Rerun with --resume "
-                    "once enough nodes are up."
-                )
-        self.server = server
-        return records
+
+    def fit(self, server: ServerState, step: Round) -> Fitted:
+        """Round ``step``'s training: the roll call, then the sampled clients' rounds."""
+        peers = self.peers = self.roll_call(step.number)
+        ignored, self.ignored = self.ignored, {}
+        server = self.ids.kept_in(server)  # node authentication: who holds which client id
+        if self.cfg.privacy.mode == "sample":
+            server = self.dp_sgd(server, peers)
+        returned, record = self.fit_round(server, step, peers)
+        if ignored:
+            record["ignored_nodes"] = {str(n): why for n, why in sorted(ignored.items())}
+        secure_count = len(record["clients_returned"]) if record.get("secure_aggregation") else None
+        return Fitted(server, returned, record, secure_count)
+
+    def amend(self, record: dict) -> None:
+        """The join messages an evaluation carried count as the round's downlink."""
+        record["bytes_down"] += record.pop("join_bytes_down", 0)
+        record["payload_bytes_down"] += record.pop("join_payload_bytes_down", 0)
+
+    def held(self) -> tuple[dict, list[int]]:
+        return {}, []  # personal state lives on the nodes
+
+    def settle(self) -> None:
+        pass
