@@ -25,9 +25,8 @@ from fedpeft.models.causal import SCORED
 from tests.helpers.cohort import assert_cohort_equals_alone, jobs_after_round_one, round_jobs
 from tests.helpers.configs import MIXED_RANKS, lm_config
 
-#: every registered method that folds (``test_folds_names_every_method_that_folds``)
-FOLDS = ["fedlr", "federa", "fedbf", "fedap", "fdlora", "local", "centralized", "flexlora", "lorafair",
-         "ffalora", "fedsalora", "hetlora", "fedexlora", "fedsb", "flora"]  # fmt: skip
+#: compiled and folded: plain backprop, and a penalty with a float weight
+COMPILED = {"fedlr": "plain backprop", "hetlora": "its penalty, a float weight, compiled too"}
 
 
 def test_a_stacked_linear_and_layer_norm_run_each_clients_rows_with_its_tensors():
@@ -62,29 +61,32 @@ def test_folding_offsets_each_clients_scored_positions_and_keeps_padding():
     assert folded[SCORED].tolist() == [0, 5, -1, 14, 23, 19]
 
 
-def test_folds_names_every_method_that_folds(tiny_config):
-    """The methods the equality below covers are all those that fold, none left out."""
-    folding = set()
-    for name in REGISTRY:
-        setup = build(tiny_config(method={"name": name}))
-        if not fold_refusal(setup.method, setup.model):
-            folding.add(name)
-    assert folding == set(FOLDS)
+def test_the_plain_lora_method_folds(tiny_config):
+    """FedAvg over LoRA (the first registered LoRA method that keeps every default hook of
+    a client's round) folds: the equality below covers it, at least."""
+    setup = build(tiny_config())
+    assert fold_refusal(setup.method, setup.model) == ""
 
 
-@pytest.mark.parametrize("name", FOLDS)
-def test_a_folded_cohort_equals_one_at_a_time(tiny_config, name):
+@pytest.mark.parametrize("name", REGISTRY)
+def test_a_folded_cohort_equals_one_at_a_time_or_is_refused_saying_why(tiny_config, name):
     """Clients of different step counts, folded: each gets its round alone; a client that
-    finishes early stays put."""
+    finishes early stays put. A method that cannot fold says why, and a folded run of it
+    is refused."""
     cfg = tiny_config(method={"name": name, **MIXED_RANKS.get(name, {})},
                       **{"train.local_steps": None, "train.local_epochs": 1, "train.optimizer_state": "keep",
                          "train.cohort_mode": "folded"})  # fmt: skip
     setup = build(cfg)
-    assert fold_refusal(setup.method, setup.model) == ""
+    if why := fold_refusal(setup.method, setup.model):
+        assert why.startswith(f"method {name} ")
+        with pytest.raises(ConfigError, match=f"train.cohort_mode folded: method {name} "):
+            make_engine(setup, None)
+        return
     cids = list(range(len(setup.clients)))
     sizes = {-(-len(setup.clients[c].train) // cfg.train.batch_size) for c in cids}
     assert len(sizes) > 1, "want clients with different step counts"
-    if name == "fedsb":  # round 1 is its setup round (gradient sums, no training): round 2
+    server = setup.method.init_server(setup.model)
+    if setup.method.training_server(server) is not server:  # a setup round first (Fed-SB's): round 2
         setup, cids, jobs, _ = jobs_after_round_one(cfg)
         assert not any(SETUP in j.received for j in jobs)
         assert_cohort_equals_alone(setup, cids, name, jobs)
@@ -121,15 +123,6 @@ def test_fedprox_and_scaffold_fold_too(tiny_config):
     for job in jobs:
         job.control = copy.deepcopy(control)
     assert_cohort_equals_alone(setup, [0, 1, 2], "fedlr+scaffold", jobs=jobs)
-
-
-@pytest.mark.parametrize("name", ["compacter", "prompt_tuning", "c2a", "ditto"])
-def test_methods_that_cannot_fold_say_why_and_a_folded_run_of_them_is_refused(tiny_config, name):
-    setup = build(tiny_config(method={"name": name}))
-    why = fold_refusal(setup.method, setup.model)
-    assert why.startswith(f"method {name} ")
-    with pytest.raises(ConfigError, match=f"train.cohort_mode folded: method {name} "):
-        make_engine(build(tiny_config(method={"name": name}, **{"train.cohort_mode": "folded"})), None)
 
 
 def test_a_folded_causal_lm_cohort_equals_one_at_a_time(tiny_config, tiny_decoder):
@@ -266,7 +259,7 @@ def test_compile_folds_and_refuses_what_cannot_be_compiled(tiny_config):
 
 
 @pytest.mark.slow  # torch.compile of a tiny BERT's forward and backward: about a minute on 2 cores each
-@pytest.mark.parametrize("name", ["fedlr", "hetlora"])  # HETLoRA: its penalty, a float weight, compiled too
+@pytest.mark.parametrize("name", COMPILED)
 def test_a_compiled_folded_cohort_equals_one_at_a_time(tiny_config, name):
     from torch._dynamo.utils import counters
 

@@ -21,6 +21,8 @@ from fedpeft.experiment import fingerprint, run
 from fedpeft.flower import apps, codec, relay
 from fedpeft.flower.node import Node
 from fedpeft.flower.server import DeploymentError
+from fedpeft.methods import REGISTRY
+from fedpeft.methods.base import Method
 from fedpeft.report.results import read_records, read_summary
 from tests.helpers.configs import FEDSB, PF2, SCAFFOLD, task_config
 from tests.helpers.flower import FakeGrid, deploy, serve, wrapped_handler
@@ -37,31 +39,28 @@ FDLORA = {"name": "fdlora", "sync_every": 1}  # all three stages (local, outer s
 #: the server's layers (issue 32): an optimiser, a robust rule, uniform weights
 SERVER_LAYERS = {"server.optimizer": "fedadam", "server.lr": 0.05, "server.aggregation": "median",
                  "server.weighting": "uniform"}  # fmt: skip
-CASES = [({"name": "fedlr"}, {}), (PF2, {}), ({"name": "federa"}, {}), (HET, KEEP), ({"name": "fedmcp"}, {}),
-         (FDLORA, {}), ({"name": "c2a"}, {}), ({"name": "ffalora"}, {}),
-         ({"name": "rolora"}, KEEP), ({"name": "fedexlora"}, {}), (FLEX, KEEP), ({"name": "lorafair"}, {}),
-         ({**FLEX, "name": "flora"}, KEEP), (FEDSB, KEEP), ({"name": "fedsalora"}, {}),
-         ({"name": "fedlr"}, SERVER_LAYERS), ({"name": "fedmcp"}, SCAFFOLD)]  # fmt: skip
+#: the default tier's runs: FedAvg over LoRA, a personal adapter, a join message, a personal
+#: module, FedAvg under the server's layers, SCAFFOLD
+FAST_CASES = [({"name": "fedlr"}, {}), (PF2, {}), ({"name": "federa"}, {}), ({"name": "fedmcp"}, {}),
+              ({"name": "fedlr"}, SERVER_LAYERS), ({"name": "fedmcp"}, SCAFFOLD)]  # fmt: skip
+#: a method's options and settings where its defaults would not show what it does over the
+#: network (its ranks, its stages) or its optimizer state is kept
+OPTIONS = {"hetlora": (HET, KEEP), "flexlora": (FLEX, KEEP), "flora": ({**FLEX, "name": "flora"}, KEEP),
+           "fedsb": (FEDSB, KEEP), "rolora": ({"name": "rolora"}, KEEP), "fdlora": (FDLORA, {}),
+           "pf2lora": (PF2, {})}  # fmt: skip
+#: the slow tier (CI runs it; the default tier stays under its 10 minutes): every other
+#: registered method but a pooled one (which no deployment runs), each with its options
+FAST_NAMES = {m["name"] for m, _ in FAST_CASES}
+SLOW_CASES = [
+    OPTIONS.get(name, ({"name": name}, {}))
+    for name, cls in REGISTRY.items()
+    if name not in FAST_NAMES and not cls.pooled
+]
+CASES = FAST_CASES + SLOW_CASES
 #: methods whose clients receive a join message once (FeDeRA's initial A, B; FFA-LoRA's frozen A)
-JOINING = ("federa", "ffalora")
+JOINING = {name for name, cls in REGISTRY.items() if cls.join_message is not Method.join_message}
 PERSONAL_CASES = [(PF2, {}), (PF2, KEEP), ({"name": "fedsalora"}, {}), (HET, KEEP), ({"name": "fedmcp"}, {}),
                   (FDLORA, {}), ({"name": "fedmcp"}, SCAFFOLD)]  # fmt: skip
-
-
-#: cases in the slow tier (CI runs them; the default tier stays under its 10 minutes)
-SLOW_CASES = (
-    "flexlora",
-    "lorafair",
-    "flora",
-    "fedsb",
-    "fedexlora",
-    "rolora",
-    "ffalora",
-    "fdlora",
-    "c2a",
-    "hetlora",
-    "fedsalora",
-)
 
 
 def case_ids(cases) -> list[str]:
@@ -72,7 +71,7 @@ def case_ids(cases) -> list[str]:
 
 def case_params(cases) -> list:
     return [
-        pytest.param(m, over, id=name, marks=[pytest.mark.slow] if m["name"] in SLOW_CASES else [])
+        pytest.param(m, over, id=name, marks=[pytest.mark.slow] if (m, over) in SLOW_CASES else [])
         for (m, over), name in zip(cases, case_ids(cases), strict=True)
     ]
 
