@@ -23,10 +23,17 @@ class DeployConfig(BaseModel):
         600, gt=0, description="Seconds a sampled client has to return its update; later ones are dropped."
     )
     min_results: int = Field(
-        1, ge=1, description="Fewest valid updates a round aggregates; with fewer the round is skipped."
+        1,
+        ge=1,
+        description="Fewest valid updates a round aggregates; with fewer the round is skipped (the global "
+        "state kept). A simulation (fedpeft run) honours it too, where only a diverged client sends none.",
     )
     max_skipped_rounds: int = Field(
-        3, ge=1, description="Consecutive skipped rounds after which the run stops with an error."
+        3,
+        ge=1,
+        description="Consecutive rounds skipped for want of min_results after which the run stops with an "
+        "error (deployed or simulated; --resume goes on). A round Poisson sampling drew nobody for does "
+        "not count.",
     )
     max_weight_share: float = Field(
         1.0,
