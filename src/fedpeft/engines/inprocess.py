@@ -34,7 +34,16 @@ from fedpeft.engines.drift import DriftProbe, drift_probe_rows
 from fedpeft.engines.faults import corrupt
 from fedpeft.engines.local import RoundContext, SampleDP, derive_seed
 from fedpeft.engines.memory import check_memory, choose_cohort_mode, probe_cohort_size
-from fedpeft.engines.round import Returned, Round, ServerRound, fit_record, receive, sample_clients, send
+from fedpeft.engines.round import (
+    Returned,
+    Round,
+    ServerRound,
+    fit_record,
+    poisson_rate,
+    receive,
+    sample_clients,
+    send,
+)
 from fedpeft.engines.run_loop import NOBODY_DRAWN, Fitted, RunLoop
 from fedpeft.engines.store import ClientStore, StoreError
 from fedpeft.methods.base import (
@@ -285,7 +294,7 @@ class InProcessEngine:
         trained at once (a client's round does not depend on its cohort), and their
         updates as the server receives them."""
         s, rnd = self.plan, step.number
-        rate = s.clients_per_round / len(self.clients) if s.poisson else None
+        rate = poisson_rate(s.clients_per_round, len(self.clients), s.poisson)
         sampled = sample_clients(s.seed, rnd, len(self.clients), s.clients_per_round, rate)
         if not sampled:  # Poisson sampling may draw no client
             return [], fit_record([], [], [], {}, bytes_down=0, bytes_up=0, time_fit_max=0.0)

@@ -240,6 +240,12 @@ class ServerRound:
 POISSON_STREAM = 0x504F4953
 
 
+def poisson_rate(per_round: int, clients: int, poisson: bool) -> float | None:
+    """Poisson sampling's rate q = S / M (``train.client_sampling: poisson``; M: all the
+    experiment's clients, available or not), or None when a round draws exactly S."""
+    return per_round / clients if poisson else None
+
+
 def sample_clients(
     seed: int, rnd: int, population: int | Sequence[int], per_round: int, poisson_rate: float | None = None
 ) -> list[int]:

@@ -44,7 +44,15 @@ from fedpeft.config import DeployConfig
 from fedpeft.engines import compress, guard, lr_schedule, privacy, scaffold
 from fedpeft.engines.checkpoint import Checkpoint, Checkpoints
 from fedpeft.engines.local import derive_seed
-from fedpeft.engines.round import Returned, Round, ServerRound, fit_record, receive, sample_clients
+from fedpeft.engines.round import (
+    Returned,
+    Round,
+    ServerRound,
+    fit_record,
+    poisson_rate,
+    receive,
+    sample_clients,
+)
 from fedpeft.engines.run_loop import Fitted, RunLoop, SkippedRoundsError
 from fedpeft.experiment import Setup
 from fedpeft.flower import codec, members, replies, secure
@@ -263,11 +271,8 @@ class FlowerServer:
         """The sampled clients' local rounds on their nodes, and their updates as decoded
         here (a reply that does not fit what was asked is refused whole)."""
         train, rnd = self.cfg.train, step.number
-        rate = (
-            train.clients_per_round / self.cfg.partition.num_clients
-            if train.client_sampling == "poisson"
-            else None
-        )
+        poisson = train.client_sampling == "poisson"
+        rate = poisson_rate(train.clients_per_round, self.cfg.partition.num_clients, poisson)
         sampled = sample_clients(self.cfg.seed, rnd, list(peers), train.clients_per_round, rate)
         if self.deploy.secure_aggregation and sampled:  # none drawn (Poisson): the plain path's empty round
             return self.fit_round_secure(server, step, peers, sampled)
@@ -306,9 +311,7 @@ class FlowerServer:
                 if (reason := guard.nonfinite_reason(result)) is not None:  # the in-process engine's rule
                     dropped[cid] = diverged[cid] = f"non-finite: {reason}"
                     continue
-                codec.check_tensors(
-                    self.method.uplink_as_shared(uplink), like, f"client {cid} update"
-                )
+                codec.check_tensors(self.method.uplink_as_shared(uplink), like, f"client {cid} update")
                 codec.check_tensors(result.control, control, f"client {cid} control update")
             except codec.ReplyError as err:
                 dropped[cid] = f"refused: {err}"
