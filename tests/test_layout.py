@@ -288,3 +288,115 @@ def test_what_composes_with_what_is_decided_in_one_module():
     assert not found, found
     decides = ast.parse("def f(m):\n    if refusal(m, 'fp16'):\n        raise ValueError\n").body[0]
     assert decides_composition(decides, {"refusal"})  # what it looks for
+
+
+# ---------------------------------------------------------------- a method in one home (issue 73)
+
+TESTS = Path(__file__).resolve().parent
+
+
+def method_names() -> set[str]:
+    from fedpeft.methods import REGISTRY
+
+    return set(REGISTRY)
+
+
+def listed_methods(node: ast.AST, names: set[str]) -> list[str]:
+    """The method names of a list, tuple or set literal of two or more of them."""
+    if not isinstance(node, ast.List | ast.Tuple | ast.Set):
+        return []
+    found = [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in names]
+    return found if len(found) >= 2 else []
+
+
+def names_a_method(parent: ast.AST, node: ast.Constant) -> bool:
+    """Whether string ``node`` (a method's name) is written as one where ``parent`` holds it:
+    compared with a ``name`` (``method.name == "x"``, ``name in ("x", ...)``), the value of a
+    ``name`` key, keyword or assignment (``{"name": "x"}``, ``name = "x"``, the ``Literal``
+    of a ``name`` field), an argument of a call of a ``..method...`` function
+    (``register_method_config("x")``) or a key of ``REGISTRY``/``CONFIGS``."""
+
+    def ends_in_name(e: ast.AST) -> bool:
+        return isinstance(e, ast.Name | ast.Attribute) and (getattr(e, "id", None) or e.attr).endswith("name")
+
+    if isinstance(parent, ast.Compare):
+        return any(ends_in_name(e) for e in [parent.left, *parent.comparators] if e is not node)
+    if isinstance(parent, ast.Dict):
+        keys = [k for k, v in zip(parent.keys, parent.values, strict=True) if v is node]
+        return any(isinstance(k, ast.Constant) and k.value == "name" for k in keys)
+    if isinstance(parent, ast.keyword):
+        return parent.arg == "name"
+    if isinstance(parent, ast.Assign | ast.AnnAssign):
+        targets = parent.targets if isinstance(parent, ast.Assign) else [parent.target]
+        return any(ends_in_name(t) for t in targets)
+    if isinstance(parent, ast.Call):
+        func = parent.func
+        return "method" in (getattr(func, "id", None) or getattr(func, "attr", ""))
+    if isinstance(parent, ast.Subscript):
+        of = getattr(parent.value, "id", None) or getattr(parent.value, "attr", "")
+        return of in ("REGISTRY", "CONFIGS", "Literal")
+    return False
+
+
+def method_names_written(tree: ast.AST, names: set[str]) -> set[str]:
+    """The method names ``tree`` writes as method names (:func:`names_a_method`) or lists."""
+    found: set[str] = set()
+    for parent in ast.walk(tree):
+        found.update(listed_methods(parent, names))
+        for child in ast.iter_child_nodes(parent):
+            if isinstance(child, ast.Constant) and child.value in names and names_a_method(parent, child):
+                found.add(child.value)
+    return found
+
+
+def test_no_method_name_is_written_in_more_than_two_files_under_src():
+    """A method's name lives in its config leaf (its registration and ``Literal``); its
+    class takes it from the registration, and no other code tests for it by name. At most
+    one more module may name it (``config/experiment.py``'s default method). Counted: the
+    ``.py`` files of ``src/`` that write it as a method's name (:func:`names_a_method`) or in
+    a list of methods; a name that is also another option's value (``privacy.mode: local``)
+    counts only as a method's. The default configs (``src/fedpeft/configs/*.yaml``), whose
+    content names a method, are not code and are not counted."""
+    names = method_names()
+    homes: dict[str, list[str]] = {name: [] for name in names}
+    for module, path in MODULES.items():
+        for name in method_names_written(ast.parse(path.read_text()), names):
+            homes[name].append(module)
+    assert not {name: where for name, where in homes.items() if len(where) > 2}
+    leaf = "fedpeft.config.methods."
+    assert not [name for name, where in homes.items() if not any(m.startswith(leaf) for m in where)]
+
+
+def test_no_test_outside_tests_methods_lists_methods_by_hand():
+    """A test's list of methods is read from the registry (with a capability as its
+    filter); a literal list, tuple or set of two or more method names is a list by hand.
+    tests/methods/ (the methods' own tests and the conformance suite's claims) may name
+    them; a scenario naming one method, or a mapping giving each method its own options or
+    reason, is not a list."""
+    names = method_names()
+    found = []
+    for path in sorted(TESTS.rglob("*.py")):
+        if path.relative_to(TESTS).parts[0] == "methods" or path == Path(__file__).resolve():
+            continue  # the methods' tests; this file's examples of what is found
+        for node in ast.walk(ast.parse(path.read_text())):
+            if listed := listed_methods(node, names):
+                found.append(f"{path.relative_to(TESTS)}:{node.lineno}: {listed}")
+    assert not found, found
+
+
+def test_the_method_name_finder_sees_each_way_of_writing_one():
+    names = {"fedlr", "local"}
+    written = {
+        'if method.name == "fedlr": pass': {"fedlr"},
+        'x = {"name": "fedlr"}': {"fedlr"},
+        'build(name="fedlr")': {"fedlr"},
+        "class C:\n    name = 'fedlr'": {"fedlr"},
+        '@register_method_config("fedlr")\nclass C: pass': {"fedlr"},
+        'REGISTRY["fedlr"]': {"fedlr"},
+        'METHODS = ("fedlr", "local")': {"fedlr", "local"},
+        'if mode == "local": pass': set(),
+        'MODES = ("user", "local")': set(),
+        'out["local"] = 1': set(),
+    }
+    for source, want in written.items():
+        assert method_names_written(ast.parse(source), names) == want, source

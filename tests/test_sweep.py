@@ -11,10 +11,10 @@ from fedpeft.config import dump_config
 
 
 def test_parse_grid():
-    assert S.parse_grid(["partition.alpha=0.1,0.5", "seed=0,1", "method=fedlr,federa"]) == {
+    assert S.parse_grid(["partition.alpha=0.1,0.5", "seed=0,1", "method.lora.r=4,8"]) == {
         "partition.alpha": [0.1, 0.5],
         "seed": [0, 1],
-        "method": ["fedlr", "federa"],
+        "method.lora.r": [4, 8],
     }
     with pytest.raises(ValueError, match="expected KEY=V1,V2"):
         S.parse_grid(["seed"])

@@ -116,7 +116,7 @@ def test_conll2003_is_set_up():
     assert len(read_conll(root / "test.txt")) == 3453
 
 
-@pytest.mark.parametrize("name", ["fedlr", "pf2lora"])
+@pytest.mark.parametrize("name", {"fedlr": "plain LoRA", "pf2lora": "a bilevel step a client"})
 def test_ner_cohort_equals_one_at_a_time(tiny_config, tmp_path, name):
     """Per-token labels padded with the ignore label: a cohort trains each client as alone."""
     from fedpeft.experiment import build

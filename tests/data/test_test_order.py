@@ -79,7 +79,7 @@ def _spread(setup) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
 
 
-@pytest.mark.parametrize("method", ["c2a", "fedlr"])
+@pytest.mark.parametrize("method", {"c2a": "pools context over a batch", "fedlr": "scores row by row"})
 def test_permuting_a_test_files_rows_leaves_the_scores_unchanged(tiny_config, files, tmp_path, method):
     """C2A pools its adapters' context over the evaluation batch: scored on the sorted
     file's order its global scores differ from a random order's (checked first), and with

@@ -210,7 +210,7 @@ def test_a_dp_sgd_run_records_the_most_any_client_spent(tiny_config):
 
 
 @pytest.mark.slow  # a few runs: out of the default tier for its 10 minutes (CI's slow tier runs it)
-@pytest.mark.parametrize("method", ["fedrep", "fdlora"])
+@pytest.mark.parametrize("method", {"fedrep": "head, then body", "fdlora": "stage 1 on top of stage 2"})
 def test_every_phase_of_a_round_is_charged(tiny_config, method):
     """FedRep's head steps precede its body's, FDLoRA's personal LoRA trains in a client's
     first round on top of stage 2: DP-SGD's accountant charges them all (a client of
@@ -286,7 +286,7 @@ def test_a_deployed_client_whose_rows_would_overspend_refuses_to_train():
 
 
 @pytest.mark.slow  # two runs, one of them vmapped over clients and rows
-@pytest.mark.parametrize("method", ["fedlr", "pf2lora"])
+@pytest.mark.parametrize("method", {"fedlr": "plain LoRA", "pf2lora": "a bilevel step a row"})
 def test_a_clients_dp_sgd_round_does_not_depend_on_its_cohort(tiny_config, tmp_path, method):
     """Two clients vmapped together (rows vmapped inside) train as each alone does: the
     same batches, noise and clipping, to float rounding (PF2LoRA: a bilevel step a row)."""

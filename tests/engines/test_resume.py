@@ -12,24 +12,26 @@ from fedpeft.experiment import build, fingerprint, run
 from fedpeft.report.results import read_records
 from tests.helpers.runs import Killed, die_on_fit, round_scores
 
+#: each resumed scenario (a method, or a method and a layer) and whether it is in the slow tier
+RESUMED = {
+    "fedlr": False,
+    "federa": False,
+    "local": False,
+    "fedamp": True,
+    "fedkd": True,
+    "moon": True,
+    "ditto": True,
+    "fedmcp": False,
+    "fdlora": True,  # ~11 s, its three stages
+    "flora": True,
+    "fedsb": True,  # its setup round, then R
+    "fedlr+fedadam": False,
+    "fedlr+scaffold": False,
+}
+
 
 @pytest.mark.parametrize(
-    "method",
-    [
-        "fedlr",
-        "federa",
-        "local",
-        pytest.param("fedamp", marks=pytest.mark.slow),
-        pytest.param("fedkd", marks=pytest.mark.slow),
-        pytest.param("moon", marks=pytest.mark.slow),
-        pytest.param("ditto", marks=pytest.mark.slow),
-        "fedmcp",
-        pytest.param("fdlora", marks=pytest.mark.slow),  # ~11 s, its three stages
-        pytest.param("flora", marks=pytest.mark.slow),
-        pytest.param("fedsb", marks=pytest.mark.slow),  # its setup round, then R
-        "fedlr+fedadam",
-        "fedlr+scaffold",
-    ],  # fmt: skip
+    "method", [pytest.param(m, marks=[pytest.mark.slow] if slow else []) for m, slow in RESUMED.items()]
 )
 def test_resume_equals_uninterrupted(tiny_config, tmp_path, method):
     """(``+fedadam``: with a server optimiser, whose state is server state; ``+scaffold``:

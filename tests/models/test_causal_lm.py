@@ -136,7 +136,12 @@ def test_tiny_decoder_trains_and_generates_through_fedpeft_run(tiny_config, tiny
     assert records[-1]["local"]["nll_mean"] > 0  # every client scored on its own test split
 
 
-@pytest.mark.parametrize("name", ["fedlr", "fedap", "pf2lora", "hetlora", "adamix"])
+#: instruction tuning in cohorts: what each scenario's step adds
+LM_COHORTS = {"fedlr": "plain LoRA", "fedap": "Llama adapters", "pf2lora": "the bilevel step",
+              "hetlora": "masked ranks", "adamix": "routed experts"}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", LM_COHORTS)
 def test_lm_cohort_equals_one_at_a_time(tiny_config, tiny_decoder, name):
     """Instruction tuning vectorises like classification: clients with different step
     counts and response lengths (token labels padded with IGNORE) trained as one cohort

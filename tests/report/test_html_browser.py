@@ -26,7 +26,7 @@ def chromium() -> str:
 
 def test_the_html_report_renders_in_headless_chromium(tiny_config, tmp_path):
     runs = []
-    for method in ("fedlr", "fedbf"):
+    for method in {"fedlr": "LoRA", "fedbf": "biases"}:
         cfg = tiny_config(method={"name": method}, output_dir=str(tmp_path / method), name=f"tiny-{method}",
                           log__plots=True)  # fmt: skip
         run(cfg)
