@@ -338,7 +338,7 @@ def test_a_resumed_deployment_accounts_for_clients_whose_nodes_are_not_back(tiny
     assert [r["clients"] for r in records] == [[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2]]
     setup = build(cfg)
     sizes = {c: len(client.train) for c, client in enumerate(setup.clients)}
-    steps = {c: setup.method.private_steps(n)[0] for c, n in sizes.items()}
+    steps = {c: setup.method.private_steps(n, cfg.train)[0] for c, n in sizes.items()}
     accountant = DP.SampleAccountant(sizes, steps, cfg.train.batch_size, 1.0)
     spent = accountant.spent({0: 3, 1: 3, 2: 3, 3: 2}, cfg.privacy.delta)
     assert records[-1]["privacy"]["epsilon"] == pytest.approx(spent, rel=1e-9)

@@ -169,10 +169,9 @@ class InProcessEngine:
         self.sample_dp: SampleDP | None = None  # privacy.mode sample: DP-SGD inside every client's steps
         if self.privacy.mode == "sample":
             sizes = {c.cid: len(c.train) for c in clients}
-            batch = self.train.batch_size
-            accountant = privacy.dp_sgd_accountant(self.privacy, sizes, method, batch, plan.rounds)
+            accountant = privacy.dp_sgd_accountant(self.privacy, sizes, method, self.train, plan.rounds)
             self.rounds.sample_accountant = accountant
-            self.sample_dp = SampleDP(self.privacy.clip, accountant.sigma, batch)
+            self.sample_dp = SampleDP(self.privacy.clip, accountant.sigma, self.train.batch_size)
         self.on_round = on_round or (lambda record: None)
         self.on_start = on_start or (lambda records: None)
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fedpeft.config import ConfigError, ExperimentConfig, PrivacyConfig
+from fedpeft.config import ConfigError, ExperimentConfig, PrivacyConfig, TrainConfig
 from fedpeft.engines.local import clip_factor, norm
 from fedpeft.methods.base import FitResult, Method, ServerState, Tensors
 
@@ -464,14 +464,16 @@ def dp_sgd_accountant(
     p: PrivacyConfig,
     sizes: dict[int, int],
     method: Method,
-    batch: int,
+    train: TrainConfig,
     rounds: int,
     sigma: float | None = None,
 ) -> SampleAccountant:
     """DP-SGD's accountant over the clients of ``sizes`` (client -> training rows), each
-    taking the steps ``method`` takes on its rows (:meth:`~fedpeft.methods.base.Method.
-    private_steps`): at ``sigma``, or at the multiplier :func:`sample_accountant` sets."""
-    steps = {cid: method.private_steps(n) for cid, n in sizes.items()}
+    taking the steps ``method`` takes on its rows under ``train``, in batches of its
+    ``batch_size`` (:meth:`~fedpeft.methods.base.Method.private_steps`): at ``sigma``, or at
+    the multiplier :func:`sample_accountant` sets."""
+    steps = {cid: method.private_steps(n, train) for cid, n in sizes.items()}
+    batch = train.batch_size
     every, first = {c: k for c, (k, _) in steps.items()}, {c: k for c, (_, k) in steps.items()}
     if sigma is None:
         return sample_accountant(p, sizes, every, batch, rounds, first=first)

@@ -152,7 +152,7 @@ class Node:
             )
         rows = len(self.client.train)
         privacy.check_client_plan(
-            p, rows, self.method.private_steps(rows), train.batch_size, sigma, train.rounds
+            p, rows, self.method.private_steps(rows, train), train.batch_size, sigma, train.rounds
         )
         return SampleDP(p.clip, sigma, train.batch_size)
 

@@ -418,7 +418,7 @@ class FlowerServer:
         # every client known: those of earlier rounds (kept, so a resumed run counts the
         # ones whose nodes are not back) and those of this roll call
         sizes = {**privacy.known_rows(server.extras), **{c: peer.num_examples for c, peer in peers.items()}}
-        steps = {cid: self.method.private_steps(n) for cid, n in sizes.items()}
+        steps = {cid: self.method.private_steps(n, train) for cid, n in sizes.items()}
         every, first = {c: k for c, (k, _) in steps.items()}, {c: k for c, (_, k) in steps.items()}
         if privacy.SIGMA in server.extras:
             sigma = float(server.extras[privacy.SIGMA])
@@ -429,8 +429,8 @@ class FlowerServer:
             privacy.SIGMA: torch.tensor(sigma, dtype=torch.float64),
             privacy.ROWS: privacy.rows_extra(sizes),
         }
-        self.rounds.sample_accountant = privacy.dp_sgd_accountant(p, sizes, self.method, train.batch_size,
-                                                                  train.rounds, sigma)  # fmt: skip
+        accountant = privacy.dp_sgd_accountant(p, sizes, self.method, train, train.rounds, sigma)
+        self.rounds.sample_accountant = accountant
         return ServerState(server.tensors, kept)
 
     def orders(self, step: Round) -> codec.Orders:

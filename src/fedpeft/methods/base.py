@@ -335,12 +335,12 @@ class Method:
         them with the rest. Default: none."""
         return {}
 
-    def private_steps(self, n: int) -> tuple[int, int]:
+    def private_steps(self, n: int, train: TrainConfig) -> tuple[int, int]:
         """``(every round, once more)``: the most local steps a client of ``n`` training rows
-        takes in each round it trains in, every phase counted, and the steps it takes on top
-        in its first one (what sample-level DP-SGD's accountant charges it). Default:
-        ``train``'s local steps, nothing on top."""
-        return local_steps(n, self.train), 0
+        takes in each round it trains in under ``train``, every phase counted, and the steps
+        it takes on top in its first one (what sample-level DP-SGD's accountant charges it).
+        Default: ``train``'s local steps, nothing on top."""
+        return local_steps(n, train), 0
 
     def step_draws(self, job: Job, steps: int, generator: torch.Generator) -> Iterator[tuple[Draw, ...]]:
         """Each step's batches of ``job``'s client, as drawn (:class:`~fedpeft.data.task.Draw`:

@@ -52,6 +52,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from fedpeft.config import TrainConfig
 from fedpeft.config.methods.fdlora import FDLoRAConfig
 from fedpeft.data.task import make_batch
 from fedpeft.engines.local import (
@@ -190,12 +191,12 @@ class FDLoRA(FedAvgPeft):
             return False
         return t % (self.outer_steps() if h == "rounds" else h) == 0
 
-    def private_steps(self, n: int) -> tuple[int, int]:
+    def private_steps(self, n: int, train: TrainConfig) -> tuple[int, int]:
         """Stage 2's steps every round, and stage 1's (``theta_p``, which round 1 uploads
         under ``personal_mean`` and which later stage 2s start beside) once more in a client's
         first round (counted on top of stage 2's even in round 1, where stage 2 does not
         run: an upper bound)."""
-        return local_steps(n, self.train), self.cfg.personal_steps or local_steps(n, self.train)
+        return local_steps(n, train), self.cfg.personal_steps or local_steps(n, train)
 
     def local_rounds(self, model, jobs: list[Job]) -> list[FitResult]:
         """Stage 1 for the clients that have no personal module yet, then stage 2 for all

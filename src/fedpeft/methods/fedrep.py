@@ -91,9 +91,9 @@ class FedRep(FedAvgPeft):
         """The head phase's steps for a client of ``n`` rows under ``train``'s batch size."""
         return self.cfg.head_steps or self.cfg.head_epochs * math.ceil(n / train.batch_size)
 
-    def private_steps(self, n: int) -> tuple[int, int]:
+    def private_steps(self, n: int, train: TrainConfig) -> tuple[int, int]:
         """Both phases' steps every round: the head's DP-SGD steps shape the body's too."""
-        return self.head_steps(n, self.train) + local_steps(n, self.train), 0
+        return self.head_steps(n, train) + local_steps(n, train), 0
 
     # ----- the local round: two phases of the vectorised cohort loop
     def local_rounds(self, model, jobs: list[Job]) -> list[FitResult]:

@@ -31,6 +31,7 @@ import math
 import torch
 from torch import nn
 
+from fedpeft.config import TrainConfig
 from fedpeft.config.methods.fedsb import FedSBConfig
 from fedpeft.data.task import make_batch
 from fedpeft.engines.local import (
@@ -163,10 +164,10 @@ class FedSB(FedAvgPeft):
         return math.ceil(self.cfg.init_samples / max(self.train.clients_per_round, 1))
 
     # ----- privacy: the setup round is one more step
-    def private_steps(self, n: int) -> tuple[int, int]:
+    def private_steps(self, n: int, train: TrainConfig) -> tuple[int, int]:
         """Under DP-SGD the setup is one more step (its round's clients take no other: a
         client is charged a round's steps and the setup's, whichever round it starts in)."""
-        return local_steps(n, self.train), 1
+        return local_steps(n, train), 1
 
     # ----- server
     def init_server(self, model) -> ServerState:
