@@ -24,16 +24,23 @@ from fedpeft.experiment import run
 from fedpeft.methods import REGISTRY, build_method
 from fedpeft.report.results import read_records
 from tests.helpers.configs import SCAFFOLD, USER_DP, task_config
+from tests.helpers.ranks_batch import launch_batch
 
 #: what a round records that depends on the machine, not on the run
 TIMED = ("time_", "setup", "memory")
 
 
-def fedpeft_run(cfg, nproc: int, *flags: str) -> subprocess.CompletedProcess:
-    """``fedpeft run CONFIG --nproc N``, as a user runs it (``cfg`` written beside its output)."""
+def written(cfg) -> Path:
+    """``cfg`` written beside its output (``OUTPUT_DIR.yaml``)."""
     path = Path(cfg.output_dir).with_suffix(".yaml")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(dump_config(cfg))
+    return path
+
+
+def fedpeft_run(cfg, nproc: int, *flags: str) -> subprocess.CompletedProcess:
+    """``fedpeft run CONFIG --nproc N``, as a user runs it (``cfg`` written beside its output)."""
+    path = written(cfg)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "fedpeft", "run", str(path), "--nproc", str(nproc), *flags]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
@@ -68,9 +75,13 @@ def assert_close(got, want, where: str) -> None:
         assert got == want, where
 
 
+#: the runs checked over ranks: three rounds of 4 of 6 clients
+RANKED = {"train.rounds": 3, "partition.num_clients": 6, "train.clients_per_round": 4}
+
+
 def assert_ranks_give_one_processs_records(tiny_config, tmp_path, **over) -> list[dict]:
     """The records of a run over 2 ranks, once checked against one process's."""
-    extra = {"train.rounds": 3, "partition.num_clients": 6, "train.clients_per_round": 4, **over}
+    extra = {**RANKED, **over}
     alone = tiny_config(output_dir=str(tmp_path / "alone"), **extra)
     ranked = tiny_config(output_dir=str(tmp_path / "ranked"), **extra)
     run(alone)
@@ -120,11 +131,47 @@ COMPOSED = {
 }
 
 
+#: the method whose ranks start as a user's do (``fedpeft run --nproc 2``); the others'
+#: in batches, each batch's configs run in turn by one launch of 2 ranks
+#: (tests/helpers/ranks_batch.py: the ranks start and import torch once a batch), so that
+#: pytest-xdist still spreads the batches over its workers
+THROUGH_CLI = "fedlr"
+EVERY = [*sorted(REGISTRY), *COMPOSED]
+BATCHES = [[n for n in EVERY if n != THROUGH_CLI][i::4] for i in range(4)]
+
+
 @pytest.mark.slow  # every method, two runs each
-@pytest.mark.parametrize("name", [*sorted(REGISTRY), *COMPOSED])
-def test_every_method_over_two_ranks_gives_one_processs_records(tiny_config, tmp_path, name):
-    over = COMPOSED.get(name, {"method": {"name": name}})
-    assert_ranks_give_one_processs_records(tiny_config, tmp_path, **over)
+@pytest.mark.parametrize("names", [[THROUGH_CLI], *BATCHES], ids="+".join)
+def test_every_method_over_two_ranks_gives_one_processs_records(tiny_config, tmp_path, names):
+    """Every method (and what composes with every method): its records over 2 ranks are one
+    process's; each method that fails named, with why."""
+    if names == [THROUGH_CLI]:
+        assert_ranks_give_one_processs_records(tiny_config, tmp_path, method={"name": THROUGH_CLI})
+        return
+    alone, ranked, failed = {}, {}, {}
+    for name in names:
+        over = {**RANKED, **COMPOSED.get(name, {"method": {"name": name}})}
+        alone[name] = tiny_config(output_dir=str(tmp_path / name / "alone"), **over)
+        ranked[name] = tiny_config(output_dir=str(tmp_path / name / "ranked"), **over)
+        try:
+            run(alone[name])
+        except Exception as err:  # noqa: BLE001 -- named with the method, below
+            failed[name] = f"in one process: {type(err).__name__}: {err}"
+    configs = {name: written(ranked[name]) for name in names}
+    ended = launch_batch(list(configs.values()))  # one launch of 2 ranks (more after a failure)
+    for name in names:
+        if name in failed:
+            continue
+        if why := ended[configs[name]]:
+            failed[name] = f"over 2 ranks: {why}"
+            continue
+        try:
+            assert_same_records(read_records(ranked[name].output_dir), read_records(alone[name].output_dir))
+        except AssertionError as err:
+            failed[name] = f"records differ: {err}"
+    assert not failed, f"{sorted(failed)} over 2 ranks:\n" + "\n\n".join(
+        f"{name}: {why}" for name, why in failed.items()
+    )
 
 
 def test_shares_balance_the_costliest_first():
