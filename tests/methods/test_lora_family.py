@@ -698,7 +698,7 @@ def test_fedsb_setup_round_under_dp_sgd_is_one_clipped_noised_step(tiny_config):
     setup = build(tiny_config(method=FEDSB, **{"train.batch_size": 4}))
     method, model = setup.method, setup.model
     (job,) = round_jobs(setup, [0])
-    assert method.private_steps(len(job.client.train))[1] == 1
+    assert method.private_steps(len(job.client.train), setup.cfg.train)[1] == 1
     rows = torch.randperm(len(job.client.train), generator=job.generator())[:4]
     per_row = [method.summed_gradients(model, job, row).uplink for row in rows.split(1)]
     norms = [math.sqrt(sum(float(t.double().square().sum()) for t in g.values())) for g in per_row]
@@ -738,7 +738,7 @@ def test_fedsb_trains_under_dp_and_accounts_its_setup_round(tiny_config, mode):
         for r in records:
             for c in r["clients"]:
                 rounds_in[c] = rounds_in.get(c, 0) + 1
-        steps = {c.cid: setup.method.private_steps(len(c.train)) for c in setup.clients}
+        steps = {c.cid: setup.method.private_steps(len(c.train), setup.cfg.train) for c in setup.clients}
         want = max(
             DP.dp_sgd_epsilon(
                 len(setup.clients[c].train), cfg.train.batch_size, 1.0, k * steps[c][0] + 1, cfg.privacy.delta
