@@ -125,3 +125,24 @@ def test_a_run_outside_the_results_keeps_its_row_beside_it(tiny_config, tmp_path
     store = (tmp_path / "elsewhere" / "records.jsonl.gz").resolve()
     assert records.locate(cfg.output_dir) == (store, "lora-s0")
     assert records.read_summary(cfg.output_dir)["name"] == cfg.name
+
+
+def test_every_stored_run_keeps_its_configs_fingerprint():
+    """A change to the config's schema or defaults that moved a fingerprint would orphan the
+    stored runs of that config (``tuning.run_or_reuse`` would train them again, and a table
+    would mix runs of two meanings): each stored row's config parses, with this fedpeft, to
+    the fingerprint it was stored under. A diverged run keeps only its fingerprint."""
+    from fedpeft.config import parse_config
+    from fedpeft.experiment import fingerprint
+
+    moved, checked = [], 0
+    for store in sorted(records.RESULTS.rglob("*.jsonl.gz")):
+        for run, line in records._lines(store).items():
+            row = json.loads(line)
+            if "config" not in row:
+                continue
+            checked += 1
+            if fingerprint(parse_config(row["config"], f"{store.name}: {run}")) != row["fingerprint"]:
+                moved.append(f"{store.relative_to(records.RESULTS)}: {run}")
+    assert checked > 1000, checked  # the stored runs were read
+    assert not moved, f"{len(moved)} stored runs' configs no longer give their fingerprints: {moved[:5]}"
