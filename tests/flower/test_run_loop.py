@@ -80,3 +80,10 @@ def test_a_simulated_run_skips_rounds_with_too_few_updates(tiny_config):
     assert all(r["skipped"] == "1 of deploy.min_results=2 updates" for r in records)
     assert all(len(r["dropped"]) == 1 and r["bytes_up"] > 0 for r in records)  # one client sent
     assert records[0]["global"] == records[1]["global"]  # and the server kept its state
+
+
+@pytest.mark.parametrize("bad", [0, -2, True, "1"])
+def test_a_run_config_resume_from_that_is_not_a_round_is_refused(tiny_config, tmp_path, bad):
+    grid = deploy(tiny_config(**PERSONAL), tmp_path)
+    with pytest.raises(ValueError, match=r"run config: 'resume_from' must be a round \(an integer >= 1\)"):
+        serve(grid, resume_from=bad)

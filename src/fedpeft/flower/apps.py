@@ -59,7 +59,7 @@ def experiment_of(context: Context) -> ExperimentConfig:
 def serve(grid: Grid, context: Context) -> None:
     cfg = experiment_of(context)
     resume_from = context.run_config.get("resume_from")  # a kept checkpoint's round (--resume-from)
-    if resume_from is not None and (not isinstance(resume_from, int) or resume_from < 1):
+    if resume_from is not None and (type(resume_from) is not int or resume_from < 1):
         raise ValueError(f"run config: 'resume_from' must be a round (an integer >= 1), not {resume_from!r}")
     resume = bool(context.run_config.get("resume", False)) or resume_from is not None
     t0 = time.perf_counter()
